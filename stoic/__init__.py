@@ -1,0 +1,22 @@
+"""stoic: an LLM inference server that keeps serving through the failures that take its peers down."""
+
+from . import errors
+from .actors.engine import Delta, TokenLogprob
+from .config import EngineConfig, FaultSpec
+from .engine import CompletionResult, Engine, EngineStats, Health, RequestStream
+from .model import SamplingParams
+
+__all__ = [
+    "CompletionResult",
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "FaultSpec",
+    "Health",
+    "RequestStream",
+    "SamplingParams",
+    "TokenLogprob",
+    "errors",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,141 @@
+"""The executor: owns the model on its device and runs one batched forward per step in a
+dedicated worker thread, so the event loop never runs torch work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, assert_never
+
+import torch
+
+from ...model import ModelRunner, PagedKVCache, StepOutput
+from .. import Actor, ActorRef
+from ._faults import FaultInjector
+from ._messages import (
+    AcquireKV,
+    CacheMsg,
+    ExecutorMsg,
+    ExecutorReady,
+    RunStep,
+    SchedulerMsg,
+    StepResult,
+)
+
+__all__ = ["Executor", "StepWorker", "classify_failure"]
+
+T = TypeVar("T")
+_ASK_TIMEOUT = 60.0
+
+# errors after which the CUDA context cannot be trusted: recovery in-process is impossible
+_FATAL_MARKERS = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "cuda error: misaligned",
+)
+
+
+def classify_failure(error: BaseException) -> str:
+    """``"oom"``, ``"fatal"`` (poisoned device context) or ``"error"``."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return "oom"
+    text = str(error).lower()
+    if any(marker in text for marker in _FATAL_MARKERS):
+        return "fatal"
+    return "error"
+
+
+class StepWorker:
+    """One dedicated daemon thread that runs callables in order.
+
+    A daemon thread, so a step that hangs forever cannot keep the process from exiting.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[
+            tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+class Executor(Actor[ExecutorMsg]):
+    """Runs :class:`RunStep` messages; a step that raises fails the actor (its supervisor recovers).
+
+    On start (every incarnation) it takes the KV tensors from the cache manager (re-created after
+    a drop) and tells the scheduler it is ready. Each result carries the incarnation number.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: ActorRef[CacheMsg],
+        scheduler: ActorRef[SchedulerMsg],
+        faults: FaultInjector,
+        on_ready: Callable[[int], None],
+    ) -> None:
+        self._runner = runner
+        self._cache = cache
+        self._scheduler = scheduler
+        self._faults = faults
+        self._on_ready = on_ready
+        self._kv: PagedKVCache | None = None
+        self._worker: StepWorker | None = None
+
+    async def on_start(self) -> None:
+        incarnation = self.context.incarnation
+        self._worker = StepWorker(f"stoic-executor-{incarnation}")
+        kv: PagedKVCache = await self._cache.ask(lambda r: AcquireKV(r), timeout=_ASK_TIMEOUT)
+        self._kv = kv
+        self._on_ready(incarnation)
+        await self._scheduler.tell(ExecutorReady(incarnation))
+        self.context.log.info("executor.ready")
+
+    async def on_stop(self) -> None:
+        self._kv = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    async def receive(self, message: ExecutorMsg) -> None:
+        match message:
+            case RunStep(step_id=step_id, incarnation=incarnation, batch=batch):
+                if incarnation != self.context.incarnation:
+                    self.context.log.info(
+                        "executor.stale_step_dropped", step=step_id, for_incarnation=incarnation
+                    )
+                    return
+                assert self._worker is not None and self._kv is not None
+                kv, runner, faults = self._kv, self._runner, self._faults
+
+                def step() -> StepOutput:
+                    faults.before_step()
+                    return runner.execute(batch, kv)
+
+                output = await self._worker.run(step)
+                await self._scheduler.tell(StepResult(step_id, incarnation, output))
+            case _:
+                assert_never(message)

@@ -1,0 +1,141 @@
+"""Intake: validation, chat template, tokenisation and admission limits.
+
+Every failure here reaches the caller as a typed error **before** the request is admitted, so the
+HTTP layer can answer with a proper 4xx/5xx status even for streaming requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, assert_never
+
+from ...errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
+from ...model._chat import apply_chat_template
+from .. import Actor, ActorRef, Reply
+from ._messages import Abort, AddSequence, IntakeMsg, SchedulerMsg, Submit
+from ._stream import ResultStream
+
+__all__ = ["Intake", "IntakeConfig"]
+
+
+@dataclass(frozen=True)
+class IntakeConfig:
+    max_model_len: int
+    #: tokens the whole KV cache holds: one sequence can never be longer
+    kv_capacity_tokens: int
+    max_waiting: int
+    vocab_size: int
+
+
+class Intake(Actor[IntakeMsg]):
+    """Turns a :class:`Submit` into an admitted sequence or a typed error (replied, never raised
+    into the actor: a bad request cannot fail the intake).
+    """
+
+    def __init__(
+        self,
+        config: IntakeConfig,
+        tokenizer: Any,
+        scheduler: ActorRef[SchedulerMsg],
+        check_health: Callable[[], None],
+    ) -> None:
+        self.cfg = config
+        self._tokenizer = tokenizer
+        self._scheduler = scheduler
+        self._check_health = check_health
+        self.outstanding = 0
+
+    async def receive(self, message: IntakeMsg) -> None:
+        match message:
+            case Submit(reply=reply):
+                if reply.done:
+                    return  # the caller gave up while queued
+                try:
+                    add = self._prepare(message)
+                except StoicError as exc:
+                    reply.fail(exc)
+                    return
+                except Exception as exc:  # a bug or a tokenizer surprise: still the caller's error
+                    self.context.log.exception(
+                        "intake.unexpected_error", request_id=message.request_id
+                    )
+                    reply.fail(InvalidRequest(f"could not process the request: {exc}"))
+                    return
+                if _gone(reply):
+                    return  # the caller gave up while we prepared it
+                self.outstanding += 1
+                await self._scheduler.tell(add)
+                if _gone(reply):  # the caller gave up while the scheduler's mailbox was full
+                    await self._scheduler.tell(Abort(message.request_id))
+                else:
+                    reply.send(add.stream)
+            case _:
+                assert_never(message)
+
+    def _prepare(self, msg: Submit) -> AddSequence:
+        self._check_health()
+        params = msg.params
+        params.validate()
+        if self.outstanding >= self.cfg.max_waiting:
+            raise Overloaded(
+                f"{self.outstanding} requests in flight (limit {self.cfg.max_waiting}); retry later"
+            )
+        if msg.messages is not None:
+            if msg.prompt is not None:
+                raise InvalidRequest("give either messages or a prompt, not both", param="messages")
+            ids = apply_chat_template(
+                self._tokenizer, msg.messages, template_kwargs=msg.chat_template_kwargs
+            )
+            param = "messages"
+        elif isinstance(msg.prompt, str):
+            if not msg.prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            ids = self._tokenizer.encode(msg.prompt, add_special_tokens=True)
+            param = "prompt"
+        elif isinstance(msg.prompt, tuple):
+            ids = list(msg.prompt)
+            if not ids:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            bad = [
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size
+            ]
+            if bad:
+                raise InvalidRequest(
+                    f"token id {bad[0]!r} is outside the vocabulary (size {self.cfg.vocab_size})",
+                    param="prompt",
+                )
+            param = "prompt"
+        else:
+            raise InvalidRequest("a prompt or messages is required", param="prompt")
+        if not ids:
+            raise InvalidRequest("the prompt tokenised to nothing", param=param)
+        limit = min(self.cfg.max_model_len, self.cfg.kv_capacity_tokens)
+        prompt_len = len(ids)
+        if params.max_tokens is None:
+            max_tokens = limit - prompt_len
+            if max_tokens < 1:
+                raise ContextLengthExceeded(
+                    f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
+                    param=param,
+                )
+        else:
+            max_tokens = params.max_tokens
+            if prompt_len + max_tokens > limit:
+                raise ContextLengthExceeded(
+                    f"this model's maximum context length is {limit} tokens; the request asks for "
+                    f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
+                    param=param,
+                )
+        stream = ResultStream(msg.request_id, prompt_len, on_close=self._closed)
+        return AddSequence(msg.request_id, tuple(ids), params, max_tokens, stream)
+
+    def _closed(self, stream: ResultStream) -> None:
+        self.outstanding -= 1
+
+
+def _gone(reply: Reply[ResultStream]) -> bool:
+    """Whether the asker stopped waiting (a fresh read each call: awaits happen in between)."""
+    return reply.done

@@ -1,0 +1,170 @@
+"""One sequence's state inside the scheduler: tokens, KV progress, detokenisation, stops."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from ...errors import PartialOutput
+from ...model import SampledToken, SamplingParams
+from ._stream import FinishReason, ResultStream, TokenLogprob
+
+__all__ = ["SeqStatus", "Sequence"]
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Everything the scheduler tracks for one request.
+
+    ``num_computed`` counts the tokens whose keys/values are in the cache; the tokens still to feed
+    are ``all_ids[num_computed:]`` (the whole prompt at first, then the last sampled token; after a
+    preemption everything again, recomputed).
+    """
+
+    __slots__ = (
+        "_decoder",
+        "_emitted",
+        "_hold",
+        "_pending_ids",
+        "_pending_logprobs",
+        "_tokenizer",
+        "all_ids",
+        "arrival",
+        "block_table",
+        "finish_reason",
+        "max_tokens",
+        "num_computed",
+        "params",
+        "prompt_len",
+        "request_id",
+        "seq_id",
+        "status",
+        "stop_reason",
+        "stream",
+        "text",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        max_tokens: int,
+        stream: ResultStream,
+        tokenizer: Any,
+        arrival: float,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.all_ids: list[int] = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stream = stream
+        self.arrival = arrival
+        self.num_computed = 0
+        self.block_table: tuple[int, ...] = ()
+        self.status = SeqStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.text = ""
+        self._tokenizer = tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._emitted = 0
+        self._pending_ids: list[int] = []
+        self._pending_logprobs: list[TokenLogprob] = []
+        # text that could be the start of a stop string is held back until it cannot be
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.all_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.all_ids[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens not yet in the cache."""
+        return len(self.all_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.remaining > 1
+
+    def partial(self) -> PartialOutput:
+        return PartialOutput(text=self.text, token_ids=tuple(self.output_ids))
+
+    def append(self, token: SampledToken, eos_ids: frozenset[int]) -> None:
+        """Add a sampled token and apply the token-level stop conditions."""
+        tid = token.token_id
+        self.all_ids.append(tid)
+        self._pending_ids.append(tid)
+        if self.params.logprobs and token.logprob is not None:
+            tok = self._tokenizer
+            self._pending_logprobs.append(
+                TokenLogprob(
+                    token_id=tid,
+                    token=tok.convert_ids_to_tokens(tid),
+                    logprob=token.logprob,
+                    top=tuple(
+                        (i, tok.convert_ids_to_tokens(i), lp) for i, lp in token.top_logprobs
+                    ),
+                )
+            )
+        n = self.num_generated
+        is_stop = tid in self.params.stop_token_ids or (
+            not self.params.ignore_eos and tid in eos_ids
+        )
+        if is_stop and n >= self.params.min_tokens:
+            self.finish_reason, self.stop_reason = "stop", tid
+        if self.finish_reason is None and n >= self.max_tokens:
+            self.finish_reason = "length"
+
+    def detokenize(self) -> None:
+        """Turn pending tokens into text, apply stop strings, push a delta to the stream."""
+        if not self._pending_ids:
+            return
+        tok = self._tokenizer._tokenizer
+        is_eos_stop = isinstance(self.stop_reason, int)
+        for i, tid in enumerate(self._pending_ids):
+            if is_eos_stop and i == len(self._pending_ids) - 1:
+                break  # the EOS / stop token itself is not part of the text
+            piece = self._decoder.step(tok, tid)
+            if piece:
+                self.text += piece
+                if self.params.stop and self._apply_stop_strings(len(piece)):
+                    break
+        ids, self._pending_ids = self._pending_ids, []
+        logprobs = self._pending_logprobs if self.params.logprobs else None
+        self._pending_logprobs = []
+        end = (
+            len(self.text)
+            if self.finish_reason is not None
+            else max(self._emitted, len(self.text) - self._hold)
+        )
+        new_text = self.text[self._emitted : end]
+        self._emitted = end
+        self.stream.push(new_text, ids, logprobs)
+
+    def _apply_stop_strings(self, added: int) -> bool:
+        window_start = max(0, len(self.text) - added - self._hold)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            at = self.text.find(stop, window_start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None or self.num_generated < self.params.min_tokens:
+            return False
+        self.text = self.text[: best[0]]
+        self.finish_reason, self.stop_reason = "stop", best[1]
+        return True

@@ -1,0 +1,85 @@
+"""Engine configuration and fault-injection specs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .errors import InvalidRequest
+
+__all__ = ["EngineConfig", "FaultSpec"]
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A fault to inject into executor steps (for tests and failure rehearsals).
+
+    Exactly one trigger: ``after_steps=N`` (the Nth following step fails, once) or
+    ``probability=p`` with ``seed`` (every step fails with probability p until cleared).
+    """
+
+    kind: Literal["oom", "error", "hang"]
+    after_steps: int | None = None
+    probability: float | None = None
+    seed: int | None = None
+    #: how long a ``"hang"`` blocks the step
+    seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("oom", "error", "hang"):
+            raise InvalidRequest("kind must be 'oom', 'error' or 'hang'", param="kind")
+        if (self.after_steps is None) == (self.probability is None):
+            raise InvalidRequest(
+                "give exactly one of after_steps or probability", param="after_steps"
+            )
+        if self.after_steps is not None and (
+            not isinstance(self.after_steps, int) or self.after_steps < 1
+        ):
+            raise InvalidRequest("after_steps must be an integer >= 1", param="after_steps")
+        if self.probability is not None and not 0.0 < float(self.probability) <= 1.0:
+            raise InvalidRequest("probability must be in (0, 1]", param="probability")
+        if not 0.0 <= self.seconds <= 3600.0:
+            raise InvalidRequest("seconds must be between 0 and 3600", param="seconds")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything :meth:`stoic.Engine.start` needs. Defaults suit the default model on a CPU."""
+
+    #: ``"default"`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, or a model directory
+    model: str = "default"
+    #: the name clients use in the ``model`` field (defaults to the model's name)
+    served_model_name: str | None = None
+    #: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+    device: str = "auto"
+    #: ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``
+    dtype: str = "auto"
+    #: where converted GGUF models are cached (default ``$STOIC_CACHE_DIR`` or ``~/.cache/stoic``)
+    cache_dir: Path | None = None
+    #: tokens per KV block
+    block_size: int = 16
+    #: KV blocks; ``None`` sizes the cache from ``kv_cache_memory_gib`` (CPU) or
+    #: ``gpu_memory_utilization`` (CUDA)
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.8
+    #: sequences decoding at once
+    max_num_seqs: int = 64
+    #: tokens per step (decode tokens + prefill chunks)
+    max_num_batched_tokens: int = 512
+    #: requests admitted but not yet running; beyond it, :class:`~stoic.errors.Overloaded`
+    max_waiting: int = 512
+    #: context length override (defaults to the model's)
+    max_model_len: int | None = None
+    #: restart intensity: more than ``max_restarts`` executor failures within ``restart_window``
+    #: seconds marks the engine failed
+    max_restarts: int = 5
+    restart_window: float = 60.0
+    #: a step running longer than this is a hang: the engine is marked failed
+    step_timeout: float = 120.0
+    #: allow :meth:`stoic.Engine.inject_fault` (and ``POST /admin/faults``)
+    enable_fault_injection: bool = False
+    faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
+    #: how long a graceful stop lets running requests finish
+    drain_timeout: float = 30.0

@@ -1,0 +1,31 @@
+"""Everything that touches torch and transformers. Knows nothing of actors or HTTP."""
+
+from ._batch import SampledToken, SeqChunk, StepBatch, StepOutput
+from ._loader import (
+    DEFAULT_MODEL_NAME,
+    LoadedModel,
+    default_gguf_path,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from ._paged import KVCacheSpec, PagedKVCache
+from ._params import SamplingParams
+from ._runner import ModelRunner
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "KVCacheSpec",
+    "LoadedModel",
+    "ModelRunner",
+    "PagedKVCache",
+    "SampledToken",
+    "SamplingParams",
+    "SeqChunk",
+    "StepBatch",
+    "StepOutput",
+    "default_gguf_path",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+]

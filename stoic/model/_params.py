@@ -1,0 +1,98 @@
+"""Sampling parameters: what one request asks of the sampler and the stop conditions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequest
+
+__all__ = ["SamplingParams"]
+
+_MAX_STOP_STRINGS = 16
+_MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one sequence and when to stop it.
+
+    Validation happens in :meth:`validate` (called by the engine's intake before admission), so
+    a bad value is reported with the offending parameter's name and nothing is admitted.
+    """
+
+    #: upper bound on generated tokens; ``None`` means "up to the context length"
+    max_tokens: int | None = 16
+    #: tokens to generate before EOS or a stop token may end the sequence
+    min_tokens: int = 0
+    #: 0 means greedy
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: 0 or -1 disables top-k
+    top_k: int = 0
+    #: per-request seed for reproducible sampling
+    seed: int | None = None
+    #: strings that end generation; they are cut from the output
+    stop: tuple[str, ...] = ()
+    #: token ids that end generation (kept in the token ids, not in the text)
+    stop_token_ids: tuple[int, ...] = ()
+    #: keep generating past EOS (benchmarks)
+    ignore_eos: bool = False
+    #: return the chosen token's logprob per token
+    logprobs: bool = False
+    #: number of most likely alternatives per token (needs ``logprobs``)
+    top_logprobs: int = 0
+    #: keep special tokens in the detokenised text
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Check every field's range.
+
+        :raises InvalidRequest: naming the first offending parameter.
+        """
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
+            raise InvalidRequest("max_tokens must be an integer >= 1", param="max_tokens")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequest("min_tokens must be an integer >= 0", param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
+        if not _finite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequest(
+                "top_k must be -1, 0 (disabled) or a positive integer", param="top_k"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise InvalidRequest("seed must be a non-negative 64-bit integer", param="seed")
+        if len(self.stop) > _MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {_MAX_STOP_STRINGS} stop strings", param="stop")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty strings", param="stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest(
+                "stop_token_ids must be non-negative integers", param="stop_token_ids"
+            )
+        if (
+            not isinstance(self.top_logprobs, int)
+            or not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequest(
+                f"top_logprobs must be between 0 and {_MAX_TOP_LOGPROBS}", param="top_logprobs"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs", param="top_logprobs")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

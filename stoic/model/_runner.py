@@ -1,0 +1,161 @@
+"""The model runner: one batched forward over the paged cache per step, then sampling.
+
+It knows nothing of actors; the executor actor calls :meth:`ModelRunner.execute` in its worker
+thread. All torch work of a step happens inside that call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ._batch import SeqChunk, StepBatch, StepOutput
+from ._loader import LoadedModel
+from ._paged import (
+    ATTN_IMPLEMENTATION,
+    DecodeGroup,
+    KVCacheSpec,
+    PagedKVCache,
+    PrefillChunk,
+    StepMetadata,
+    register_paged_attention,
+)
+from ._sampling import sample
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Runs steps of a loaded model over a :class:`PagedKVCache`.
+
+    Any decoder-only transformers model whose attention goes through ``AttentionInterface``
+    works (Llama, Qwen2, Mistral, SmolLM2, ...).
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        register_paged_attention()
+        self.loaded = loaded
+        model = loaded.model
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        else:  # pragma: no cover - older transformers
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
+        self._base: Any = model.base_model
+        self._head: Any = model.get_output_embeddings()
+        config = (
+            model.config.get_text_config()
+            if hasattr(model.config, "get_text_config")
+            else model.config
+        )
+        self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_kv_heads = int(
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        )
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+
+    def kv_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=self.loaded.dtype,
+            device=self.loaded.device,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
+        """Run one step: write the chunks' keys/values into ``cache``, sample where asked.
+
+        :raises RuntimeError: if ``cache`` was released (the executor was fenced).
+        :raises torch.OutOfMemoryError: and anything else the forward pass raises.
+        """
+        if cache.released:
+            raise RuntimeError("KV cache was released")
+        started = time.perf_counter()
+        device = self.loaded.device
+        meta, input_ids, positions, sample_rows = _build_inputs(batch, cache, device)
+        hidden = self._base(
+            input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta
+        ).last_hidden_state
+        sampled: dict[int, Any] = {}
+        if sample_rows:
+            rows = torch.tensor([r for r, _ in sample_rows], device=device)
+            logits = self._head(hidden[0].index_select(0, rows))
+            if self._softcap:
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+            chunks = [c for _, c in sample_rows]
+            for chunk, token in zip(
+                chunks, sample(logits, chunks, self.loaded.eos_token_ids), strict=True
+            ):
+                sampled[chunk.seq_id] = token
+        return StepOutput(
+            sampled=sampled,
+            num_tokens=batch.num_tokens,
+            forward_seconds=time.perf_counter() - started,
+        )
+
+
+def _build_inputs(
+    batch: StepBatch, cache: PagedKVCache, device: torch.device
+) -> tuple[StepMetadata, torch.Tensor, torch.Tensor, list[tuple[int, SeqChunk]]]:
+    block_size = cache.spec.block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[tuple[int, SeqChunk]] = []
+    dec_q: list[int] = []
+    dec_tables: list[tuple[int, ...]] = []
+    dec_lens: list[int] = []
+    dec_pos: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for chunk in batch.chunks:
+        start = len(ids)
+        n = len(chunk.token_ids)
+        table = chunk.block_table
+        ids.extend(chunk.token_ids)
+        for p in range(chunk.start_pos, chunk.start_pos + n):
+            pos.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        if chunk.sample:
+            sample_rows.append((start + n - 1, chunk))
+        if n == 1:
+            dec_q.append(start)
+            dec_tables.append(table)
+            dec_lens.append(chunk.start_pos + 1)
+            dec_pos.append(chunk.start_pos)
+        else:
+            used = -(-(chunk.start_pos + n) // block_size)
+            prefills.append(
+                PrefillChunk(
+                    start, start + n, chunk.start_pos, torch.tensor(table[:used], device=device)
+                )
+            )
+    decode = None
+    if dec_q:
+        max_blocks = max(-(-n // block_size) for n in dec_lens)
+        padded = [
+            list(t[:max_blocks]) + [0] * (max_blocks - min(len(t), max_blocks)) for t in dec_tables
+        ]
+        decode = DecodeGroup(
+            q_index=torch.tensor(dec_q, device=device),
+            block_tables=torch.tensor(padded, device=device),
+            context_lens=torch.tensor(dec_lens, device=device),
+            positions=torch.tensor(dec_pos, device=device),
+            max_blocks=max_blocks,
+        )
+    meta = StepMetadata(
+        cache=cache,
+        slot_mapping=torch.tensor(slots, device=device),
+        decode=decode,
+        prefills=tuple(prefills),
+    )
+    input_ids = torch.tensor([ids], device=device)
+    positions = torch.tensor([pos], device=device)
+    return meta, input_ids, positions, sample_rows
