@@ -1,0 +1,124 @@
+"""Continuous batching, aborts and preemption on the real default model."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+import stoic
+
+pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
+
+
+def _prompts(n: int, seed: int = 1) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "river",
+        "mountain",
+        "quiet",
+        "storm",
+        "lantern",
+        "orbit",
+        "maple",
+        "copper",
+    ]
+    out = []
+    for i in range(n):
+        length = rng.choice([3, 10, 40, 120])
+        text = f"Request {i}: " + " ".join(rng.choice(words) for _ in range(length))
+        out.append((text, rng.choice([4, 12, 24, 40])))
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(default_model_dir: Path) -> Any:
+    config = stoic.EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=512)
+    async with stoic.Engine.start(config) as eng:
+        yield eng
+
+
+async def _wait_until(predicate: Any, limit: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + limit
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_32_concurrent_mixed_requests_share_the_batch(engine: Any) -> None:
+    """32 concurrent requests of mixed lengths all complete, share steps, and free every block."""
+    work = _prompts(32)
+    results = await asyncio.gather(
+        *(
+            engine.complete(p, stoic.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+            for p, m in work
+        )
+    )
+    for (_, max_tokens), result in zip(work, results, strict=True):
+        assert result.completion_tokens == max_tokens
+        assert result.finish_reason == "length"
+    stats = engine.stats()
+    assert stats.max_batch_size >= 16, f"batch was not shared: max {stats.max_batch_size}"
+    assert stats.running == 0
+    assert stats.waiting == 0
+    assert stats.kv_blocks_used == 0
+
+
+async def test_aborting_half_frees_their_blocks_at_once(engine: Any) -> None:
+    """Aborting 16 of 32 streams mid-generation frees their blocks; the other 16 complete."""
+    params = stoic.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    streams = [await engine.submit(p, params) for p, _ in _prompts(32, seed=2)]
+    firsts = await asyncio.gather(*(s.__anext__() for s in streams))
+    assert all(d.completion_tokens >= 1 for d in firsts)
+    used_before = engine.stats().kv_blocks_used
+    for s in streams[::2]:
+        await s.aclose()
+    await _wait_until(lambda: engine.stats().running <= 16)
+    assert engine.stats().kv_blocks_used < used_before
+
+    async def drain(stream: Any) -> int:
+        n = 0
+        async for delta in stream:
+            n = delta.completion_tokens
+        return n
+
+    finished = await asyncio.gather(*(drain(s) for s in streams[1::2]))
+    assert finished == [48] * 16
+    await _wait_until(lambda: engine.stats().kv_blocks_used == 0)
+
+
+async def test_breaking_out_of_chat_aborts(engine: Any) -> None:
+    """Leaving the async iteration early aborts the request: nothing keeps running."""
+    msgs = [{"role": "user", "content": "Count to one hundred."}]
+    async for _delta in engine.chat(msgs, stoic.SamplingParams(max_tokens=200, ignore_eos=True)):
+        break
+    await _wait_until(lambda: engine.stats().running == 0 and engine.stats().kv_blocks_used == 0)
+
+
+async def test_preemption_with_a_tiny_cache_keeps_outputs_exact(default_model_dir: Path) -> None:
+    """With a cache too small for all sequences, preempted ones are recomputed: output unchanged."""
+    work = _prompts(8, seed=3)
+    params = [stoic.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for _ in work]
+    big = stoic.EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=256)
+    async with stoic.Engine.start(big) as eng:
+        alone = [
+            (await eng.complete(p, sp)).token_ids for (p, _), sp in zip(work, params, strict=True)
+        ]
+    # 16 blocks x 16 tokens = 256 tokens: far fewer than the 8 sequences need together
+    tiny = stoic.EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=16)
+    async with stoic.Engine.start(tiny) as eng:
+        together = await asyncio.gather(
+            *(eng.complete(p, sp) for (p, _), sp in zip(work, params, strict=True))
+        )
+        stats = eng.stats()
+        assert stats.preemptions > 0, "the cache was not small enough to force preemption"
+        assert stats.kv_blocks_used == 0
+    assert [r.token_ids for r in together] == alone

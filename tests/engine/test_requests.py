@@ -1,0 +1,206 @@
+"""Request semantics on a tiny random model: validation before admission, stops, seeds, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+import stoic
+from stoic.errors import ContextLengthExceeded, InvalidRequest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ALTERNATING = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}assistant:"
+)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_model_dir: Path) -> Any:
+    config = stoic.EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_waiting=64
+    )
+    async with stoic.Engine.start(config) as eng:
+        yield eng
+
+
+async def _no_sequences_left(engine: Any) -> None:
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"sequences left behind: {engine.stats()}")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ("",)}, "stop"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ],
+)
+async def test_bad_sampling_parameters_are_rejected_before_admission(
+    engine: Any, kwargs: dict[str, Any], param: str
+) -> None:
+    """A bad parameter raises InvalidRequest naming it from submit(); nothing is admitted."""
+    with pytest.raises(InvalidRequest) as info:
+        await engine.submit("hello", stoic.SamplingParams(**kwargs))
+    assert info.value.param == param
+    await _no_sequences_left(engine)
+
+
+async def test_a_raising_chat_template_is_an_invalid_request(engine: Any) -> None:
+    """A template that raises gives InvalidRequest with its message, and the engine still serves."""
+    original = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = ALTERNATING
+    try:
+        bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        with pytest.raises(InvalidRequest, match="Conversation roles must alternate"):
+            await engine.submit(None, stoic.SamplingParams(max_tokens=2), messages=bad)
+        good = [{"role": "user", "content": "a"}]
+        result = await engine.complete(messages=good, params=stoic.SamplingParams(max_tokens=3))
+        assert result.completion_tokens >= 1
+    finally:
+        engine.tokenizer.chat_template = original
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "wizard", "content": "hi"}],
+        [{"content": "no role"}],
+        ["not an object"],
+    ],
+)
+async def test_malformed_messages_are_invalid_requests(engine: Any, messages: Any) -> None:
+    """Malformed messages raise InvalidRequest before admission."""
+    with pytest.raises(InvalidRequest):
+        await engine.submit(None, stoic.SamplingParams(max_tokens=2), messages=messages)
+    await _no_sequences_left(engine)
+
+
+async def test_prompt_beyond_context_is_rejected(engine: Any) -> None:
+    """Prompt plus max_tokens beyond the context raises ContextLengthExceeded up front."""
+    with pytest.raises(ContextLengthExceeded):
+        await engine.submit(list(range(10, 500)), stoic.SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        await engine.submit([10, 10**9], stoic.SamplingParams(max_tokens=2))
+    await _no_sequences_left(engine)
+
+
+async def test_max_tokens_gives_length_and_exact_count(engine: Any) -> None:
+    """max_tokens=N with EOS ignored yields exactly N tokens and finish_reason 'length'."""
+    result = await engine.complete("hello", stoic.SamplingParams(max_tokens=7, ignore_eos=True))
+    assert result.completion_tokens == 7
+    assert len(result.token_ids) == 7
+    assert result.finish_reason == "length"
+
+
+async def test_seeded_sampling_is_reproducible_across_batches(engine: Any) -> None:
+    """The same seed gives the same tokens, alone or batched with other requests."""
+    params = stoic.SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = await engine.complete("once upon a time", params)
+    others = [
+        engine.complete("noise", stoic.SamplingParams(max_tokens=12, temperature=1.0))
+        for _ in range(4)
+    ]
+    together, *_ = await asyncio.gather(engine.complete("once upon a time", params), *others)
+    assert together.token_ids == alone.token_ids
+    different = await engine.complete(
+        "once upon a time",
+        stoic.SamplingParams(max_tokens=12, temperature=1.0, seed=4321, ignore_eos=True),
+    )
+    assert different.token_ids != alone.token_ids
+
+
+async def test_stop_string_is_cut_and_ends_generation(engine: Any) -> None:
+    """A stop string ends generation and is not in the text; text before it is kept."""
+    free = await engine.complete(
+        "abc", stoic.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    )
+    assert len(free.text) > 4
+    stop = free.text[3:5]
+    cut = await engine.complete(
+        "abc", stoic.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=(stop,))
+    )
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text
+    assert free.text.startswith(cut.text)
+    assert cut.text == free.text[: free.text.find(stop)]
+
+
+async def test_stop_token_id_ends_generation(engine: Any) -> None:
+    """A stop token id ends generation with finish_reason 'stop' after that token."""
+    free = await engine.complete(
+        "xyz", stoic.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
+    target = free.token_ids[4]
+    first = free.token_ids.index(target)
+    cut = await engine.complete(
+        "xyz",
+        stoic.SamplingParams(
+            max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(target,)
+        ),
+    )
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == free.token_ids[: first + 1]
+
+
+async def test_min_tokens_holds_off_stop_tokens(engine: Any) -> None:
+    """With min_tokens=N, a stop token id cannot end the sequence before N tokens."""
+    free = await engine.complete(
+        "xyz", stoic.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
+    target = free.token_ids[0]
+    params = stoic.SamplingParams(
+        max_tokens=10, min_tokens=5, temperature=0, ignore_eos=True, stop_token_ids=(target,)
+    )
+    result = await engine.complete("xyz", params)
+    assert result.completion_tokens >= 5
+    assert target not in result.token_ids[:5]
+
+
+async def test_logprobs_are_returned_per_token(engine: Any) -> None:
+    """logprobs=True with top_logprobs=3 gives one entry per token, 3 sorted alternatives each."""
+    params = stoic.SamplingParams(max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    result = await engine.complete("hello", params)
+    assert result.logprobs is not None
+    assert len(result.logprobs) == result.completion_tokens
+    for tok, entry in zip(result.token_ids, result.logprobs, strict=True):
+        assert entry.token_id == tok
+        assert entry.logprob <= 0.0
+        assert len(entry.top) == 3
+        values = [lp for _, _, lp in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert entry.top[0][0] == tok  # greedy picks the most likely token
+
+
+async def test_overload_is_reported_before_admission(tiny_model_dir: Path) -> None:
+    """Past max_waiting, submit raises Overloaded; the admitted ones still complete."""
+    config = stoic.EngineConfig(model=str(tiny_model_dir), dtype="float32", max_waiting=2)
+    async with stoic.Engine.start(config) as eng:
+        params = stoic.SamplingParams(max_tokens=30, ignore_eos=True)
+        a = await eng.submit("one", params)
+        b = await eng.submit("two", params)
+        with pytest.raises(stoic.errors.Overloaded):
+            await eng.submit("three", params)
+        for stream in (a, b):
+            async for _ in stream:
+                pass
+        result = await eng.complete("four", stoic.SamplingParams(max_tokens=2))
+        assert result.completion_tokens >= 1
