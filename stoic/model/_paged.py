@@ -59,11 +59,17 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """The KV tensors: one key and one value pool per layer. Block 0..num_blocks-1 are usable."""
+    """The KV tensors: one key and one value pool per layer.
+
+    Each pool is head-major: ``[kv_heads * num_blocks, block_size, head_dim]``, where row
+    ``h * num_blocks + b`` holds head ``h`` of block ``b``. Gathering a batch's blocks with one
+    index of shape ``[batch, kv_heads, blocks]`` then yields ``[batch, kv_heads, tokens, head_dim]``
+    contiguously, which the attention matmuls consume without another copy.
+    """
 
     def __init__(self, spec: KVCacheSpec) -> None:
         self.spec = spec
-        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_kv_heads * spec.num_blocks, spec.block_size, spec.head_dim)
         self.keys: list[torch.Tensor] = [
             torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
         ]
@@ -87,8 +93,8 @@ class DecodeGroup:
 
     #: positions of these queries in the packed token row, ``[B]``
     q_index: torch.Tensor
-    #: block tables padded with block 0, ``[B, max_blocks]``
-    block_tables: torch.Tensor
+    #: pool rows to gather, ``[B, kv_heads, max_blocks]`` (block tables padded with block 0)
+    gather_index: torch.Tensor
     #: context lengths (including the new token), ``[B]``
     context_lens: torch.Tensor
     #: the new token's position per sequence, ``[B]``
@@ -115,8 +121,8 @@ class PrefillChunk:
     end: int
     #: position of the chunk's first token in its sequence
     start_pos: int
-    #: the sequence's blocks covering positions ``0 .. start_pos + (end - start) - 1``
-    block_table: torch.Tensor
+    #: pool rows of the sequence's blocks covering its context, ``[kv_heads, blocks]``
+    gather_index: torch.Tensor
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict, compare=False)
 
     def mask(self, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -139,8 +145,8 @@ class StepMetadata:
     """Everything the attention function needs for one step; built once, used by every layer."""
 
     cache: PagedKVCache
-    #: flat slot (block * block_size + offset) of every packed token, ``[N]``
-    slot_mapping: torch.Tensor
+    #: flat pool position of every packed token's key/value, head-major: ``[kv_heads * N]``
+    write_index: torch.Tensor
     decode: DecodeGroup | None
     prefills: tuple[PrefillChunk, ...]
 
@@ -168,14 +174,14 @@ def paged_attention(
     meta = stoic_step
     layer = int(getattr(module, "layer_idx", 0))
     cache = meta.cache
-    block_size = cache.spec.block_size
     k_pool, v_pool = cache.keys[layer], cache.values[layer]
-    flat_k = k_pool.view(-1, k_pool.shape[-2], k_pool.shape[-1])
-    flat_v = v_pool.view(-1, v_pool.shape[-2], v_pool.shape[-1])
-    new_k = key[0].transpose(0, 1)  # [N, kv_heads, D]
-    new_v = value[0].transpose(0, 1)
-    flat_k.index_copy_(0, meta.slot_mapping, new_k.to(flat_k.dtype))
-    flat_v.index_copy_(0, meta.slot_mapping, new_v.to(flat_v.dtype))
+    head_dim = k_pool.shape[-1]
+    k_pool.view(-1, head_dim).index_copy_(
+        0, meta.write_index, key[0].reshape(-1, head_dim).to(k_pool.dtype)
+    )
+    v_pool.view(-1, head_dim).index_copy_(
+        0, meta.write_index, value[0].reshape(-1, head_dim).to(v_pool.dtype)
+    )
 
     q = query[0]  # [heads, N, D]
     heads, n_tokens, head_dim = q.shape
@@ -183,20 +189,9 @@ def paged_attention(
 
     decode = meta.decode
     if decode is not None:
-        batch = decode.q_index.shape[0]
-        qd = q.index_select(1, decode.q_index).transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        length = decode.max_blocks * block_size
-        kd = k_pool[decode.block_tables].view(batch, length, -1, head_dim).transpose(1, 2)
-        vd = v_pool[decode.block_tables].view(batch, length, -1, head_dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd,
-            kd,
-            vd,
-            attn_mask=decode.mask(block_size, sliding_window),
-            scale=scaling,
-            enable_gqa=True,
+        out.index_copy_(
+            0, decode.q_index, _decode_attention(q, k_pool, v_pool, decode, scaling, sliding_window)
         )
-        out.index_copy_(0, decode.q_index, od.squeeze(2))
 
     for chunk in meta.prefills:
         qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, n, D]
@@ -206,16 +201,9 @@ def paged_attention(
             vp = value[:, :, chunk.start : chunk.end]
         else:
             length = chunk.start_pos + (chunk.end - chunk.start)
-            kp = (
-                k_pool[chunk.block_table]
-                .view(1, -1, k_pool.shape[-2], head_dim)[:, :length]
-                .transpose(1, 2)
-            )
-            vp = (
-                v_pool[chunk.block_table]
-                .view(1, -1, v_pool.shape[-2], head_dim)[:, :length]
-                .transpose(1, 2)
-            )
+            kv_heads = chunk.gather_index.shape[0]
+            kp = k_pool[chunk.gather_index].view(1, kv_heads, -1, head_dim)[:, :, :length]
+            vp = v_pool[chunk.gather_index].view(1, kv_heads, -1, head_dim)[:, :, :length]
         op = F.scaled_dot_product_attention(
             qp,
             kp.to(qp.dtype),
@@ -227,6 +215,36 @@ def paged_attention(
         )
         out[chunk.start : chunk.end] = op[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    decode: DecodeGroup,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query per sequence over its gathered blocks; returns ``[B, heads, head_dim]``.
+
+    Written as two grouped matmuls rather than SDPA: with a mask and grouped-query heads, CPU SDPA
+    falls back to a path measured 13x slower in bfloat16 (0.5 ms vs 6.4 ms at batch 32, context
+    512). Query heads are grouped per KV head, so keys and values are never repeated.
+    """
+    heads, _, head_dim = q.shape
+    batch, kv_heads, _ = decode.gather_index.shape
+    block_size = k_pool.shape[1]
+    group = heads // kv_heads
+    length = decode.max_blocks * block_size
+    qd = q.index_select(1, decode.q_index).transpose(0, 1).reshape(batch, kv_heads, group, head_dim)
+    kd = k_pool[decode.gather_index].view(batch, kv_heads, length, head_dim)
+    vd = v_pool[decode.gather_index].view(batch, kv_heads, length, head_dim)
+    scores = torch.matmul(qd, kd.transpose(-1, -2)).float()
+    scores.mul_(scaling if scaling is not None else head_dim**-0.5)
+    mask = decode.mask(block_size, sliding_window).view(batch, 1, 1, length)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+    return torch.matmul(probs, vd).reshape(batch, heads, head_dim)
 
 
 _registered = False

@@ -106,6 +106,9 @@ def _build_inputs(
     batch: StepBatch, cache: PagedKVCache, device: torch.device
 ) -> tuple[StepMetadata, torch.Tensor, torch.Tensor, list[tuple[int, SeqChunk]]]:
     block_size = cache.spec.block_size
+    spec = cache.spec
+    # pool row of (head h, block b) is h * num_blocks + b; flat position adds the in-block offset
+    head_rows = torch.arange(spec.num_kv_heads, device=device) * spec.num_blocks
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -132,9 +135,10 @@ def _build_inputs(
             dec_pos.append(chunk.start_pos)
         else:
             used = -(-(chunk.start_pos + n) // block_size)
+            blocks = torch.tensor(table[:used], device=device)
             prefills.append(
                 PrefillChunk(
-                    start, start + n, chunk.start_pos, torch.tensor(table[:used], device=device)
+                    start, start + n, chunk.start_pos, head_rows[:, None] + blocks[None, :]
                 )
             )
     decode = None
@@ -145,14 +149,16 @@ def _build_inputs(
         ]
         decode = DecodeGroup(
             q_index=torch.tensor(dec_q, device=device),
-            block_tables=torch.tensor(padded, device=device),
+            gather_index=head_rows[None, :, None] + torch.tensor(padded, device=device)[:, None, :],
             context_lens=torch.tensor(dec_lens, device=device),
             positions=torch.tensor(dec_pos, device=device),
             max_blocks=max_blocks,
         )
     meta = StepMetadata(
         cache=cache,
-        slot_mapping=torch.tensor(slots, device=device),
+        write_index=(
+            head_rows[:, None] * block_size + torch.tensor(slots, device=device)[None, :]
+        ).reshape(-1),
         decode=decode,
         prefills=tuple(prefills),
     )
