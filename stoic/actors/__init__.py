@@ -51,9 +51,3 @@ __all__ = [
     "SystemStatistics",
     "Terminated",
 ]
-
-# Re-exported objects claim to live here, as anyio does for its private modules.
-for _obj in list(globals().values()):
-    if getattr(_obj, "__module__", "").startswith("stoic.actors._"):
-        _obj.__module__ = __name__
-del _obj

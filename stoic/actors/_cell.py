@@ -208,7 +208,7 @@ class ActorCell:
 
     def _incarnation_ended(self, reason: BaseException | None, started_ok: bool) -> None:
         in_flight, self._in_flight = self._in_flight, set()
-        for reply in in_flight:
+        for reply in list(in_flight):
             error = ActorStopped(f"actor {self.name!r} stopped before replying")
             error.__cause__ = reason
             reply._abort(error)
@@ -261,6 +261,8 @@ class ActorCell:
             return
         self.dead = True
         self.last_reason = reason
+        if self._task is not None and not self._task.done() and not self.is_current():
+            self._task.cancel()  # only on paths that were cut short; normally it is done
         for envelope in self.mailbox.close():
             if envelope.reply is not None:
                 envelope.reply._abort(ActorStopped(f"actor {self.name!r} has stopped"))

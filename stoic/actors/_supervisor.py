@@ -57,6 +57,8 @@ class SupervisorStatistics(NamedTuple):
 class _Child:
     spec: ChildSpec[Any]
     cell: ActorCell
+    #: added by start_child: forgotten once stopped for good (declared ones stay listed)
+    dynamic: bool = False
     finished: bool = False
 
 
@@ -202,7 +204,7 @@ class Supervisor:
         :raises ActorStopped: if this supervisor has stopped for good.
         :raises Exception: what the child's factory or ``on_start`` raised.
         """
-        child = _Child(spec, self._new_cell(spec))
+        child = _Child(spec, self._new_cell(spec), dynamic=True)
         await self._adopt(child)
         return child.cell.ref
 
@@ -239,7 +241,7 @@ class Supervisor:
 
     def _as_child(self) -> _Child:
         """This supervisor as a PERMANENT child of its parent."""
-        return _Child(ChildSpec(self.name, self._cell.factory), self._cell)
+        return _Child(ChildSpec(self.name, self._cell.factory), self._cell, dynamic=True)
 
     def _child_exited(
         self, cell: ActorCell, incarnation: int, reason: BaseException | None
@@ -253,6 +255,14 @@ class Supervisor:
         for child in reversed(self._children):
             child.finished = True
             child.cell.finalize(child.cell.last_reason)
+
+    def _finish(self, child: _Child, reason: BaseException | None) -> None:
+        """Stop ``child`` for good; it is never restarted again."""
+        child.finished = True
+        if child.dynamic:
+            self._children.remove(child)
+            self._update_shutdown_timeout()
+        child.cell.finalize(reason)
 
     # -- called from the supervisor's own task ------------------------------------
 
@@ -284,9 +294,9 @@ class Supervisor:
     async def _terminate_now(self, cell: ActorCell) -> None:
         for child in self._children:
             if child.cell is cell:
-                child.finished = True
                 await cell.stop()
-                cell.finalize(None)
+                self._finish(child, cell.last_reason)
+                return
 
     async def _on_child_exited(self, exit: _ChildExited) -> None:
         for child in self._children:
@@ -315,8 +325,7 @@ class Supervisor:
         while True:
             log = child.cell.log
             if not child.spec.restart.should_restart(reason):
-                child.finished = True
-                child.cell.finalize(reason)
+                self._finish(child, reason)
                 return
             now = self._system.clock.now()
             history = self._prune(now)
@@ -336,8 +345,7 @@ class Supervisor:
                 if sibling is child or sibling.spec.restart is not Restart.TEMPORARY:
                     restart.append(sibling)
                 else:
-                    sibling.finished = True
-                    sibling.cell.finalize(None)
+                    self._finish(sibling, sibling.cell.last_reason)
             delay = self.backoff.delay(attempt, self._rng)
             log.warning(
                 "actor.restarting",

@@ -152,6 +152,10 @@ class TestProbe(Generic[M]):
             raise RuntimeError("create probes with `await TestProbe.spawn(system)`")
         return self._ref
 
+    def watch(self, ref: ActorRef[Any]) -> None:
+        """Have this probe receive ``Terminated`` once ``ref`` stops for good."""
+        self.ref._cell.watch(ref._cell)
+
     def _record(self, message: Any) -> None:
         self.received.append(message)
         self._pending.append(message)
@@ -216,7 +220,7 @@ class TestProbe(Generic[M]):
 
         :raises AssertionError: if ``ref`` does not terminate within ``timeout``.
         """
-        self.ref._cell.watch(ref._cell)
+        self.watch(ref)
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             for message in self._pending:
