@@ -31,6 +31,9 @@ class StepBatch:
     """One batched forward: every chunk packed into one row."""
 
     chunks: tuple[SeqChunk, ...]
+    #: blocks handed out for the first time since the cache was (re)created: zeroed before use,
+    #: so masked-out positions never hold uninitialised memory (the pools are allocated empty)
+    zero_blocks: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

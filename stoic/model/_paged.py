@@ -71,11 +71,23 @@ class PagedKVCache:
         self.spec = spec
         shape = (spec.num_kv_heads * spec.num_blocks, spec.block_size, spec.head_dim)
         self.keys: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
+            torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
         ]
         self.values: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
+            torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
         ]
+
+    def zero_blocks(self, blocks: tuple[int, ...]) -> None:
+        """Zero every head of ``blocks`` in every pool (before their first use)."""
+        if not blocks:
+            return
+        device = self.keys[0].device
+        rows = (
+            torch.arange(self.spec.num_kv_heads, device=device)[:, None] * self.spec.num_blocks
+            + torch.tensor(blocks, device=device)[None, :]
+        ).view(-1)
+        for pool in (*self.keys, *self.values):
+            pool.index_fill_(0, rows, 0)
 
     @property
     def released(self) -> bool:

@@ -80,6 +80,7 @@ class ModelRunner:
             raise RuntimeError("KV cache was released")
         started = time.perf_counter()
         device = self.loaded.device
+        cache.zero_blocks(batch.zero_blocks)
         meta, input_ids, positions, sample_rows = _build_inputs(batch, cache, device)
         hidden = self._base(
             input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import assert_never
 
@@ -104,9 +103,11 @@ class CacheManager(Actor[CacheMsg]):
         self._make_cache = make_cache
         self._kv: PagedKVCache | None = None
         self._drops = 0
+        #: blocks not yet zeroed since the tensors were created (see StepBatch.zero_blocks)
+        self._unzeroed: set[int] = set()
 
     async def on_start(self) -> None:
-        self._kv = self._make_cache(self.spec)
+        self._kv = self._create()
         self.context.log.info(
             "cache.started",
             blocks=self.spec.num_blocks,
@@ -125,7 +126,11 @@ class CacheManager(Actor[CacheMsg]):
                 except (OutOfBlocks, ValueError) as exc:
                     reply.fail(exc)
                 else:
-                    reply.send(Allocation(tables, self.allocator.free_blocks))
+                    fresh = tuple(
+                        b for seq_id, _ in grants for b in tables[seq_id] if b in self._unzeroed
+                    )
+                    self._unzeroed.difference_update(fresh)
+                    reply.send(Allocation(tables, self.allocator.free_blocks, fresh))
             case FreeBlocks(seq_ids=seq_ids):
                 for seq_id in seq_ids:
                     self.allocator.free(seq_id)
@@ -137,7 +142,7 @@ class CacheManager(Actor[CacheMsg]):
                 reply.send(freed)
             case AcquireKV(reply=reply):
                 if self._kv is None or self._kv.released:
-                    self._kv = self._make_cache(self.spec)
+                    self._kv = self._create()
                     self.context.log.info("cache.recreated", blocks=self.spec.num_blocks)
                 reply.send(self._kv)
             case GetCacheStats(reply=reply):
@@ -155,10 +160,14 @@ class CacheManager(Actor[CacheMsg]):
             drops=self._drops,
         )
 
+    def _create(self) -> PagedKVCache:
+        # every block starts unzeroed: allocating the pools empty (not zeroed) keeps a restart fast
+        self._unzeroed = set(range(self.spec.num_blocks))
+        return self._make_cache(self.spec)
+
     def _release(self) -> None:
         if self._kv is not None:
             self._kv.release()
             self._kv = None
-        gc.collect()
         if self.spec.device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()

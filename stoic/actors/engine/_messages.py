@@ -167,6 +167,8 @@ class Allocation:
     #: every grown sequence's full block table
     tables: dict[int, tuple[int, ...]]
     free_blocks: int
+    #: blocks granted for the first time since the tensors were (re)created
+    fresh_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

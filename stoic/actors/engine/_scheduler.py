@@ -269,6 +269,7 @@ class Scheduler(Actor[SchedulerMsg]):
             if need > 0:
                 grants.append((p.seq.seq_id, need))
         await self._flush_frees()
+        fresh: tuple[int, ...] = ()
         if grants:
             try:
                 allocation: Allocation = await self._cache.ask(
@@ -285,6 +286,7 @@ class Scheduler(Actor[SchedulerMsg]):
                 )
                 return
             self._free_blocks = allocation.free_blocks
+            fresh = allocation.fresh_blocks
             for p in plan:
                 table = allocation.tables.get(p.seq.seq_id)
                 if table is not None:
@@ -313,7 +315,7 @@ class Scheduler(Actor[SchedulerMsg]):
         self._arm_watchdog(step_id)
         incarnation = self._incarnation
         assert incarnation is not None
-        await self._executor().tell(RunStep(step_id, incarnation, StepBatch(chunks)))
+        await self._executor().tell(RunStep(step_id, incarnation, StepBatch(chunks, fresh)))
 
     def _plan(self) -> list[_Planned]:
         budget = self.cfg.max_num_batched_tokens
