@@ -33,6 +33,7 @@ from .actors.engine import (
     Delta,
     Executor,
     FaultInjector,
+    Guardian,
     Intake,
     IntakeConfig,
     ResultStream,
@@ -283,6 +284,10 @@ class Engine:
         self._intake = await system.spawn(
             self._intake_actor, name="intake", mailbox_size=max(64, cfg.max_waiting)
         )
+        # the supervisor's escalation is reported through on_escalate; anything else crashing
+        # (a bug in the scheduler, cache manager or intake) must not leave callers waiting
+        guarded: list[ActorRef[Any]] = [cache_ref, scheduler_ref, self._intake]
+        await system.spawn(Guardian(guarded, self._on_fatal), name="guardian", mailbox_size=16)
         self.max_model_len = max_len
         _log.info(
             "engine.started",
@@ -348,6 +353,9 @@ class Engine:
         intake = self._intake
         if intake is None:
             raise EngineStopped("engine is not running")
+        mailbox = intake.statistics()
+        if mailbox.current_buffer_used >= mailbox.max_buffer_size:
+            raise Overloaded("the engine's intake queue is full; retry later")
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         ptoks: str | tuple[int, ...] | None = (
             prompt if isinstance(prompt, str) or prompt is None else tuple(prompt)

@@ -186,3 +186,28 @@ async def test_fault_injection_is_refused_when_disabled(tiny_model_dir: Path) ->
             await engine.inject_fault(stoic.FaultSpec(kind="oom", after_steps=1))
         result = await engine.complete("hi", stoic.SamplingParams(max_tokens=3, ignore_eos=True))
         assert result.completion_tokens == 3
+
+
+async def test_a_crashed_scheduler_fails_the_engine_and_ends_every_stream(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug that crashes the scheduler leaves no caller waiting: every stream ends with an error,
+    the engine reports failed, and new requests are refused at once."""
+    from stoic.actors.engine import Scheduler
+
+    config = stoic.EngineConfig(model=str(tiny_model_dir), dtype="float32")
+    async with stoic.Engine.start(config) as engine:
+        params = stoic.SamplingParams(max_tokens=50, ignore_eos=True)
+        stream = await engine.submit("hello", params)
+        await stream.__anext__()
+
+        async def boom(self: Scheduler, msg: object) -> None:
+            raise RuntimeError("bug in the scheduler")
+
+        monkeypatch.setattr(Scheduler, "_on_step_result", boom)
+        _text, error = await asyncio.wait_for(_collect(stream), 5)
+        assert isinstance(error, stoic.errors.StoicError)
+        failure = await asyncio.wait_for(engine.wait_failed(), 5)
+        assert "scheduler" in str(failure)
+        with pytest.raises(EngineFailed):
+            await engine.submit("hello", params)

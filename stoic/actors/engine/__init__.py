@@ -3,6 +3,7 @@
 from ._cache import BlockAllocator, CacheManager, OutOfBlocks
 from ._executor import Executor, StepWorker, classify_failure
 from ._faults import FaultInjector, InjectedFault
+from ._guardian import Guardian
 from ._intake import Intake, IntakeConfig
 from ._scheduler import Scheduler, SchedulerConfig
 from ._stream import Delta, FinishReason, ResultStream, TokenLogprob
@@ -14,6 +15,7 @@ __all__ = [
     "Executor",
     "FaultInjector",
     "FinishReason",
+    "Guardian",
     "InjectedFault",
     "Intake",
     "IntakeConfig",
