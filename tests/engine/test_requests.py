@@ -204,3 +204,25 @@ async def test_overload_is_reported_before_admission(tiny_model_dir: Path) -> No
                 pass
         result = await eng.complete("four", stoic.SamplingParams(max_tokens=2))
         assert result.completion_tokens >= 1
+
+
+async def test_a_request_id_in_use_is_rejected_at_submit(engine: Any) -> None:
+    """A duplicate request id is an InvalidRequest before admission; once ended it is free again."""
+    params = stoic.SamplingParams(max_tokens=20, ignore_eos=True)
+    first = await engine.submit("one", params, request_id="same")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        await engine.submit("two", params, request_id="same")
+    async for _ in first:
+        pass
+    again = await engine.complete("three", stoic.SamplingParams(max_tokens=2), request_id="same")
+    assert again.completion_tokens >= 1
+
+
+async def test_logprob_tokens_are_decoded_text(engine: Any) -> None:
+    """Logprob entries carry the token's text as decoded, not the tokenizer's raw piece."""
+    params = stoic.SamplingParams(max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    result = await engine.complete("hello there", params)
+    assert result.logprobs is not None
+    for entry in result.logprobs:
+        assert entry.token == engine.tokenizer.decode([entry.token_id])
+        assert "Ġ" not in entry.token

@@ -45,6 +45,8 @@ class Intake(Actor[IntakeMsg]):
         self._scheduler = scheduler
         self._check_health = check_health
         self.outstanding = 0
+        #: request ids admitted and not yet ended
+        self._active: set[str] = set()
 
     async def receive(self, message: IntakeMsg) -> None:
         match message:
@@ -65,6 +67,7 @@ class Intake(Actor[IntakeMsg]):
                 if _gone(reply):
                     return  # the caller gave up while we prepared it
                 self.outstanding += 1
+                self._active.add(message.request_id)
                 await self._scheduler.tell(add)
                 if _gone(reply):  # the caller gave up while the scheduler's mailbox was full
                     await self._scheduler.tell(Abort(message.request_id))
@@ -75,6 +78,10 @@ class Intake(Actor[IntakeMsg]):
 
     def _prepare(self, msg: Submit) -> AddSequence:
         self._check_health()
+        if msg.request_id in self._active:
+            raise InvalidRequest(
+                f"request id {msg.request_id!r} is already in use", param="request_id"
+            )
         params = msg.params
         params.validate()
         if self.outstanding >= self.cfg.max_waiting:
@@ -134,6 +141,7 @@ class Intake(Actor[IntakeMsg]):
 
     def _closed(self, stream: ResultStream) -> None:
         self.outstanding -= 1
+        self._active.discard(stream.request_id)
 
 
 def _gone(reply: Reply[ResultStream]) -> bool:

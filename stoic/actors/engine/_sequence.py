@@ -110,15 +110,13 @@ class Sequence:
         self.all_ids.append(tid)
         self._pending_ids.append(tid)
         if self.params.logprobs and token.logprob is not None:
-            tok = self._tokenizer
+            piece = self._token_text
             self._pending_logprobs.append(
                 TokenLogprob(
                     token_id=tid,
-                    token=tok.convert_ids_to_tokens(tid),
+                    token=piece(tid),
                     logprob=token.logprob,
-                    top=tuple(
-                        (i, tok.convert_ids_to_tokens(i), lp) for i, lp in token.top_logprobs
-                    ),
+                    top=tuple((i, piece(i), lp) for i, lp in token.top_logprobs),
                 )
             )
         n = self.num_generated
@@ -129,6 +127,11 @@ class Sequence:
             self.finish_reason, self.stop_reason = "stop", tid
         if self.finish_reason is None and n >= self.max_tokens:
             self.finish_reason = "length"
+
+    def _token_text(self, token_id: int) -> str:
+        """One token as text, the way OpenAI's logprobs show it (``" it"``, not ``"Ġit"``)."""
+        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def detokenize(self) -> None:
         """Turn pending tokens into text, apply stop strings, push a delta to the stream."""

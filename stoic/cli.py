@@ -1,0 +1,277 @@
+"""``stoic serve``: the OpenAI-compatible server from the command line.
+
+Exit status: 0 after a clean shutdown (SIGINT/SIGTERM), 1 when the engine cannot start,
+2 for a usage error, 70 when the engine fails and ``--exit-on-fatal`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from .config import EngineConfig, FaultSpec
+from .errors import StoicError
+
+__all__ = ["build_parser", "config_from_args", "configure_logging", "main"]
+
+_log = structlog.get_logger("stoic.cli")
+_DEFAULTS = EngineConfig()
+
+
+def configure_logging(fmt: str = "console", level: str = "info") -> None:
+    """Route structlog and stdlib logging to stderr, one event per line in JSON mode.
+
+    Every event carries a timestamp, level, logger name and the context variables bound for
+    the current request (``request_id``).
+    """
+    level_no = logging.getLevelNamesMapping()[level.upper()]
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    renderer: Any
+    if fmt == "json":
+        shared.append(structlog.processors.dict_tracebacks)
+        renderer = structlog.processors.JSONRenderer()
+        _quiet_progress_bars()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level_no)
+    logging.captureWarnings(True)
+
+
+def _quiet_progress_bars() -> None:
+    """No progress bars on stderr: in JSON mode every line must be a JSON object."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        return
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _fault(text: str) -> FaultSpec:
+    from .http._schemas import FaultRequest
+
+    try:
+        body = FaultRequest.model_validate(json.loads(text))
+        return FaultSpec(**body.model_dump())
+    except (ValueError, ValidationError, StoicError) as exc:
+        raise argparse.ArgumentTypeError(f"invalid fault {text!r}: {exc}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {value}")
+    return value
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=d.model, help="'default', a .gguf file or a model directory")
+    g.add_argument("--served-model-name", help="the name clients use (default: the model's)")
+    g.add_argument(
+        "--device", default=d.device, help="auto, cpu, cuda, cuda:N (default %(default)s)"
+    )
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=_positive_int, help="context length override")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="(default %(default)s)")
+    g.add_argument("--port", type=_port, default=8000, help="(default %(default)s)")
+    g.add_argument(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=d.drain_timeout,
+        help="seconds running requests get to finish on SIGINT/SIGTERM (default %(default)s)",
+    )
+    g.add_argument("--log-format", choices=["console", "json"], default="console")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    g = p.add_argument_group("scheduling and KV cache")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-waiting", type=_positive_int, default=d.max_waiting)
+    g.add_argument("--block-size", type=_positive_int, default=d.block_size)
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=_positive_int, help="KV cache size in blocks")
+    kv.add_argument(
+        "--kv-cache-memory",
+        type=_non_negative_float,
+        metavar="GIB",
+        help=f"KV cache size in GiB on CPU (default {d.kv_cache_memory_gib})",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=_non_negative_float,
+        help=f"fraction of free GPU memory for the KV cache (default {d.gpu_memory_utilization})",
+    )
+    g = p.add_argument_group("failure handling")
+    g.add_argument("--max-restarts", type=int, default=d.max_restarts, metavar="R")
+    g.add_argument(
+        "--restart-window",
+        type=_non_negative_float,
+        default=d.restart_window,
+        metavar="T",
+        help="more than R executor failures within T seconds fail the engine",
+    )
+    g.add_argument(
+        "--step-timeout",
+        type=_non_negative_float,
+        default=d.step_timeout,
+        metavar="S",
+        help="a step running longer is a hang (default %(default)s)",
+    )
+    g.add_argument(
+        "--exit-on-fatal",
+        action="store_true",
+        help="exit with status 70 when the engine is failed (for an orchestrator to replace it)",
+    )
+    g.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="allow injected faults and the POST/DELETE /admin/faults routes",
+    )
+    g.add_argument(
+        "--fault",
+        type=_fault,
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='a fault armed at start, e.g. \'{"kind": "error", "after_steps": 5}\' (repeatable)',
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stoic", description="An LLM inference server that keeps serving through failures."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_serve_args(serve)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`~stoic.EngineConfig` the ``serve`` arguments describe."""
+    extra: dict[str, Any] = {}
+    if args.kv_cache_memory is not None:
+        extra["kv_cache_memory_gib"] = args.kv_cache_memory
+    if args.gpu_memory_utilization is not None:
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting,
+        max_model_len=args.max_model_len,
+        max_restarts=args.max_restarts,
+        restart_window=args.restart_window,
+        step_timeout=args.step_timeout,
+        enable_fault_injection=args.enable_fault_injection,
+        faults=tuple(args.fault),
+        drain_timeout=args.drain_timeout,
+        **extra,
+    )
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .http import serve
+
+    config = config_from_args(args)
+    _log.info("stoic.starting", model=config.model, device=config.device, dtype=config.dtype)
+    try:
+        async with Engine.start(config) as engine:
+
+            def ready(url: str) -> None:
+                stats = engine.stats()
+                loaded = engine.loaded
+                _log.info(
+                    "stoic.ready",
+                    url=url,
+                    model=engine.model_name,
+                    device=str(loaded.device) if loaded else config.device,
+                    dtype=str(loaded.dtype).removeprefix("torch.") if loaded else config.dtype,
+                    kv_blocks=stats.kv_blocks_total,
+                    kv_tokens=stats.kv_blocks_total * config.block_size,
+                    max_model_len=engine.max_model_len,
+                    fault_injection=config.enable_fault_injection,
+                    exit_on_fatal=args.exit_on_fatal,
+                )
+
+            return await serve(
+                engine,
+                host=args.host,
+                port=args.port,
+                drain_timeout=args.drain_timeout,
+                exit_on_fatal=args.exit_on_fatal,
+                on_ready=ready,
+            )
+    except StoicError as exc:
+        _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)
+        return 1
+    except OSError as exc:  # e.g. the port is taken
+        _log.error("stoic.start_failed", error=type(exc).__name__, message=str(exc))
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stoic`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help(sys.stderr)
+        return 2
+    configure_logging(args.log_format, args.log_level)
+    return asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The aiohttp application: request ids, error mapping, routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from ..errors import StoicError
+from ._engine import EngineLike
+from ._errors import error_response, http_error_response, internal_error_response
+from ._metrics import Metrics
+from ._routes import add_routes
+from ._state import REQUEST_ID, STATE, AppState
+
+__all__ = ["create_app", "drain"]
+
+_log = structlog.get_logger("stoic.http")
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+#: request bodies up to this size (long prompts as token id lists are big)
+CLIENT_MAX_SIZE = 32 * 1024 * 1024
+#: after the drain timeout, how long the remaining requests get to send their error
+_END_GRACE = 5.0
+
+
+def _request_id(header: str | None) -> str:
+    """The client's ``x-request-id`` when it is a sane token, else a fresh one."""
+    if header is not None and _REQUEST_ID_RE.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+@web.middleware
+async def _request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bind the request id for every log line; turn every error into OpenAI error JSON.
+
+    An unexpected exception becomes a 500 (logged with its traceback, never shown to the client).
+    """
+    request_id = _request_id(request.headers.get("x-request-id"))
+    token = REQUEST_ID.set(request_id)
+    started = time.monotonic()
+    try:
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            return await _answer(request, handler, request_id, started)
+    finally:
+        REQUEST_ID.reset(token)
+
+
+async def _answer(
+    request: web.Request, handler: Handler, request_id: str, started: float
+) -> web.StreamResponse:
+    """Run the handler; map what it raises to an error response; log the request."""
+    response: web.StreamResponse
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = http_error_response(exc)
+    except StoicError as exc:
+        response = error_response(exc)
+    except asyncio.CancelledError:
+        _log.info("http.request_cancelled", method=request.method, path=request.path)
+        raise
+    except Exception:
+        _log.exception("http.unhandled_error", method=request.method, path=request.path)
+        response = internal_error_response(request_id)
+    if not response.prepared:
+        response.headers["x-request-id"] = request_id
+    quiet = request.path.endswith(("/health", "/metrics")) and response.status < 400
+    (_log.debug if quiet else _log.info)(
+        "http.request",
+        method=request.method,
+        path=request.path,
+        status=response.status,
+        duration_ms=round((time.monotonic() - started) * 1000, 1),
+    )
+    return response
+
+
+def create_app(engine: EngineLike, *, enable_admin: bool | None = None) -> web.Application:
+    """An OpenAI-compatible application serving ``engine`` (which the caller started).
+
+    Routes are relative, so the app can be served alone or mounted in a host application:
+    ``host.add_subapp("/llm", create_app(engine))``. For requests to be aborted as soon as their
+    client disconnects even before any output, run it under a runner with
+    ``handler_cancellation=True`` (as :func:`stoic.http.serve` does); streams are aborted on
+    the first failed write in any case.
+
+    :param enable_admin: register ``POST``/``DELETE /admin/faults``; ``None`` follows
+        ``engine.config.enable_fault_injection``.
+    """
+    if enable_admin is None:
+        enable_admin = engine.config.enable_fault_injection
+    app = web.Application(middlewares=[_request_context], client_max_size=CLIENT_MAX_SIZE)
+    app[STATE] = AppState(engine=engine, metrics=Metrics(engine))
+    add_routes(app, admin=enable_admin)
+    return app
+
+
+async def drain(app: web.Application, grace: float) -> bool:
+    """Stop taking generation requests and wait up to ``grace`` seconds for the running ones.
+
+    New generation requests get 503 and ``/health`` says "stopping". When the grace period expires,
+    the remaining requests are ended with an error (an ``error`` event, or a 503 with the partial
+    output) and their engine requests aborted.
+
+    :returns: True if every request finished within the grace period.
+    """
+    state = app[STATE]
+    state.draining = True
+    try:
+        await asyncio.wait_for(state.idle.wait(), grace)
+        return True
+    except TimeoutError:
+        _log.warning("http.drain_timeout", inflight=state.inflight, grace=grace)
+        state.stopping.set()
+        # the handlers now write their error event; a client too slow to take it is cut off
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), _END_GRACE)
+        return False

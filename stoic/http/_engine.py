@@ -1,0 +1,101 @@
+"""The part of :class:`stoic.Engine` the HTTP layer uses, as structural types.
+
+The application only talks to the engine through these protocols, so any object with the same
+surface (the real engine, or a fake in tests) can be served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from ..actors.engine import Delta
+from ..config import EngineConfig, FaultSpec
+from ..errors import EngineFailed
+from ..model import SamplingParams
+
+__all__ = ["EngineLike", "HealthLike", "RequestStreamLike", "StatsLike"]
+
+
+class RequestStreamLike(Protocol):
+    """One admitted request's output: an async iterator of :class:`~stoic.Delta`."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    async def aclose(self) -> None:
+        """Abort the request if it has not finished (frees its KV blocks); idempotent."""
+
+
+class StatsLike(Protocol):
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def kv_blocks_used(self) -> int: ...
+    @property
+    def kv_blocks_total(self) -> int: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def failed_sequences(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+
+
+class HealthLike(Protocol):
+    @property
+    def state(self) -> str: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def ok(self) -> bool: ...
+
+
+class EngineLike(Protocol):
+    """What :func:`stoic.http.create_app` needs from the engine it serves."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    async def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> RequestStreamLike:
+        """Validate, tokenise and admit one request.
+
+        :raises ~stoic.errors.StoicError: (InvalidRequest, ContextLengthExceeded, Overloaded,
+            EngineFailed, EngineStopped) before anything is generated.
+        """
+        ...
+
+    def stats(self) -> StatsLike: ...
+
+    def health(self) -> HealthLike: ...
+
+    async def inject_fault(self, spec: FaultSpec) -> None: ...
+
+    async def clear_faults(self) -> None: ...
+
+    async def wait_failed(self) -> EngineFailed:
+        """Return once the engine is failed (restart intensity exceeded)."""
+        ...

@@ -1,0 +1,204 @@
+"""OpenAI response objects for chat completions and text completions, streamed or whole."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..actors.engine import Delta, TokenLogprob
+from ..errors import PartialOutput
+
+__all__ = ["ChatFormat", "ChoiceState", "CompletionFormat", "ResponseFormat", "usage"]
+
+#: what an infinite log-probability (a token the sampler could never pick) is reported as
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    prompt_tokens: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    #: character offset of the next token in the text (completions ``text_offset``)
+    offset: int = 0
+    #: monotonic time of the latest delta with tokens (None before the first token)
+    last_token_at: float | None = None
+
+    def add(self, delta: Delta) -> None:
+        if delta.text:
+            self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.completion_tokens = delta.completion_tokens
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def partial(self) -> PartialOutput:
+        return PartialOutput(text="".join(self.text), token_ids=tuple(self.token_ids))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseFormat:
+    """Builds the response objects of one request."""
+
+    id_prefix = ""
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id = self.id_prefix + request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], *, include_usage: bool) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, choices)
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def full(self, choices: list[ChoiceState], prompt_tokens: int) -> dict[str, Any]:
+        body = self._envelope(self.object_full, [self.full_choice(c) for c in choices])
+        body["usage"] = usage(prompt_tokens, sum(c.completion_tokens for c in choices))
+        return body
+
+    # -- per kind ---------------------------------------------------------------------------------
+    def role_chunk_choice(self, index: int) -> dict[str, Any] | None:
+        """The first chunk of a choice, before any token (chat: the role), or None."""
+        return None
+
+    def chunk_choice(self, state: ChoiceState, delta: Delta) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def full_choice(self, state: ChoiceState) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix = "chatcmpl-"
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    @staticmethod
+    def _logprobs(entries: tuple[TokenLogprob, ...] | list[TokenLogprob] | None) -> Any:
+        if entries is None:
+            return None
+        return {
+            "content": [
+                {
+                    "token": e.token,
+                    "logprob": _lp(e.logprob),
+                    "bytes": list(e.token.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": tok, "logprob": _lp(lp), "bytes": list(tok.encode("utf-8"))}
+                        for _, tok, lp in e.top
+                    ],
+                }
+                for e in entries
+            ],
+            "refusal": None,
+        }
+
+    def role_chunk_choice(self, index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def chunk_choice(self, state: ChoiceState, delta: Delta) -> dict[str, Any]:
+        return {
+            "index": state.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(delta.logprobs),
+            "finish_reason": delta.finish_reason,
+        }
+
+    def full_choice(self, state: ChoiceState) -> dict[str, Any]:
+        return {
+            "index": state.index,
+            "message": {"role": "assistant", "content": "".join(state.text), "refusal": None},
+            "logprobs": self._logprobs(state.logprobs),
+            "finish_reason": state.finish_reason,
+        }
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix = "cmpl-"
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    @staticmethod
+    def _logprobs(
+        state: ChoiceState, entries: tuple[TokenLogprob, ...] | list[TokenLogprob] | None
+    ) -> Any:
+        """Legacy logprobs; advances ``state.offset`` over the tokens' text."""
+        if entries is None:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(state.offset)
+            state.offset += len(e.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{tok: _lp(lp) for _, tok, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chunk_choice(self, state: ChoiceState, delta: Delta) -> dict[str, Any]:
+        return {
+            "index": state.index,
+            "text": delta.text,
+            "logprobs": self._logprobs(state, delta.logprobs),
+            "finish_reason": delta.finish_reason,
+        }
+
+    def full_choice(self, state: ChoiceState) -> dict[str, Any]:
+        state.offset = 0
+        return {
+            "index": state.index,
+            "text": "".join(state.text),
+            "logprobs": self._logprobs(state, state.logprobs),
+            "finish_reason": state.finish_reason,
+        }

@@ -1,0 +1,223 @@
+"""Running one generation request: submit every choice, then stream or collect the output.
+
+Everything that can be wrong with a request is raised by :func:`submit_all`, before any byte of
+the response is written; errors after that point end a stream with an ``error`` event (and a
+non-streaming response with a 5xx carrying the partial output).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from ..actors.engine import Delta
+from ..errors import EngineStopped, PartialOutput, StoicError
+from ..model import SamplingParams
+from ._engine import RequestStreamLike
+from ._errors import dumps, error_object, error_response, internal_error_object
+from ._fanin import ChoiceFailed, Fanin, close_streams
+from ._format import ChoiceState, ResponseFormat
+from ._metrics import outcome_of
+from ._sse import SSEWriter
+from ._state import AppState, RequestRecord
+
+__all__ = ["Job", "run_generation"]
+
+_log = structlog.get_logger("stoic.http")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One choice to generate."""
+
+    #: the choice's ``index`` in the response
+    index: int
+    #: which prompt of the request (usage counts each prompt once)
+    prompt_group: int
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    params: SamplingParams
+    #: extra variables for the chat template (vLLM's ``chat_template_kwargs``)
+    template_kwargs: dict[str, Any] | None = None
+
+
+async def submit_all(state: AppState, jobs: list[Job], request_id: str) -> list[RequestStreamLike]:
+    """Submit every job; if one is refused, abort the ones already admitted and raise.
+
+    :raises ~stoic.errors.StoicError: the engine's refusal (400, 429, 503...).
+    """
+    if state.draining:
+        raise EngineStopped("the server is shutting down")
+    streams: list[RequestStreamLike] = []
+    try:
+        for job in jobs:
+            engine_id = state.claim_id(
+                request_id if len(jobs) == 1 else f"{request_id}-{job.index}"
+            )
+            try:
+                stream = await state.engine.submit(
+                    job.prompt,
+                    job.params,
+                    messages=job.messages,
+                    request_id=engine_id,
+                    chat_template_kwargs=job.template_kwargs,
+                )
+            except BaseException:
+                state.release_id(engine_id)
+                raise
+            streams.append(stream)
+    except BaseException:
+        await _finish(state, streams)
+        raise
+    return streams
+
+
+async def _finish(state: AppState, streams: list[RequestStreamLike]) -> None:
+    """Abort the unfinished streams and release their engine request ids."""
+    await close_streams(streams)
+    for stream in streams:
+        state.release_id(stream.request_id)
+
+
+def _prompt_tokens(jobs: list[Job], streams: list[RequestStreamLike]) -> int:
+    seen: dict[int, int] = {}
+    for job, stream in zip(jobs, streams, strict=True):
+        seen.setdefault(job.prompt_group, stream.prompt_tokens)
+    return sum(seen.values())
+
+
+class _Run:
+    """The output side of one request, streamed or not."""
+
+    def __init__(
+        self,
+        state: AppState,
+        record: RequestRecord,
+        fmt: ResponseFormat,
+        jobs: list[Job],
+        streams: list[RequestStreamLike],
+    ) -> None:
+        self.state = state
+        self.record = record
+        self.fmt = fmt
+        self.streams = streams
+        self.choices = [
+            ChoiceState(j.index, s.prompt_tokens) for j, s in zip(jobs, streams, strict=True)
+        ]
+        self.prompt_tokens = _prompt_tokens(jobs, streams)
+        state.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    def take(self, position: int, delta: Delta) -> ChoiceState:
+        """Record ``delta`` of the choice at ``position`` (and its latency metrics)."""
+        choice = self.choices[position]
+        if delta.token_ids:
+            now = time.monotonic()
+            metrics = self.state.metrics
+            metrics.generation_tokens.inc(len(delta.token_ids))
+            if choice.last_token_at is None:
+                metrics.ttft.observe(now - self.record.started)
+            else:
+                metrics.itl.observe((now - choice.last_token_at) / len(delta.token_ids))
+            choice.last_token_at = now
+        choice.add(delta)
+        return choice
+
+    def failure(self, failed: ChoiceFailed) -> tuple[StoicError, PartialOutput, int]:
+        """The error to report, the partial output and the choice index it belongs to."""
+        position = failed.index
+        if position is None:  # shutdown: report the first unfinished choice
+            position = next((i for i, c in enumerate(self.choices) if not c.done), 0)
+        choice = self.choices[position]
+        engine_partial = getattr(failed.error, "partial", None)
+        partial = engine_partial if isinstance(engine_partial, PartialOutput) else choice.partial()
+        self.record.outcome = outcome_of(failed.error)
+        _log.warning(
+            "http.generation_failed",
+            error=type(failed.error).__name__,
+            message=failed.error.message,
+            completion_tokens=partial.completion_tokens,
+        )
+        return failed.error, partial, choice.index
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    async def collect(self, headers: dict[str, str]) -> web.Response:
+        async with Fanin(self.streams, stop=self.state.stopping) as fanin:
+            try:
+                async for position, delta in fanin:
+                    self.take(position, delta)
+            except ChoiceFailed as failed:
+                error, partial, index = self.failure(failed)
+                response = error_response(error, partial=partial, index=index)
+                response.headers.update(headers)
+                return response
+        body = self.fmt.full(self.choices, self.prompt_tokens)
+        return web.json_response(body, headers=headers, dumps=dumps)
+
+    async def stream(
+        self, request: web.Request, headers: dict[str, str], *, include_usage: bool
+    ) -> web.StreamResponse:
+        sse = SSEWriter(request, headers)
+        fmt = self.fmt
+        try:
+            async with Fanin(self.streams, stop=self.state.stopping) as fanin:
+                await sse.start()
+                try:
+                    for choice in self.choices:
+                        role = fmt.role_chunk_choice(choice.index)
+                        if role is not None:
+                            await sse.send(fmt.chunk([role], include_usage=include_usage))
+                    async for position, delta in fanin:
+                        choice = self.take(position, delta)
+                        if delta.text or delta.logprobs or delta.finish_reason:
+                            body = fmt.chunk(
+                                [fmt.chunk_choice(choice, delta)], include_usage=include_usage
+                            )
+                            await sse.send(body)
+                    if include_usage:
+                        await sse.send(fmt.usage_chunk(self.prompt_tokens, self.completion_tokens))
+                except ChoiceFailed as failed:
+                    error, partial, index = self.failure(failed)
+                    await sse.send(error_object(error, partial=partial, index=index))
+                except ConnectionResetError:
+                    raise
+                except Exception:
+                    _log.exception("http.stream_failed")
+                    self.record.outcome = "error"
+                    await sse.send(internal_error_object(self.record.request_id))
+                await sse.done()
+        except ConnectionResetError:
+            self.record.outcome = "aborted"
+            _log.info("http.client_disconnected", completion_tokens=self.completion_tokens)
+        return sse.response
+
+
+async def run_generation(
+    request: web.Request,
+    state: AppState,
+    record: RequestRecord,
+    fmt: ResponseFormat,
+    jobs: list[Job],
+    *,
+    stream: bool,
+    include_usage: bool,
+) -> web.StreamResponse:
+    """Submit ``jobs`` and answer: an SSE stream or one JSON object.
+
+    :raises ~stoic.errors.StoicError: when the engine refuses the request (nothing sent yet).
+    """
+    streams = await submit_all(state, jobs, record.request_id)
+    try:
+        run = _Run(state, record, fmt, jobs, streams)
+        headers = {"x-request-id": record.request_id}
+        if stream:
+            return await run.stream(request, headers, include_usage=include_usage)
+        return await run.collect(headers)
+    finally:
+        await _finish(state, streams)

@@ -1,0 +1,129 @@
+"""Prometheus metrics, in a registry of the app's own (never the process-global one).
+
+Request counters and latency histograms are updated by the handlers; the engine's gauges and
+counters (sequences, KV cache, restarts, failed sequences) are read from
+:meth:`stoic.Engine.stats` at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from ..errors import EngineFailed, EngineStopped, Overloaded, StoicError
+from ._engine import EngineLike
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics", "Outcome", "outcome_of"]
+
+Outcome = Literal["success", "invalid", "overloaded", "unavailable", "failed", "aborted", "error"]
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+def outcome_of(exc: BaseException) -> Outcome:
+    """How a request that raised ``exc`` is counted in ``stoic_requests_total``."""
+    if isinstance(exc, Overloaded):
+        return "overloaded"
+    if isinstance(exc, EngineFailed | EngineStopped):
+        return "unavailable"
+    if isinstance(exc, StoicError):
+        return "invalid" if exc.status < 500 else "failed"
+    return "error"
+
+
+class _EngineCollector:
+    """Reads the engine's statistics at each scrape."""
+
+    def __init__(self, engine: EngineLike) -> None:
+        self._engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.stats()
+        health = self._engine.health()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("stoic_sequences_running", "Sequences being decoded.", stats.running)
+        yield gauge(
+            "stoic_sequences_waiting", "Sequences admitted, not yet running.", stats.waiting
+        )
+        yield gauge("stoic_kv_cache_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used)
+        yield gauge("stoic_kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total)
+        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        yield gauge("stoic_kv_cache_usage", "Fraction of KV cache blocks in use (0..1).", usage)
+        yield gauge("stoic_executor_incarnation", "Executor incarnation number.", stats.incarnation)
+        yield counter(
+            "stoic_executor_restarts", "Executor restarts after failures.", stats.restarts
+        )
+        yield counter(
+            "stoic_failed_sequences",
+            "Sequences ended by an executor failure.",
+            stats.failed_sequences,
+        )
+        yield counter("stoic_engine_steps", "Engine steps run.", stats.steps)
+        state = GaugeMetricFamily(
+            "stoic_engine_state", "1 for the engine's current state.", labels=["state"]
+        )
+        for name in ("starting", "serving", "recovering", "failed", "stopping"):
+            state.add_metric([name], 1.0 if health.state == name else 0.0)
+        yield state
+
+
+class Metrics:
+    """The metrics of one app."""
+
+    def __init__(self, engine: EngineLike) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            "stoic_requests",
+            "Generation requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "stoic_prompt_tokens", "Prompt tokens processed.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "stoic_generation_tokens", "Tokens generated.", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "stoic_time_to_first_token_seconds",
+            "Time from request arrival to a choice's first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "stoic_inter_token_latency_seconds",
+            "Time between tokens of one choice (per delta, divided by its token count).",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "stoic_request_duration_seconds",
+            "Time from request arrival to its last byte.",
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine))
+
+    def request_done(self, endpoint: str, outcome: Outcome, started: float) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+        self.e2e.observe(time.monotonic() - started)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

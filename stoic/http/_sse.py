@@ -1,0 +1,41 @@
+"""Server-sent events, the OpenAI way: ``data: {json}\\n\\n`` per event, ``data: [DONE]`` last."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from ._errors import dumps
+
+__all__ = ["SSEWriter"]
+
+
+class SSEWriter:
+    """Writes one streaming response.
+
+    Nothing is sent until :meth:`start`; so every error found before it can still be answered
+    with a proper status. Writes raise :class:`ConnectionResetError` once the client is gone.
+    """
+
+    def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
+        self._request = request
+        self.response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                **headers,
+            },
+        )
+
+    async def start(self) -> None:
+        await self.response.prepare(self._request)
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.response.write(b"data: " + dumps(event).encode() + b"\n\n")
+
+    async def done(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()

@@ -1,0 +1,135 @@
+"""One real engine (the default model) and one app on a real socket, shared by every HTTP test.
+
+Every test module here runs on the session event loop (``loop_scope="session"``), so the
+engine starts once. The app runs under a plain ``AppRunner`` (no handler cancellation), the way
+a host application would mount it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import openai
+import pytest_asyncio
+from aiohttp import web
+
+import stoic
+from stoic.http import create_app
+from stoic.http._engine import EngineLike
+
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass
+class Server:
+    """An app listening on 127.0.0.1."""
+
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    def client(self, prefix: str = "") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+
+
+async def _peer(request: web.Request) -> web.Response:
+    """Test-only route: the client's address as the server sees it (identifies a connection)."""
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    return web.json_response({"peer": list(peer) if peer else None})
+
+
+@contextlib.asynccontextmanager
+async def run_app(
+    app: web.Application, *, handler_cancellation: bool = False
+) -> AsyncIterator[Server]:
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield Server(f"http://{host}:{port}", app, runner)
+    finally:
+        await runner.cleanup()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def engine() -> AsyncIterator[stoic.Engine]:
+    config = stoic.EngineConfig(
+        model="default",
+        dtype="float32",
+        num_kv_blocks=512,
+        max_restarts=1000,
+        enable_fault_injection=True,
+        drain_timeout=5.0,
+    )
+    async with stoic.Engine.start(config) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def server(engine: stoic.Engine) -> AsyncIterator[Server]:
+    app = create_app(engine)
+    app.router.add_get("/_test/peer", _peer)
+    async with run_app(app) as server:
+        yield server
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(server: Server) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with server.client() as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A raw client holding at most one connection (so consecutive requests share it)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        yield session
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def set_chat_template(engine: stoic.Engine) -> AsyncIterator[Callable[[str], None]]:
+    """Factory: install a chat template on the model's tokenizer; the original is restored."""
+    tokenizer = engine.tokenizer
+    original = tokenizer.chat_template
+
+    def install(template: str) -> None:
+        tokenizer.chat_template = template
+
+    try:
+        yield install
+    finally:
+        tokenizer.chat_template = original
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def alternating_template(set_chat_template: Callable[[str], None]) -> None:
+    """A chat template that raises on non-alternating roles (restored after the test)."""
+    set_chat_template(ALTERNATING_TEMPLATE)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fake_server() -> AsyncIterator[Callable[..., Any]]:
+    """Factory: serve a :class:`~tests.http.fakes.FakeEngine` (closed at the end of the test)."""
+    stack = contextlib.AsyncExitStack()
+
+    async def start(engine: EngineLike, **kwargs: Any) -> Server:
+        return await stack.enter_async_context(run_app(create_app(engine), **kwargs))
+
+    async with stack:
+        yield start

@@ -1,0 +1,124 @@
+"""A scriptable stand-in for :class:`stoic.Engine`, for failure paths the real engine cannot be
+made to take on demand (overload, a failed engine, an unexpected exception)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from stoic import Delta, EngineConfig, FaultSpec, SamplingParams
+from stoic.errors import EngineFailed, PartialOutput
+
+
+@dataclass(frozen=True)
+class FakeStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 64
+    incarnation: int = 0
+    restarts: int = 0
+    failed_sequences: int = 0
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class FakeHealth:
+    state: str = "serving"
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "serving"
+
+
+class FakeStream:
+    """Yields ``tokens`` one-character deltas ("a", "b", ...), then finishes or raises ``error``."""
+
+    def __init__(self, request_id: str, tokens: int, error: BaseException | None) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = 3
+        self.closed = False
+        self._tokens = tokens
+        self._error = error
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        for i in range(self._tokens):
+            await asyncio.sleep(0)
+            last = i == self._tokens - 1 and self._error is None
+            yield Delta(
+                request_id=self.request_id,
+                text=chr(ord("a") + i % 26),
+                token_ids=(i,),
+                logprobs=None,
+                finish_reason="length" if last else None,
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=i + 1,
+            )
+        if self._error is not None:
+            raise self._error
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeEngine:
+    """Scriptable: ``submit_error`` is raised by submit, ``stream_error`` after the tokens."""
+
+    model_name: str = "fake-model"
+    max_model_len: int = 128
+    config: EngineConfig = field(default_factory=lambda: EngineConfig(model="fake"))
+    tokens: int = 4
+    submit_error: BaseException | None = None
+    stream_error: BaseException | None = None
+    health_state: FakeHealth = field(default_factory=FakeHealth)
+    streams: list[FakeStream] = field(default_factory=list)
+    #: the structlog context variables seen by each submit call
+    contexts: list[dict[str, Any]] = field(default_factory=list)
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> FakeStream:
+        self.contexts.append(structlog.contextvars.get_contextvars())
+        if params is not None:
+            params.validate()
+        if self.submit_error is not None:
+            raise self.submit_error
+        stream = FakeStream(request_id or "fake", self.tokens, self.stream_error)
+        self.streams.append(stream)
+        return stream
+
+    def stats(self) -> FakeStats:
+        return FakeStats()
+
+    def health(self) -> FakeHealth:
+        return self.health_state
+
+    async def inject_fault(self, spec: FaultSpec) -> None:
+        pass
+
+    async def clear_faults(self) -> None:
+        pass
+
+    async def wait_failed(self) -> EngineFailed:
+        await self.failed.wait()
+        return EngineFailed("engine failed: fake")
+
+
+def partial(text: str) -> PartialOutput:
+    return PartialOutput(text=text, token_ids=tuple(range(len(text))))

@@ -1,0 +1,52 @@
+"""Helpers shared by the HTTP tests (importable: ``from http_helpers import ...``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+import stoic
+
+
+async def wait_idle(engine: stoic.Engine, within: float = 10.0) -> None:
+    """Wait until the engine runs nothing and every KV block is free."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"engine not idle after {within}s: {stats}")
+        await asyncio.sleep(0.02)
+
+
+def chat_body(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 4,
+    }
+    body.update(overrides)
+    return body
+
+
+def completion_body(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "default", "prompt": "Once upon a time", "max_tokens": 4}
+    body.update(overrides)
+    return body
+
+
+async def read_sse(response: aiohttp.ClientResponse) -> list[Any]:
+    """Every ``data:`` payload of an SSE response, JSON-decoded (``[DONE]`` kept as a string)."""
+    text = await response.text()
+    events: list[Any] = []
+    for block in (b.strip() for b in text.split("\n\n")):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

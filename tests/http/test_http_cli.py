@@ -1,0 +1,57 @@
+"""``stoic serve`` argument parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+import stoic
+from stoic.cli import build_parser, config_from_args
+from stoic.config import FaultSpec
+
+
+def test_cli_arguments_map_to_config() -> None:
+    """`stoic serve` options become the EngineConfig fields."""
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model", "/models/x.gguf",
+            "--served-model-name", "x",
+            "--num-kv-blocks", "64",
+            "--max-num-seqs", "8",
+            "--max-restarts", "2",
+            "--restart-window", "10",
+            "--step-timeout", "5",
+            "--enable-fault-injection",
+            "--fault", '{"kind": "error", "after_steps": 2}',
+            "--fault", '{"kind": "oom", "probability": 0.5, "seed": 1}',
+            "--drain-timeout", "3",
+        ]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert config.model == "/models/x.gguf" and config.served_model_name == "x"
+    assert config.num_kv_blocks == 64 and config.max_num_seqs == 8
+    assert (config.max_restarts, config.restart_window, config.step_timeout) == (2, 10.0, 5.0)
+    assert config.enable_fault_injection and config.drain_timeout == 3.0
+    assert config.faults == (
+        FaultSpec(kind="error", after_steps=2),
+        FaultSpec(kind="oom", probability=0.5, seed=1),
+    )
+    assert config_from_args(build_parser().parse_args(["serve"])) == stoic.EngineConfig()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--fault", '{"kind": "meteor", "after_steps": 1}'],
+        ["serve", "--fault", "not json"],
+        ["serve", "--num-kv-blocks", "8", "--kv-cache-memory", "1"],
+        ["serve", "--port", "70000"],
+        ["serve", "--max-num-seqs", "0"],
+    ],
+)
+def test_cli_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad options are a usage error (exit status 2) with a message."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert "error" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""/metrics, /health, and the app mounted under a prefix in a host application."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from conftest import Server, run_app
+from prometheus_client.parser import text_string_to_metric_families
+
+import stoic
+from stoic.http import create_app
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+EXPECTED = {
+    "stoic_requests_total",
+    "stoic_sequences_running",
+    "stoic_sequences_waiting",
+    "stoic_kv_cache_blocks_used",
+    "stoic_kv_cache_blocks_total",
+    "stoic_kv_cache_usage",
+    "stoic_executor_restarts_total",
+    "stoic_failed_sequences_total",
+    "stoic_time_to_first_token_seconds_bucket",
+    "stoic_inter_token_latency_seconds_bucket",
+    "stoic_request_duration_seconds_bucket",
+    "stoic_generation_tokens_total",
+    "stoic_prompt_tokens_total",
+}
+
+
+async def _samples(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    async with http.get(url) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    return {
+        (s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_metrics_parse_and_count(
+    server: Server, http: aiohttp.ClientSession, engine: stoic.Engine
+) -> None:
+    """/metrics is valid Prometheus text with every stoic metric; a completion moves the
+    request, token and time-to-first-token counters; engine gauges match engine.stats()."""
+    url = f"{server.url}/metrics"
+    before = await _samples(http, url)
+    assert {name for name, _ in before} >= EXPECTED
+    body = {"model": "default", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+    async with http.post(f"{server.url}/v1/completions", json=body) as r:
+        assert r.status == 200
+    after = await _samples(http, url)
+    ok = ("stoic_requests_total", "endpoint=completions,outcome=success")
+    assert after[ok] == before.get(ok, 0) + 1
+    tokens = ("stoic_generation_tokens_total", "")
+    assert after[tokens] == before[tokens] + 3
+    ttft = ("stoic_time_to_first_token_seconds_count", "")
+    assert after[ttft] == before[ttft] + 1
+    stats = engine.stats()
+    assert after[("stoic_kv_cache_blocks_total", "")] == stats.kv_blocks_total
+    assert after[("stoic_executor_restarts_total", "")] == stats.restarts
+    assert after[("stoic_engine_state", "state=serving")] == 1.0
+
+
+async def test_health_ok(server: Server, http: aiohttp.ClientSession) -> None:
+    """/health is 200 {"status": "ok"} while the engine serves."""
+    async with http.get(f"{server.url}/health") as r:
+        assert r.status == 200
+        assert await r.json() == {"status": "ok"}
+
+
+async def test_mounted_under_prefix(engine: stoic.Engine) -> None:
+    """create_app mounts under a prefix next to the host's own routes and serves the SDK there;
+    each app has its own metrics registry."""
+
+    async def home(request: web.Request) -> web.Response:
+        return web.Response(text="host")
+
+    host = web.Application()
+    host.router.add_get("/", home)
+    host.add_subapp("/llm", create_app(engine))
+    host.add_subapp("/llm2", create_app(engine))
+    async with run_app(host) as server, aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/") as r:
+            assert await r.text() == "host"
+        async with http.get(f"{server.url}/llm/health") as r:
+            assert r.status == 200
+        async with server.client("/llm") as client:
+            result = await client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+            assert result.choices[0].message.content is not None
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(model="default", messages=[], max_tokens=2)
+        async with http.get(f"{server.url}/llm/v1/nothing") as r:
+            assert r.status == 404
+        first = await _samples(http, f"{server.url}/llm/metrics")
+        second = await _samples(http, f"{server.url}/llm2/metrics")
+        key = ("stoic_requests_total", "endpoint=chat,outcome=success")
+        assert first[key] == 1 and key not in second

@@ -1,0 +1,175 @@
+"""``serve()`` (graceful drain, exit on fatal) and ``python -m stoic serve`` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from http_fakes import FakeEngine
+from http_helpers import completion_body, read_sse, wait_idle
+
+import stoic
+from stoic.http import EXIT_ENGINE_FAILED, serve
+from stoic.http._engine import EngineLike
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    engine: EngineLike, **kwargs: Any
+) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Task[int]]]:
+    """Run ``serve()`` in a task on a free port; yield (url, stop event, task)."""
+    stop = asyncio.Event()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        serve(engine, port=0, handle_signals=False, stop=stop, on_ready=ready.set_result, **kwargs)
+    )
+    try:
+        url = await asyncio.wait_for(asyncio.shield(ready), 10)
+        yield url, stop, task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_stop_drains_running_requests(engine: stoic.Engine) -> None:
+    """On stop, a running stream finishes normally within the drain timeout, new connections
+    are refused, and serve() returns 0."""
+    async with (
+        serving(engine, drain_timeout=20) as (url, stop, task),
+        aiohttp.ClientSession() as http,
+    ):
+        body = completion_body(max_tokens=12, ignore_eos=True, stream=True)
+        response = await http.post(f"{url}/v1/completions", json=body)
+        await response.content.readline()
+        stop.set()
+        events = await read_sse(response)
+        assert events[-1] == "[DONE]"
+        assert all("error" not in e for e in events[:-1])
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert await asyncio.wait_for(task, 10) == 0
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await http.get(f"{url}/health")
+
+
+async def test_drain_timeout_ends_requests_with_error(engine: stoic.Engine) -> None:
+    """Requests still running when the drain timeout expires end with an error event (engine
+    stopping, with the partial output) and [DONE]; their blocks are freed."""
+    async with (
+        serving(engine, drain_timeout=0.3) as (url, stop, task),
+        aiohttp.ClientSession() as http,
+    ):
+        body = completion_body(max_tokens=500, ignore_eos=True, stream=True)
+        response = await http.post(f"{url}/v1/completions", json=body)
+        await response.content.readline()
+        stop.set()
+        events = await asyncio.wait_for(read_sse(response), 10)
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["code"] == "engine_stopped"
+        assert 0 < error["partial"]["completion_tokens"] < 500
+        assert await asyncio.wait_for(task, 10) == 0
+    await wait_idle(engine)
+
+
+async def test_non_streaming_disconnect_aborts(engine: stoic.Engine) -> None:
+    """Under serve() (handler cancellation on), a non-streaming request whose client goes away
+    is aborted at once."""
+    async with serving(engine) as (url, _stop, _task):
+        async with aiohttp.ClientSession() as http:
+            body = completion_body(max_tokens=500, ignore_eos=True)
+            request = asyncio.create_task(http.post(f"{url}/v1/completions", json=body))
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if engine.stats().running:
+                    break
+            assert engine.stats().running == 1
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+        await wait_idle(engine, within=10.0)
+
+
+async def test_exit_on_fatal() -> None:
+    """With exit_on_fatal, serve() returns 70 as soon as the engine is failed."""
+    fake = FakeEngine()
+    async with serving(fake, exit_on_fatal=True) as (_url, _stop, task):
+        fake.failed.set()
+        assert await asyncio.wait_for(task, 10) == EXIT_ENGINE_FAILED
+
+
+async def _read_until(stream: asyncio.StreamReader, event: str, within: float) -> dict[str, Any]:
+    async def scan() -> dict[str, Any]:
+        while line := await stream.readline():
+            record: dict[str, Any] = json.loads(line)  # --log-format json: JSON lines only
+            if record.get("event") == event:
+                return record
+        raise AssertionError(f"no {event!r} event before EOF")
+
+    return await asyncio.wait_for(scan(), within)
+
+
+async def test_python_m_stoic_serve_end_to_end() -> None:
+    """`python -m stoic serve --log-format json` writes only JSON lines (a ready line with the
+    URL among them), serves, and exits 0 on SIGTERM after draining."""
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--dtype", "float32"],
+        *["--num-kv-blocks", "64", "--log-format", "json"],
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    assert proc.stderr is not None
+    try:
+        ready = await _read_until(proc.stderr, "stoic.ready", 120)
+        assert ready["device"] == "cpu" and ready["dtype"] == "float32"
+        assert ready["kv_blocks"] == 64
+        url = ready["url"]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as r:
+                assert r.status == 200
+            body = completion_body(max_tokens=2)
+            async with http.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        drained = await _read_until(proc.stderr, "http.drained", 30)
+        assert drained["complete"] is True
+        rest = await asyncio.wait_for(proc.stderr.read(), 30)
+        assert all(json.loads(line) for line in rest.splitlines())
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_exit_on_fatal_end_to_end() -> None:
+    """`stoic serve --exit-on-fatal` exits 70 once failures exceed the restart intensity."""
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--dtype", "float32"],
+        *["--num-kv-blocks", "64", "--log-format", "json", "--exit-on-fatal"],
+        *["--max-restarts", "0", "--fault", '{"kind": "error", "after_steps": 1}'],
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    assert proc.stderr is not None
+    try:
+        url = (await _read_until(proc.stderr, "http.serving", 120))["url"]
+        async with aiohttp.ClientSession() as http:
+            body = completion_body(max_tokens=2)
+            async with http.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status >= 500
+        await _read_until(proc.stderr, "http.engine_failed_exiting", 30)
+        await asyncio.wait_for(proc.stderr.read(), 30)
+        assert await asyncio.wait_for(proc.wait(), 30) == EXIT_ENGINE_FAILED
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
