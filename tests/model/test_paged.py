@@ -73,3 +73,68 @@ def test_a_released_cache_refuses_to_run(runner: ModelRunner) -> None:
     assert cache.released
     with pytest.raises(RuntimeError, match="released"):
         runner.execute(StepBatch((SeqChunk(0, (1, 2), 0, (0,), True, GREEDY),)), cache)
+
+
+def _tiny(arch: str, target: Path, tokenizer_from: Path) -> Path:
+    import shutil
+
+    import transformers
+
+    common = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
+    configs = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+        # a sliding window shorter than the sequence: the paged mask must honour it
+        "mistral": (
+            transformers.MistralConfig,
+            transformers.MistralForCausalLM,
+            {"sliding_window": 6},
+        ),
+    }
+    config_cls, model_cls, extra = configs[arch]
+    torch.manual_seed(0)
+    model_cls(config_cls(**common, **extra)).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, target / name)
+    return target
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_llama_family_architectures_match_their_own_forward(
+    arch: str, tmp_path: Path, default_model_dir: Path
+) -> None:
+    """Llama, Qwen2 and Mistral (sliding window) through the paged cache, prefilled in two chunks
+    then decoded, give the logits' argmax of the model's own full forward at every step."""
+    from transformers import AutoModelForCausalLM
+
+    path = _tiny(arch, tmp_path / arch, default_model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.eval()
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    runner = ModelRunner(loaded)
+    cache = PagedKVCache(runner.kv_spec(num_blocks=16, block_size=4))
+    prompt = [5, 77, 300, 12, 9, 401, 42, 8, 100, 3, 250]
+    table = tuple(range(15, 0, -1))
+    split = 6
+    first = SeqChunk(0, tuple(prompt[:split]), 0, table, False, GREEDY)
+    runner.execute(StepBatch((first,), table), cache)
+    rest = SeqChunk(0, tuple(prompt[split:]), split, table, True, GREEDY)
+    tokens = [runner.execute(StepBatch((rest,)), cache).sampled[0].token_id]
+    for i in range(8):
+        chunk = SeqChunk(
+            0, (tokens[-1],), len(prompt) + i, table, True, GREEDY, num_generated=i + 1
+        )
+        tokens.append(runner.execute(StepBatch((chunk,)), cache).sampled[0].token_id)
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(9):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert tokens == ids[len(prompt) :]
