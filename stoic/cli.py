@@ -269,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
+    if args.fault and not args.enable_fault_injection:
+        parser.error("--fault needs --enable-fault-injection")  # exits with status 2
     configure_logging(args.log_format, args.log_level)
     return asyncio.run(_serve(args))
 

@@ -83,3 +83,7 @@ class EngineConfig:
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
     #: how long a graceful stop lets running requests finish
     drain_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.faults and not self.enable_fault_injection:
+            raise ValueError("faults given at start need enable_fault_injection=True")

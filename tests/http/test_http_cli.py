@@ -55,3 +55,15 @@ def test_cli_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixtur
         build_parser().parse_args(argv)
     assert exited.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_faults_at_start_need_the_switch(capsys: pytest.CaptureFixture[str]) -> None:
+    """--fault without --enable-fault-injection is a usage error; the config refuses it too."""
+    from stoic.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--fault", '{"kind": "oom", "after_steps": 1}'])
+    assert exited.value.code == 2
+    assert "--enable-fault-injection" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="enable_fault_injection"):
+        stoic.EngineConfig(faults=(FaultSpec(kind="oom", after_steps=1),))
