@@ -39,8 +39,8 @@ serve: $(STAMP)
 	$(VENV)/bin/stoic serve --host $(HOST) --port $(PORT) $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check stoic tests $(wildcard benchmarks)
-	$(VENV)/bin/ruff format --check stoic tests $(wildcard benchmarks)
+	$(VENV)/bin/ruff check stoic tests examples $(wildcard benchmarks)
+	$(VENV)/bin/ruff format --check stoic tests examples $(wildcard benchmarks)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -68,7 +68,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     #: tokens per step (decode tokens + prefill chunks)
     max_num_batched_tokens: int = 512
-    #: requests admitted but not yet running; beyond it, :class:`~stoic.errors.Overloaded`
+    #: requests admitted and not yet finished; beyond it, :class:`~stoic.errors.Overloaded`
     max_waiting: int = 512
     #: context length override (defaults to the model's)
     max_model_len: int | None = None

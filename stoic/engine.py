@@ -21,9 +21,12 @@ import structlog
 
 from .actors import (
     ActorRef,
+    ActorStopped,
     ActorSystem,
+    AskTimeout,
     Backoff,
     ChildSpec,
+    MailboxFull,
     Restart,
     Supervisor,
     SupervisorEscalation,
@@ -302,6 +305,12 @@ class Engine:
         )
 
     async def _stop(self) -> None:
+        """Drain, then stop every actor. Shielded: cancelling the caller (an anyio scope, say)
+        must not leave actor tasks running behind a half-stopped engine."""
+        with anyio.CancelScope(shield=True):
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
         if self._system is None:
             return
         if self._state not in ("failed",):
@@ -371,8 +380,6 @@ class Engine:
         except StoicError:
             raise
         except Exception as exc:
-            from .actors import ActorStopped, AskTimeout, MailboxFull
-
             if isinstance(exc, MailboxFull | AskTimeout):
                 raise Overloaded("the engine's intake is saturated; retry later") from exc
             if isinstance(exc, ActorStopped):
@@ -399,9 +406,16 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream a chat completion (the model's own chat template). Errors raise before any delta."""
-        stream = await self.submit(None, params, messages=messages, request_id=request_id)
+        stream = await self.submit(
+            None,
+            params,
+            messages=messages,
+            request_id=request_id,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         async with stream:
             async for delta in stream:
                 yield delta
@@ -413,9 +427,20 @@ class Engine:
         *,
         messages: Sequence[dict[str, Any]] | None = None,
         request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> CompletionResult:
-        """Generate to the end and return the whole result (non-streaming helper)."""
-        stream = await self.submit(prompt, params, messages=messages, request_id=request_id)
+        """Generate to the end and return the whole result (non-streaming helper).
+
+        :raises StoicError: what :meth:`submit` raises, and what the stream raises if generation
+            fails (each carrying ``partial``).
+        """
+        stream = await self.submit(
+            prompt,
+            params,
+            messages=messages,
+            request_id=request_id,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[Any] | None = None
@@ -427,7 +452,8 @@ class Engine:
                 ids.extend(delta.token_ids)
                 completion = delta.completion_tokens
                 if delta.logprobs is not None:
-                    logprobs = (logprobs or []) + list(delta.logprobs)
+                    logprobs = logprobs if logprobs is not None else []
+                    logprobs.extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason
         return CompletionResult(
@@ -443,9 +469,17 @@ class Engine:
     async def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); its blocks are freed at once."""
         ref = self._scheduler_ref
-        if ref is not None and ref.is_alive:
-            with contextlib.suppress(Exception):
+        if ref is None or not ref.is_alive:
+            return
+        try:
+            ref.try_tell(Abort(request_id))
+        except MailboxFull:
+            # wait for room even inside a cancelled scope: a lost abort would let the request
+            # run on to max_tokens holding its blocks
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await ref.tell(Abort(request_id))
+        except ActorStopped:
+            pass
 
     # -- health, stats, faults ------------------------------------------------------------------
     def health(self) -> Health:
@@ -515,6 +549,8 @@ class Engine:
             raise EngineStopped()
 
     def _executor_ready(self, incarnation: int) -> None:
+        if incarnation > self._executor_incarnation:
+            self._restarts += 1  # counted when the restart happened, not when it was decided
         self._executor_incarnation = incarnation
         if self._state in ("starting", "recovering"):
             self._state, self._reason = "serving", None
@@ -533,7 +569,6 @@ class Engine:
         )
         log.info("recovery.fenced_and_streams_failed", sequences_failed=failed)
         freed: int = await self._cache_ref.ask(lambda r: DropAll(r), timeout=_RECOVERY_TIMEOUT)
-        self._restarts += 1
         log.info(
             "recovery.cache_dropped",
             blocks_freed=freed,

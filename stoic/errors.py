@@ -18,7 +18,6 @@ __all__ = [
     "ModelNotFound",
     "Overloaded",
     "PartialOutput",
-    "RequestAborted",
     "StoicError",
 ]
 
@@ -140,16 +139,3 @@ class ExecutorFailed(StoicError):
         self.partial = partial
         self.kind = kind
         self.retryable = retryable
-
-
-class RequestAborted(StoicError):
-    """The request was aborted (by the caller, or because its client went away)."""
-
-    status = 499
-    error_type = "aborted"
-
-    def __init__(
-        self, message: str = "request aborted", *, partial: PartialOutput | None = None
-    ) -> None:
-        super().__init__(message, code="aborted")
-        self.partial = partial

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from engine_helpers import wait_idle
 
 import stoic
 from stoic.model import load_model
@@ -117,9 +118,8 @@ async def test_greedy_matches_generate_all_concurrently(
     got = await asyncio.gather(*(_run(engine, ids) for ids in reference["prompts"]))
     for i, ids in enumerate(got):
         _assert_same_or_near_tie(reference, i, ids)
-    stats = engine.stats()
+    stats = await wait_idle(engine)
     assert stats.max_batch_size >= 4, "the prompts were not batched together"
-    assert stats.kv_blocks_used == 0
 
 
 async def test_staggered_arrivals_match_generate(engine: Any, reference: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed
@@ -80,8 +81,8 @@ async def test_one_oom_fails_every_stream_with_its_prefix_and_the_engine_recover
             assert error.kind == "oom"
             assert error.partial.completion_tokens >= 1
             assert want.startswith(error.partial.text)
-        assert engine.stats().kv_blocks_used == 0
         assert await _wait_healthy(engine, 1.0) < 1.0
+        await wait_idle(engine, 1.0)  # the cache was dropped: every block is free
         stats = engine.stats()
         assert stats.restarts == 1
         assert stats.incarnation == 1
@@ -126,9 +127,7 @@ async def test_chaos_every_request_has_exactly_one_outcome(default_model_dir: Pa
                 failures += 1
         assert failures > 0, "the chaos run injected no failure"
         await _wait_healthy(engine, 5.0)
-        stats = engine.stats()
-        assert stats.kv_blocks_used == 0
-        assert stats.running == 0
+        stats = await wait_idle(engine)
         assert stats.restarts == stats.faults_injected
         assert stats.failed_sequences >= failures
 
@@ -157,7 +156,7 @@ async def test_persistent_failure_marks_the_engine_failed(default_model_dir: Pat
         with pytest.raises(EngineFailed):
             await engine.submit("hello", GREEDY)
         assert time.monotonic() - started < 0.1
-        assert engine.stats().restarts == 4
+        assert engine.stats().restarts == 3  # the 4th failure escalated instead
 
 
 async def test_a_hung_step_fires_the_watchdog_and_fails_the_engine(default_model_dir: Path) -> None:

@@ -28,12 +28,10 @@ __all__ = [
     "ExecutorReady",
     "FreeBlocks",
     "GetCacheStats",
-    "GetSchedulerStats",
     "IntakeMsg",
     "RunStep",
     "SchedulerMsg",
     "SchedulerStats",
-    "StepFailed",
     "StepResult",
     "StepTimeout",
     "Submit",
@@ -76,14 +74,6 @@ class StepResult:
     step_id: int
     incarnation: int
     output: StepOutput
-
-
-@dataclass(frozen=True, slots=True)
-class StepFailed:
-    """The executor reports the step it was given raised (it fails right after)."""
-
-    step_id: int
-    incarnation: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,22 +132,15 @@ class SchedulerStats:
     generated_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class GetSchedulerStats:
-    reply: Reply[SchedulerStats]
-
-
 SchedulerMsg = (
     AddSequence
     | Abort
     | StepResult
-    | StepFailed
     | StepTimeout
     | ExecutorDown
     | ExecutorReady
     | EngineFailedNotice
     | Drain
-    | GetSchedulerStats
 )
 
 

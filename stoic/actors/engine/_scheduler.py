@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
-from ...errors import EngineFailed, EngineStopped, ExecutorFailed, StoicError
+from ...errors import EngineFailed, EngineStopped, ExecutorFailed
 from ...model import SeqChunk, StepBatch
 from .. import Actor, ActorRef, Reply
 from ._cache import OutOfBlocks
@@ -34,11 +34,9 @@ from ._messages import (
     ExecutorReady,
     FreeBlocks,
     GetCacheStats,
-    GetSchedulerStats,
     RunStep,
     SchedulerMsg,
     SchedulerStats,
-    StepFailed,
     StepResult,
     StepTimeout,
 )
@@ -140,11 +138,6 @@ class Scheduler(Actor[SchedulerMsg]):
                     )
             case StepResult():
                 await self._on_step_result(message)
-            case StepFailed(step_id=step_id, incarnation=incarnation):
-                # the executor fails right after; recovery arrives as ExecutorDown
-                self.context.log.debug(
-                    "scheduler.step_failed", step=step_id, incarnation=incarnation
-                )
             case StepTimeout(step_id=step_id):
                 if self._inflight is not None and self._inflight[0] == step_id:
                     reason = f"step {step_id} exceeded the step timeout of {self.cfg.step_timeout}s (hung executor)"
@@ -169,8 +162,6 @@ class Scheduler(Actor[SchedulerMsg]):
                 self._fail_engine(reason)
             case Drain(timeout=timeout, reply=reply):
                 self._start_drain(timeout, reply)
-            case GetSchedulerStats(reply=reply):
-                reply.send(self.stats())
             case _:
                 assert_never(message)
 
@@ -205,9 +196,6 @@ class Scheduler(Actor[SchedulerMsg]):
             return
         if self._drain_requested:
             msg.stream.fail(EngineStopped())
-            return
-        if msg.request_id in self._by_request:
-            msg.stream.fail(StoicError(f"duplicate request id {msg.request_id!r}"))
             return
         seq = Sequence(
             self._next_seq_id,
@@ -257,7 +245,7 @@ class Scheduler(Actor[SchedulerMsg]):
     def _can_step(self) -> bool:
         return self._incarnation is not None and self._failed is None
 
-    async def _maybe_step(self) -> None:
+    async def _maybe_step(self, *, retry: bool = True) -> None:
         if self._inflight is not None or not self._can_step():
             return
         plan = self._plan()
@@ -284,6 +272,10 @@ class Scheduler(Actor[SchedulerMsg]):
                 self.context.log.warning(
                     "scheduler.allocation_refused", free_blocks=self._free_blocks
                 )
+                if retry:
+                    # sequences _plan() moved to running still lack blocks: plan again now with
+                    # the corrected estimate rather than wait for the next message
+                    await self._maybe_step(retry=False)
                 return
             self._free_blocks = allocation.free_blocks
             fresh = allocation.fresh_blocks

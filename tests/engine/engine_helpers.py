@@ -1,0 +1,26 @@
+"""Helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import stoic
+
+
+async def wait_idle(engine: stoic.Engine, limit: float = 5.0) -> stoic.EngineStats:
+    """Wait until no sequence runs or waits and every KV block is free; return the stats.
+
+    Freeing is one message hop behind a stream's end (the scheduler tells the cache manager), so
+    a test must not expect ``kv_blocks_used == 0`` in the same instant a stream finishes.
+
+    :raises AssertionError: if the engine is not idle within ``limit`` seconds (a leak).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while True:
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+            return stats
+        if loop.time() > deadline:
+            raise AssertionError(f"engine not idle after {limit}s: {stats}")
+        await asyncio.sleep(0.005)
