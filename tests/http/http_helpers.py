@@ -12,11 +12,12 @@ import stoic
 
 
 async def wait_idle(engine: stoic.Engine, within: float = 10.0) -> None:
-    """Wait until the engine runs nothing and every KV block is free."""
+    """Wait until the engine serves (not mid-recovery), runs nothing and every KV block is free."""
     deadline = asyncio.get_running_loop().time() + within
     while True:
         stats = engine.stats()
-        if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+        idle = stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
+        if idle and engine.health().ok:
             return
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"engine not idle after {within}s: {stats}")
