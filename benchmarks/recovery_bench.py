@@ -5,8 +5,8 @@ step; the failing stream observes :class:`~stoic.errors.ExecutorFailed`; right a
 is submitted. Reported per round:
 
 * ``to_error``: fault armed -> the in-flight stream receives its error;
-* ``to_healthy``: the error -> ``engine.health().ok`` again;
-* ``to_served``: the error -> the next request's first token (the number that matters).
+* ``to_served``: the error -> the next request's first token (the number that matters: a client
+  that retries at once is served as soon as the executor is back).
 
 Usage: ``python benchmarks/recovery_bench.py [--rounds 50] [--dtype auto]``
 """
@@ -24,7 +24,7 @@ import stoic
 from stoic.errors import ExecutorFailed
 
 
-async def one_round(engine: stoic.Engine) -> tuple[float, float, float]:
+async def one_round(engine: stoic.Engine) -> tuple[float, float]:
     long = stoic.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     stream = await engine.submit("Tell me about the sea.", long)
     await stream.__anext__()
@@ -41,12 +41,10 @@ async def one_round(engine: stoic.Engine) -> tuple[float, float, float]:
     nxt = await engine.submit("Hi", stoic.SamplingParams(max_tokens=1, temperature=0))
     await nxt.__anext__()
     served = time.perf_counter()
-    while not engine.health().ok:  # noqa: ASYNC110 - polling is what a health check does
-        await asyncio.sleep(0.001)
-    healthy = time.perf_counter()
+    assert engine.health().ok
     async for _ in nxt:
         pass
-    return failed - armed, healthy - failed, served - failed
+    return failed - armed, served - failed
 
 
 async def main() -> None:
@@ -69,19 +67,18 @@ async def main() -> None:
         max_restarts=args.rounds + 10,
         restart_window=1.0,
     )
-    rows: list[tuple[float, float, float]] = []
+    rows: list[tuple[float, float]] = []
     async with stoic.Engine.start(config) as engine:
         for _ in range(args.rounds):
             rows.append(await one_round(engine))
+        await asyncio.sleep(0.1)  # block frees are one message hop behind the last stream
         stats = engine.stats()
     print(
         f"\nrounds: {args.rounds}; restarts: {stats.restarts}; blocks used after: {stats.kv_blocks_used}\n"
     )
     print("| measure | median (ms) | p90 (ms) | worst (ms) |")
     print("|---|---:|---:|---:|")
-    for i, name in enumerate(
-        ("fault armed -> stream error", "error -> healthy", "error -> next request served")
-    ):
+    for i, name in enumerate(("fault armed -> stream error", "error -> next request served")):
         values = sorted(r[i] * 1000 for r in rows)
         p90 = statistics.quantiles(values, n=10)[8] if len(values) > 1 else values[0]
         print(f"| {name} | {statistics.median(values):.1f} | {p90:.1f} | {values[-1]:.1f} |")
