@@ -42,6 +42,7 @@ from .actors.engine import (
     ResultStream,
     Scheduler,
     SchedulerConfig,
+    StepWorker,
     classify_failure,
 )
 from .actors.engine._messages import (
@@ -190,6 +191,7 @@ class Engine:
         self._intake_actor: Intake | None = None
         self._supervisor: Supervisor | None = None
         self._executor_incarnation = 0
+        self._worker: StepWorker | None = None
         self.loaded: LoadedModel | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -220,6 +222,8 @@ class Engine:
         )
         self.loaded = loaded
         runner = ModelRunner(loaded)
+        worker = StepWorker("stoic-executor")
+        self._worker = worker
         num_blocks = cfg.num_kv_blocks or _size_kv_cache(cfg, runner)
         spec = runner.kv_spec(num_blocks, cfg.block_size)
         max_len = min(cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -253,7 +257,7 @@ class Engine:
         executor_spec: ChildSpec[Any] = ChildSpec(
             name="executor",
             factory=lambda: Executor(
-                runner, cache_ref, scheduler_ref, self._faults, self._executor_ready
+                runner, cache_ref, scheduler_ref, self._faults, self._executor_ready, worker
             ),
             restart=Restart.PERMANENT,
             shutdown_timeout=2.0,
@@ -325,6 +329,9 @@ class Engine:
         # an escalation was already reported through health() and wait_failed()
         with contextlib.suppress(SupervisorEscalation):
             await system.__aexit__(None, None, None)
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
         self._state = "failed" if self._failure is not None else "stopping"
         _log.info("engine.stopped")
 

@@ -96,6 +96,7 @@ class Executor(Actor[ExecutorMsg]):
         scheduler: ActorRef[SchedulerMsg],
         faults: FaultInjector,
         on_ready: Callable[[int], None],
+        worker: StepWorker,
     ) -> None:
         self._runner = runner
         self._cache = cache
@@ -103,11 +104,12 @@ class Executor(Actor[ExecutorMsg]):
         self._faults = faults
         self._on_ready = on_ready
         self._kv: PagedKVCache | None = None
-        self._worker: StepWorker | None = None
+        # one worker thread for every incarnation: torch's OpenMP pool is per calling thread, so a
+        # new thread per restart would leave idle pools competing for the cores
+        self._worker = worker
 
     async def on_start(self) -> None:
         incarnation = self.context.incarnation
-        self._worker = StepWorker(f"stoic-executor-{incarnation}")
         kv: PagedKVCache = await self._cache.ask(lambda r: AcquireKV(r), timeout=_ASK_TIMEOUT)
         self._kv = kv
         self._on_ready(incarnation)
@@ -116,9 +118,6 @@ class Executor(Actor[ExecutorMsg]):
 
     async def on_stop(self) -> None:
         self._kv = None
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
 
     async def receive(self, message: ExecutorMsg) -> None:
         match message:
@@ -128,7 +127,7 @@ class Executor(Actor[ExecutorMsg]):
                         "executor.stale_step_dropped", step=step_id, for_incarnation=incarnation
                     )
                     return
-                assert self._worker is not None and self._kv is not None
+                assert self._kv is not None
                 kv, runner, faults = self._kv, self._runner, self._faults
 
                 def step() -> StepOutput:
