@@ -220,19 +220,20 @@ class Scheduler(Actor[SchedulerMsg]):
             self._running.remove(seq)
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        self._return_blocks(seq)
+        self._check_drained()
+
+    def _return_blocks(self, seq: Sequence) -> None:
+        """Forget ``seq``'s block table; its blocks go back to the cache with the next flush."""
         if seq.block_table:
             self._free_blocks += len(seq.block_table)
             seq.block_table = ()
             self._to_free.append(seq.seq_id)
-        self._check_drained()
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it is recomputed when readmitted (front of the queue)."""
         self._running.remove(seq)
-        if seq.block_table:
-            self._free_blocks += len(seq.block_table)
-            self._to_free.append(seq.seq_id)
-        seq.block_table = ()
+        self._return_blocks(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self._waiting.appendleft(seq)
@@ -391,10 +392,7 @@ class Scheduler(Actor[SchedulerMsg]):
         if seq in self._running:
             self._running.remove(seq)
         seq.status = SeqStatus.FINISHED
-        if seq.block_table:
-            self._free_blocks += len(seq.block_table)
-            seq.block_table = ()
-            self._to_free.append(seq.seq_id)
+        self._return_blocks(seq)
 
     # -- failures -------------------------------------------------------------------------------
     def _executor_down(self, error: BaseException, kind: str, incarnation: int) -> int:
