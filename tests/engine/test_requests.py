@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from engine_helpers import wait_idle
 
 import stoic
 from stoic.errors import ContextLengthExceeded, InvalidRequest
@@ -28,15 +29,6 @@ async def engine(tiny_model_dir: Path) -> Any:
     )
     async with stoic.Engine.start(config) as eng:
         yield eng
-
-
-async def _no_sequences_left(engine: Any) -> None:
-    for _ in range(200):
-        stats = engine.stats()
-        if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"sequences left behind: {engine.stats()}")
 
 
 @pytest.mark.parametrize(
@@ -60,7 +52,7 @@ async def test_bad_sampling_parameters_are_rejected_before_admission(
     with pytest.raises(InvalidRequest) as info:
         await engine.submit("hello", stoic.SamplingParams(**kwargs))
     assert info.value.param == param
-    await _no_sequences_left(engine)
+    await wait_idle(engine, 2.0)
 
 
 async def test_a_raising_chat_template_is_an_invalid_request(engine: Any) -> None:
@@ -91,7 +83,7 @@ async def test_malformed_messages_are_invalid_requests(engine: Any, messages: An
     """Malformed messages raise InvalidRequest before admission."""
     with pytest.raises(InvalidRequest):
         await engine.submit(None, stoic.SamplingParams(max_tokens=2), messages=messages)
-    await _no_sequences_left(engine)
+    await wait_idle(engine, 2.0)
 
 
 async def test_prompt_beyond_context_is_rejected(engine: Any) -> None:
@@ -100,7 +92,7 @@ async def test_prompt_beyond_context_is_rejected(engine: Any) -> None:
         await engine.submit(list(range(10, 500)), stoic.SamplingParams(max_tokens=100))
     with pytest.raises(InvalidRequest, match="vocabulary"):
         await engine.submit([10, 10**9], stoic.SamplingParams(max_tokens=2))
-    await _no_sequences_left(engine)
+    await wait_idle(engine, 2.0)
 
 
 async def test_max_tokens_gives_length_and_exact_count(engine: Any) -> None:
