@@ -131,7 +131,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     g = p.add_argument_group("scheduling and KV cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=d.max_num_batched_tokens,
+        help="tokens per step (default: 256 on a CPU, 2048 on a GPU, at least --max-num-seqs)",
+    )
     g.add_argument("--max-waiting", type=_positive_int, default=d.max_waiting)
     g.add_argument("--block-size", type=_positive_int, default=d.block_size)
     kv = g.add_mutually_exclusive_group()
@@ -271,6 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.fault and not args.enable_fault_injection:
         parser.error("--fault needs --enable-fault-injection")  # exits with status 2
+    try:
+        config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
     return asyncio.run(_serve(args))
 

@@ -241,7 +241,7 @@ class Engine:
                 block_size=cfg.block_size,
                 num_blocks=num_blocks,
                 max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_num_batched_tokens=cfg.step_token_budget(loaded.device.type),
                 step_timeout=cfg.step_timeout,
                 eos_token_ids=loaded.eos_token_ids,
             ),

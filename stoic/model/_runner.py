@@ -20,6 +20,7 @@ from ._paged import (
     PagedKVCache,
     PrefillChunk,
     StepMetadata,
+    group_decodes,
     register_paged_attention,
 )
 from ._sampling import sample
@@ -142,25 +143,30 @@ def _build_inputs(
                     start, start + n, chunk.start_pos, head_rows[:, None] + blocks[None, :]
                 )
             )
-    decode = None
-    if dec_q:
-        max_blocks = max(-(-n // block_size) for n in dec_lens)
+    decodes = []
+    for members in group_decodes([-(-n // block_size) for n in dec_lens], block_size):
+        max_blocks = max(-(-dec_lens[i] // block_size) for i in members)
         padded = [
-            list(t[:max_blocks]) + [0] * (max_blocks - min(len(t), max_blocks)) for t in dec_tables
+            list(dec_tables[i][:max_blocks])
+            + [0] * (max_blocks - min(len(dec_tables[i]), max_blocks))
+            for i in members
         ]
-        decode = DecodeGroup(
-            q_index=torch.tensor(dec_q, device=device),
-            gather_index=head_rows[None, :, None] + torch.tensor(padded, device=device)[:, None, :],
-            context_lens=torch.tensor(dec_lens, device=device),
-            positions=torch.tensor(dec_pos, device=device),
-            max_blocks=max_blocks,
+        decodes.append(
+            DecodeGroup(
+                q_index=torch.tensor([dec_q[i] for i in members], device=device),
+                gather_index=head_rows[None, :, None]
+                + torch.tensor(padded, device=device)[:, None, :],
+                context_lens=torch.tensor([dec_lens[i] for i in members], device=device),
+                positions=torch.tensor([dec_pos[i] for i in members], device=device),
+                max_blocks=max_blocks,
+            )
         )
     meta = StepMetadata(
         cache=cache,
         write_index=(
             head_rows[:, None] * block_size + torch.tensor(slots, device=device)[None, :]
         ).reshape(-1),
-        decode=decode,
+        decodes=tuple(decodes),
         prefills=tuple(prefills),
     )
     input_ids = torch.tensor([ids], device=device)

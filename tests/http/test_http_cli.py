@@ -67,3 +67,25 @@ def test_faults_at_start_need_the_switch(capsys: pytest.CaptureFixture[str]) -> 
     assert "--enable-fault-injection" in capsys.readouterr().err
     with pytest.raises(ValueError, match="enable_fault_injection"):
         stoic.EngineConfig(faults=(FaultSpec(kind="oom", after_steps=1),))
+
+
+def test_step_budget_below_the_sequence_limit_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A step budget smaller than --max-num-seqs would starve decodes: rejected before start."""
+    from stoic.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"])
+    assert exited.value.code == 2
+    assert (
+        "max_num_batched_tokens (32) must be at least max_num_seqs (64)" in capsys.readouterr().err
+    )
+
+
+def test_step_budget_default_depends_on_the_device() -> None:
+    """No explicit budget: 256 tokens per step on a CPU, 2048 on a GPU, never below max_num_seqs."""
+    assert stoic.EngineConfig().step_token_budget("cpu") == 256
+    assert stoic.EngineConfig().step_token_budget("cuda") == 2048
+    assert stoic.EngineConfig(max_num_seqs=300).step_token_budget("cpu") == 300
+    assert stoic.EngineConfig(max_num_batched_tokens=100).step_token_budget("cuda") == 100

@@ -138,3 +138,82 @@ def test_llama_family_architectures_match_their_own_forward(
         for _ in range(9):
             ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
     assert tokens == ids[len(prompt) :]
+
+
+def test_decode_groups_partition_the_batch_at_least_cost() -> None:
+    """Every decode lands in exactly one group, and the split costs no more than any other split
+    of the length-sorted batch into contiguous runs (checked exhaustively on small batches)."""
+    import itertools
+    import random
+
+    from stoic.model._paged import group_decodes
+
+    def cost(groups: list[list[int]], blocks: list[int], overhead: int) -> int:
+        return sum(len(g) * max(blocks[i] for i in g) * 16 + overhead for g in groups)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        blocks = [rng.randint(1, 30) for _ in range(rng.randint(1, 9))]
+        overhead = rng.choice([0, 100, 1500, 10**6])
+        groups = group_decodes(blocks, 16, overhead)
+        assert sorted(i for g in groups for i in g) == list(range(len(blocks)))
+        values = sorted(set(blocks))
+        best = min(
+            cost(
+                [
+                    [i for i, b in enumerate(blocks) if lo < b <= hi]
+                    for lo, hi in itertools.pairwise([0, *cuts, values[-1]])
+                ],
+                blocks,
+                overhead,
+            )
+            for k in range(len(values))
+            for cuts in itertools.combinations(values[:-1], k)
+        )
+        assert cost(groups, blocks, overhead) == best
+    assert group_decodes([], 16) == []
+    assert group_decodes([7] * 32, 16) == [list(range(32))]
+
+
+def test_decodes_split_into_groups_attend_like_one_group(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grouping decodes by context length changes no token and no log-probability."""
+    import stoic.model._paged as paged
+    import stoic.model._runner as model_runner
+
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    lengths = [3, 5, 20, 41, 60, 9]
+    cache = PagedKVCache(runner.kv_spec(num_blocks=64, block_size=4))
+    tables, start = [], 0
+    for n in lengths:
+        count = -(-(n + 1) // 4)
+        tables.append(tuple(range(start + count - 1, start - 1, -1)))  # scattered, reversed
+        start += count
+    prefill = StepBatch(
+        tuple(
+            SeqChunk(i, tuple(range(100 + i, 100 + i + n)), 0, tables[i], True, params)
+            for i, n in enumerate(lengths)
+        ),
+        tuple(range(start)),
+    )
+    first = runner.execute(prefill, cache).sampled
+    decode = StepBatch(
+        tuple(
+            SeqChunk(i, (first[i].token_id,), n, tables[i], True, params, num_generated=1)
+            for i, n in enumerate(lengths)
+        )
+    )
+    results = {}
+    split = paged.group_decodes
+    for overhead in (10**9, 0):  # one group; then as many groups as distinct lengths
+        monkeypatch.setattr(model_runner, "group_decodes", lambda b, s, o=overhead: split(b, s, o))
+        assert len(model_runner.group_decodes([-(-(n + 1) // 4) for n in lengths], 4)) == (
+            1 if overhead else 6
+        )
+        results[overhead] = runner.execute(decode, cache).sampled
+    one, many = results[10**9], results[0]
+    for i in range(len(lengths)):
+        assert one[i].token_id == many[i].token_id
+        assert one[i].logprob == pytest.approx(many[i].logprob, abs=1e-5)
+        assert [t for t, _ in one[i].top_logprobs] == [t for t, _ in many[i].top_logprobs]
