@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -235,7 +236,7 @@ class Bench:
                         }
                         row, other = await self.guarded(
                             f"ceiling c={c}",
-                            lambda spec=spec: self.worker("loop", spec),
+                            functools.partial(self.worker, "loop", spec),
                             pids,
                         )
                         res = Result("torch decode loop (ceiling)", c, c, [], row.seconds, other)
@@ -371,7 +372,9 @@ class Bench:
             for dtype in ("bfloat16", "float32"):
                 spec = {**base, "dtype": dtype, "batch": batch, "prompt_len": 128, "new_tokens": 32}
                 r, _ = await self.guarded(
-                    f"dtype check {dtype} batch {batch}", lambda s=spec: self.worker("loop", s), []
+                    f"dtype check {dtype} batch {batch}",
+                    functools.partial(self.worker, "loop", spec),
+                    [],
                 )
                 self.dtype_rows.append((dtype, batch, r.tokens_per_s))
                 self.log(f"dtype check {dtype} batch {batch}: {r.tokens_per_s:.1f} tok/s")

@@ -84,7 +84,7 @@ def profile_section(bench: Bench) -> str:
         "|---|---|---:|",
     ]
     for cat in EXECUTOR_CATS:
-        lines.append(f"| executor (`stoic-executor-0`) | {cat} | {p.executor.get(cat, 0):.1%} |")
+        lines.append(f"| executor (`stoic-executor`) | {cat} | {p.executor.get(cat, 0):.1%} |")
     for cat in LOOP_CATS:
         lines.append(f"| event loop (`MainThread`) | {cat} | {p.loop.get(cat, 0):.1%} |")
     lines.append(f"| other threads (busy, sum) | - | {p.other_threads_busy:.1%} |")

@@ -130,14 +130,18 @@ def parse_profile(path: Path, seconds: float, rate: int, command: str) -> Profil
             tids[int(tid.group(1))] = name
         threads[name][tuple(frames[1:])] += int(count)
 
-    def shares(stacks: collections.Counter[tuple[str, ...]], classify: Any, cats: Sequence[str]):
+    def shares(
+        stacks: collections.Counter[tuple[str, ...]], classify: Any, cats: Sequence[str]
+    ) -> dict[str, float]:
         total = sum(stacks.values()) or 1
         out = dict.fromkeys(cats, 0.0)
         for frames, n in stacks.items():
             out[classify(frames)] += n / total
         return out
 
-    def top_self(stacks: collections.Counter[tuple[str, ...]], skip_idle: bool, n: int):
+    def top_self(
+        stacks: collections.Counter[tuple[str, ...]], skip_idle: bool, n: int
+    ) -> list[tuple[str, float]]:
         total = sum(stacks.values()) or 1
         c: collections.Counter[str] = collections.Counter()
         for frames, k in stacks.items():
@@ -145,7 +149,7 @@ def parse_profile(path: Path, seconds: float, rate: int, command: str) -> Profil
                 c[_frame_key(frames[-1])] += k
         return [(f, k / total) for f, k in c.most_common(n)]
 
-    def top_incl(stacks: collections.Counter[tuple[str, ...]], n: int):
+    def top_incl(stacks: collections.Counter[tuple[str, ...]], n: int) -> list[tuple[str, float]]:
         total = sum(stacks.values()) or 1
         c: collections.Counter[str] = collections.Counter()
         for frames, k in stacks.items():

@@ -142,7 +142,7 @@ def timed_serve(stats_path: str, argv: Sequence[str]) -> int:
     from stoic.model import _runner
 
     original = _runner.ModelRunner.execute
-    fresh = {"busy": 0.0, "steps": 0, "last": None, "gaps": []}
+    fresh: dict[str, Any] = {"busy": 0.0, "steps": 0, "last": None, "gaps": []}
     stats: dict[str, Any] = {**fresh, "gaps": [], "since": time.perf_counter(), "current": None}
 
     def execute(self: Any, batch: Any, cache: Any) -> Any:
@@ -208,8 +208,3 @@ def llama_system(work: Path, binary: str, gguf: Path, slots: int) -> System:
 
 def open_log(path: Path) -> Any:
     return path.open("ab")
-
-
-def spawn_logged(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
