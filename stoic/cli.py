@@ -138,6 +138,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="tokens per step (default: 256 on a CPU, 2048 on a GPU, at least --max-num-seqs)",
     )
     g.add_argument("--max-waiting", type=_positive_int, default=d.max_waiting)
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV blocks of prompt prefixes already computed (default: on)",
+    )
     g.add_argument("--block-size", type=_positive_int, default=d.block_size)
     kv = g.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=_positive_int, help="KV cache size in blocks")
@@ -215,6 +221,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_model_len=args.max_model_len,
         max_restarts=args.max_restarts,
         restart_window=args.restart_window,

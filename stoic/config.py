@@ -72,6 +72,9 @@ class EngineConfig:
     #: prefill token costs ~0.4 ms, smaller steps win: measured on 2 cores at 32 clients, 256
     #: gave a TTFT p50 ~15% lower than 512 at the same throughput (docs/benchmarks.md)
     max_num_batched_tokens: int | None = None
+    #: reuse the KV blocks of a prompt prefix already computed (a shared system prompt, earlier
+    #: turns of a chat): those tokens are not computed again
+    enable_prefix_caching: bool = True
     #: requests admitted and not yet finished; beyond it, :class:`~stoic.errors.Overloaded`
     max_waiting: int = 512
     #: context length override (defaults to the model's)

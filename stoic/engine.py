@@ -115,6 +115,10 @@ class EngineStats:
     #: faults injected so far
     faults_injected: int
     state: State
+    #: prompt tokens whose keys/values came from the prefix cache (not computed)
+    prefix_cached_tokens: int = 0
+    #: KV blocks held by the prefix cache (in use or evictable)
+    kv_blocks_cached: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -244,6 +248,7 @@ class Engine:
                 max_num_batched_tokens=cfg.step_token_budget(loaded.device.type),
                 step_timeout=cfg.step_timeout,
                 eos_token_ids=loaded.eos_token_ids,
+                prefix_caching=cfg.enable_prefix_caching,
             ),
             loaded.tokenizer,
             cache_ref,
@@ -517,6 +522,8 @@ class Engine:
             generated_tokens=sched.generated_tokens if sched else 0,
             faults_injected=self._faults.injected,
             state=self._state,
+            prefix_cached_tokens=sched.prefix_cached_tokens if sched else 0,
+            kv_blocks_cached=cache.cached_blocks if cache else 0,
         )
 
     async def inject_fault(self, spec: FaultSpec) -> None:

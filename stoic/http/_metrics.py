@@ -64,6 +64,16 @@ class _EngineCollector:
         )
         yield gauge("stoic_kv_cache_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used)
         yield gauge("stoic_kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total)
+        yield gauge(
+            "stoic_kv_cache_blocks_cached",
+            "KV cache blocks held by the prefix cache (in use or evictable).",
+            stats.kv_blocks_cached,
+        )
+        yield counter(
+            "stoic_prefix_cache_hit_tokens",
+            "Prompt tokens whose keys and values came from the prefix cache.",
+            stats.prefix_cached_tokens,
+        )
         usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
         yield gauge("stoic_kv_cache_usage", "Fraction of KV cache blocks in use (0..1).", usage)
         yield gauge("stoic_executor_incarnation", "Executor incarnation number.", stats.incarnation)

@@ -24,6 +24,8 @@ class FakeStats:
     restarts: int = 0
     failed_sequences: int = 0
     steps: int = 0
+    prefix_cached_tokens: int = 0
+    kv_blocks_cached: int = 0
 
 
 @dataclass(frozen=True)

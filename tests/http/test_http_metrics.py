@@ -28,6 +28,8 @@ EXPECTED = {
     "stoic_request_duration_seconds_bucket",
     "stoic_generation_tokens_total",
     "stoic_prompt_tokens_total",
+    "stoic_prefix_cache_hit_tokens_total",
+    "stoic_kv_cache_blocks_cached",
 }
 
 
@@ -64,6 +66,8 @@ async def test_metrics_parse_and_count(
     assert after[ttft] == before.get(ttft, 0) + 1
     stats = engine.stats()
     assert after[("stoic_kv_cache_blocks_total", "")] == stats.kv_blocks_total
+    assert after[("stoic_prefix_cache_hit_tokens_total", "")] == stats.prefix_cached_tokens
+    assert after[("stoic_kv_cache_blocks_cached", "")] == stats.kv_blocks_cached
     assert after[("stoic_executor_restarts_total", "")] == stats.restarts
     assert after[("stoic_engine_state", "state=serving")] == 1.0
 

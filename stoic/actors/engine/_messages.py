@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...model import SamplingParams, StepBatch, StepOutput
@@ -20,6 +20,7 @@ __all__ = [
     "Allocation",
     "CacheMsg",
     "CacheStats",
+    "CommitBlocks",
     "Drain",
     "DropAll",
     "EngineFailedNotice",
@@ -130,6 +131,8 @@ class SchedulerStats:
     max_batch_size: int
     prompt_tokens: int
     generated_tokens: int
+    #: prompt tokens whose keys/values came from the prefix cache instead of being computed
+    prefix_cached_tokens: int = 0
 
 
 SchedulerMsg = (
@@ -152,14 +155,30 @@ class Allocation:
     free_blocks: int
     #: blocks granted for the first time since the tensors were (re)created
     fresh_blocks: tuple[int, ...] = ()
+    #: per sequence that asked with a prefix: how many leading blocks it shares from the cache
+    cached_blocks: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class AllocateBlocks:
-    """Grow each ``(seq_id, new_blocks)``; all-or-nothing. Replies :class:`Allocation`."""
+    """Grow each ``(seq_id, total_blocks)`` table to that size; all-or-nothing. Replies
+    :class:`Allocation` (or fails with ``OutOfBlocks``, allocating nothing).
+
+    ``prefixes``: ``(seq_id, block_hashes)`` of sequences with no blocks yet; each first takes the
+    cached blocks of its longest cached prefix (prefix caching), then grows.
+    """
 
     grants: tuple[tuple[int, int], ...]
     reply: Reply[Allocation]
+    prefixes: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CommitBlocks:
+    """``(seq_id, first_block_index, block_hashes)``: those blocks are full and written by a
+    completed step; cache them for reuse by later sequences with the same prefix."""
+
+    entries: tuple[tuple[int, int, tuple[bytes, ...]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +208,10 @@ class CacheStats:
     sequences: int
     tensors_allocated: bool
     drops: int
+    #: blocks held by the prefix cache (in use or evictable)
+    cached_blocks: int = 0
+    #: cached blocks handed out again because no block was free
+    evictions: int = 0
 
     @property
     def usage(self) -> float:
@@ -200,7 +223,7 @@ class GetCacheStats:
     reply: Reply[CacheStats]
 
 
-CacheMsg = AllocateBlocks | FreeBlocks | DropAll | AcquireKV | GetCacheStats
+CacheMsg = AllocateBlocks | CommitBlocks | FreeBlocks | DropAll | AcquireKV | GetCacheStats
 
 
 # ---- Executor ------------------------------------------------------------------------------------

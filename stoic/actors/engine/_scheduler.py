@@ -27,6 +27,7 @@ from ._messages import (
     Allocation,
     CacheMsg,
     CacheStats,
+    CommitBlocks,
     Drain,
     EngineFailedNotice,
     ExecutorDown,
@@ -40,7 +41,7 @@ from ._messages import (
     StepResult,
     StepTimeout,
 )
-from ._sequence import SeqStatus, Sequence
+from ._sequence import SeqStatus, Sequence, block_hashes
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -56,6 +57,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     step_timeout: float
     eos_token_ids: frozenset[int]
+    #: share the KV blocks of equal prompt prefixes between sequences
+    prefix_caching: bool = True
 
 
 @dataclass
@@ -110,6 +113,9 @@ class Scheduler(Actor[SchedulerMsg]):
         self._last_progress = time.monotonic()
         #: sequences whose blocks are to be returned (sent before the next allocation)
         self._to_free: list[int] = []
+        #: full blocks to put in the prefix cache (sent before the frees)
+        self._to_commit: list[tuple[int, int, tuple[bytes, ...]]] = []
+        self._prefix_cached_tokens = 0
 
     # -- message handling -----------------------------------------------------------------------
     async def receive(self, message: SchedulerMsg) -> None:
@@ -119,6 +125,9 @@ class Scheduler(Actor[SchedulerMsg]):
             await self._flush_frees()
 
     async def _flush_frees(self) -> None:
+        if self._to_commit:
+            entries, self._to_commit = tuple(self._to_commit), []
+            await self._cache.tell(CommitBlocks(entries))
         if self._to_free:
             seq_ids, self._to_free = tuple(self._to_free), []
             await self._cache.tell(FreeBlocks(seq_ids))
@@ -187,6 +196,7 @@ class Scheduler(Actor[SchedulerMsg]):
             max_batch_size=self._max_batch,
             prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated,
+            prefix_cached_tokens=self._prefix_cached_tokens,
         )
 
     # -- admission and removal ------------------------------------------------------------------
@@ -228,6 +238,7 @@ class Scheduler(Actor[SchedulerMsg]):
         if seq.block_table:
             self._free_blocks += len(seq.block_table)
             seq.block_table = ()
+            seq.committed_blocks = 0
             self._to_free.append(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -253,16 +264,23 @@ class Scheduler(Actor[SchedulerMsg]):
         if not plan:
             return
         grants = []
+        prefixes = []
         for p in plan:
-            need = self._blocks_for(p.seq.num_computed + p.n_tokens) - len(p.seq.block_table)
-            if need > 0:
-                grants.append((p.seq.seq_id, need))
+            total = self._blocks_for(p.seq.num_computed + p.n_tokens)
+            if total > len(p.seq.block_table):
+                grants.append((p.seq.seq_id, total))
+            if self.cfg.prefix_caching and p.seq.num_computed == 0 and not p.seq.block_table:
+                # leave at least the last token to compute: its logits give the first sample
+                count = (len(p.seq.all_ids) - 1) // self.cfg.block_size
+                if count:
+                    prefixes.append((p.seq.seq_id, self._hashes(p.seq, count)))
         await self._flush_frees()
         fresh: tuple[int, ...] = ()
         if grants:
             try:
                 allocation: Allocation = await self._cache.ask(
-                    lambda r: AllocateBlocks(tuple(grants), r), timeout=_ASK_TIMEOUT
+                    lambda r: AllocateBlocks(tuple(grants), r, tuple(prefixes)),
+                    timeout=_ASK_TIMEOUT,
                 )
             except OutOfBlocks:
                 # our free-block estimate drifted: refresh it and plan again on the next event
@@ -284,8 +302,14 @@ class Scheduler(Actor[SchedulerMsg]):
                 table = allocation.tables.get(p.seq.seq_id)
                 if table is not None:
                     p.seq.block_table = table
+            if allocation.cached_blocks:
+                plan = self._skip_cached(plan, allocation.cached_blocks)
         if not self._can_step():
             return  # the executor went down while we were allocating
+        if not plan:
+            # every planned token was found in the prefix cache: plan the rest now
+            await self._maybe_step(retry=retry)
+            return
         chunks = tuple(
             SeqChunk(
                 seq_id=p.seq.seq_id,
@@ -347,6 +371,30 @@ class Scheduler(Actor[SchedulerMsg]):
             plan.append(_Planned(seq, n, sample=n == seq.remaining))
         return plan
 
+    def _hashes(self, seq: Sequence, count: int) -> tuple[bytes, ...]:
+        return block_hashes(seq.all_ids, self.cfg.block_size, count, seq.hashes)
+
+    def _skip_cached(self, plan: list[_Planned], cached: dict[int, int]) -> list[_Planned]:
+        """Start the sequences that share cached blocks after them; drop emptied chunks."""
+        kept = []
+        for p in plan:
+            blocks = cached.get(p.seq.seq_id, 0)
+            if blocks:
+                seq = p.seq
+                skipped = blocks * self.cfg.block_size
+                end = seq.num_computed + p.n_tokens
+                seq.num_computed = skipped
+                seq.committed_blocks = blocks
+                self._prefix_cached_tokens += skipped
+                p.n_tokens = max(0, end - skipped)
+                p.sample = p.n_tokens == seq.remaining
+                self.context.log.debug(
+                    "sequence.prefix_cached", request_id=seq.request_id, tokens=skipped
+                )
+            if p.n_tokens:
+                kept.append(p)
+        return kept
+
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.cfg.block_size)
 
@@ -371,6 +419,8 @@ class Scheduler(Actor[SchedulerMsg]):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted, preempted or stopped while the step ran
             seq.num_computed += p.n_tokens
+            if self.cfg.prefix_caching:
+                self._commit_full_blocks(seq)
             token = msg.output.sampled.get(seq.seq_id)
             if p.sample and token is not None:
                 seq.append(token, self.cfg.eos_token_ids)
@@ -387,6 +437,14 @@ class Scheduler(Actor[SchedulerMsg]):
                 seq.stream.finish(seq.finish_reason, seq.stop_reason)
                 self._remove(seq)
         self._progress()
+
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        """Queue the blocks this step filled for the prefix cache."""
+        full = min(seq.num_computed // self.cfg.block_size, len(seq.block_table))
+        if full > seq.committed_blocks:
+            hashes = self._hashes(seq, full)[seq.committed_blocks :]
+            self._to_commit.append((seq.seq_id, seq.committed_blocks, hashes))
+            seq.committed_blocks = full
 
     def _release_blocks(self, seq: Sequence) -> None:
         if seq in self._running:
@@ -422,6 +480,7 @@ class Scheduler(Actor[SchedulerMsg]):
         self._by_request.clear()
         self._free_blocks = self.cfg.num_blocks  # the cache manager drops everything next
         self._to_free.clear()
+        self._to_commit.clear()
         self._failed_sequences += count
         self.context.log.warning(
             "scheduler.sequences_failed", count=count, kind=kind, executor_incarnation=incarnation

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
@@ -11,7 +13,25 @@ from ...errors import PartialOutput
 from ...model import SampledToken, SamplingParams
 from ._stream import FinishReason, ResultStream, TokenLogprob
 
-__all__ = ["SeqStatus", "Sequence"]
+__all__ = ["SeqStatus", "Sequence", "block_hashes"]
+
+
+def block_hashes(
+    token_ids: list[int], block_size: int, count: int, known: list[bytes]
+) -> tuple[bytes, ...]:
+    """Content hashes of the first ``count`` full blocks of ``token_ids``, extending ``known``.
+
+    Block ``i``'s hash covers every token up to its end (a chain: ``blake2b(hash[i-1] +
+    tokens of block i)``), so equal hashes mean equal prefixes, hence equal keys and values. A
+    128-bit cryptographic hash rather than Python's ``hash()``: a collision would silently give a
+    request another prompt's cache, and token ids are attacker-chosen input.
+    """
+    while len(known) < count:
+        i = len(known)
+        parent = known[-1] if known else b""
+        block = array("i", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        known.append(hashlib.blake2b(parent + block, digest_size=16).digest())
+    return tuple(known[:count])
 
 
 class SeqStatus(enum.Enum):
@@ -38,7 +58,9 @@ class Sequence:
         "all_ids",
         "arrival",
         "block_table",
+        "committed_blocks",
         "finish_reason",
+        "hashes",
         "max_tokens",
         "num_computed",
         "params",
@@ -72,6 +94,10 @@ class Sequence:
         self.arrival = arrival
         self.num_computed = 0
         self.block_table: tuple[int, ...] = ()
+        #: leading blocks of ``block_table`` already in the prefix cache
+        self.committed_blocks = 0
+        #: content hashes of full blocks, computed as needed (see :func:`block_hashes`)
+        self.hashes: list[bytes] = []
         self.status = SeqStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None

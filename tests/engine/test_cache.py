@@ -1,0 +1,152 @@
+"""The block allocator and its prefix cache (no model: pure bookkeeping)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from stoic.actors.engine import BlockAllocator, OutOfBlocks
+from stoic.actors.engine._sequence import block_hashes
+
+
+def _hashes(tokens: list[int], count: int, block_size: int = 4) -> tuple[bytes, ...]:
+    return block_hashes(tokens, block_size, count, [])
+
+
+def _check_invariant(a: BlockAllocator) -> None:
+    """Every block is free, evictable, or held by tables exactly as often as it is referenced."""
+    held: dict[int, int] = {}
+    for table in a._tables.values():
+        for block in table:
+            held[block] = held.get(block, 0) + 1
+    assert held == a._refs
+    free, evictable = set(a._free), set(a._evictable)
+    assert len(free) == len(a._free), "a block is twice in the free list"
+    assert not free & evictable and not free & set(held) and not evictable & set(held)
+    assert free | evictable | set(held) == set(range(a.num_blocks))
+    assert evictable <= set(a._hash_of)
+    assert {b: h for h, b in a._by_hash.items()} == a._hash_of
+    assert a.free_blocks == len(free) + len(evictable)
+
+
+def test_equal_prefixes_hash_equal_and_any_difference_changes_every_later_hash() -> None:
+    """Block hashes chain: block i's hash depends on every token before its end."""
+    a = list(range(12))
+    b = [*range(5), 99, *range(6, 12)]  # differs in block 1 only
+    ha, hb = _hashes(a, 3), _hashes(b, 3)
+    assert ha[0] == hb[0]
+    assert ha[1] != hb[1] and ha[2] != hb[2]
+    assert _hashes(a, 2) == ha[:2]
+    known: list[bytes] = []
+    assert block_hashes(a, 4, 1, known) == ha[:1]
+    assert block_hashes(a, 4, 3, known) == ha, "extending a known chain gives the same hashes"
+
+
+def test_a_committed_prefix_is_shared_and_reference_counted() -> None:
+    """A second sequence with the same prefix shares the committed blocks; freeing one owner keeps
+    them in use, freeing both leaves them cached (evictable), not free."""
+    alloc = BlockAllocator(8)
+    tokens = list(range(10))
+    alloc.grow(((1, 3),))
+    assert alloc.commit(1, 0, _hashes(tokens, 2)) == 2
+    assert alloc.match(2, _hashes(tokens, 2)) == 2
+    assert alloc.table(2) == alloc.table(1)[:2]
+    alloc.grow(((2, 3),))
+    assert alloc.table(2)[2] != alloc.table(1)[2], "the unshared tail gets its own block"
+    _check_invariant(alloc)
+    alloc.free(1)
+    assert alloc.used_blocks == 3  # sequence 2's three blocks
+    _check_invariant(alloc)
+    alloc.free(2)
+    assert alloc.used_blocks == 0 and alloc.free_blocks == 8 and alloc.cached_blocks == 2
+    _check_invariant(alloc)
+    assert alloc.match(3, _hashes(tokens, 2)) == 2, "cached blocks outlive their sequences"
+    _check_invariant(alloc)
+
+
+def test_match_stops_at_the_first_uncached_block() -> None:
+    """Only a leading run of cached blocks is shared; a sequence with blocks shares nothing."""
+    alloc = BlockAllocator(8)
+    tokens = list(range(12))
+    alloc.grow(((1, 3),))
+    alloc.commit(1, 0, _hashes(tokens, 1))
+    other = [*range(4), 50, 51, 52, 53, *range(8, 12)]
+    assert alloc.match(2, _hashes(other, 3)) == 1
+    assert alloc.match(2, _hashes(tokens, 1)) == 0, "a sequence with blocks already matches nothing"
+    assert alloc.match(3, _hashes([7, 7, 7, 7], 1)) == 0 and alloc.table(3) == ()
+    _check_invariant(alloc)
+
+
+def test_cached_blocks_are_evicted_least_recently_used_only_when_none_is_free() -> None:
+    """Allocation takes free blocks first, then the least recently released cached block, whose
+    hash is forgotten so that no later sequence can match stale contents."""
+    alloc = BlockAllocator(4)
+    first, second = [1, 1, 1, 1], [2, 2, 2, 2]
+    for seq_id, tokens in ((1, first), (2, second)):
+        alloc.grow(((seq_id, 1),))
+        alloc.commit(seq_id, 0, _hashes(tokens, 1))
+    alloc.free(1)
+    alloc.free(2)
+    alloc.grow(((3, 2),))  # the two never-used blocks
+    assert alloc.evictions == 0 and alloc.cached_blocks == 2
+    alloc.grow(((4, 1),))  # must evict: the least recently freed is sequence 1's block
+    assert alloc.evictions == 1
+    assert alloc.match(5, _hashes(first, 1)) == 0
+    assert alloc.match(6, _hashes(second, 1)) == 1
+    _check_invariant(alloc)
+    with pytest.raises(OutOfBlocks):
+        alloc.grow(((7, 1),))  # every block is now held
+    _check_invariant(alloc)
+
+
+def test_a_hash_computed_twice_keeps_its_first_block() -> None:
+    """Two sequences computing the same prefix at once: the second commit is a no-op."""
+    alloc = BlockAllocator(4)
+    tokens = [3, 3, 3, 3]
+    alloc.grow(((1, 1), (2, 1)))
+    assert alloc.commit(1, 0, _hashes(tokens, 1)) == 1
+    assert alloc.commit(2, 0, _hashes(tokens, 1)) == 0
+    alloc.free(2)
+    assert alloc.free_blocks == 3 and alloc.cached_blocks == 1, "the duplicate went back free"
+    _check_invariant(alloc)
+
+
+def test_free_all_forgets_the_prefix_cache() -> None:
+    """After a drop nothing is cached: the tensors holding those keys and values are gone."""
+    alloc = BlockAllocator(4)
+    alloc.grow(((1, 2),))
+    alloc.commit(1, 0, _hashes(list(range(8)), 2))
+    assert alloc.free_all() == 2
+    assert alloc.cached_blocks == 0 and alloc.free_blocks == 4
+    assert alloc.match(2, _hashes(list(range(8)), 2)) == 0
+    _check_invariant(alloc)
+
+
+def test_random_operations_keep_every_block_accounted_for() -> None:
+    """A seeded random mix of match/grow/commit/free/free_all never breaks the invariant, and an
+    allocation that does not fit changes nothing."""
+    rng = random.Random(0)
+    alloc = BlockAllocator(12)
+    prompts = [[rng.randrange(3) for _ in range(16)] for _ in range(4)]
+    owner: dict[int, list[int]] = {}
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.3:
+            seq_id, tokens = step, rng.choice(prompts)
+            owner[seq_id] = tokens
+            alloc.match(seq_id, _hashes(tokens, rng.randint(0, 4)))
+            before = (dict(alloc._refs), list(alloc._free), list(alloc._evictable))
+            try:
+                alloc.grow(((seq_id, rng.randint(1, 4)),))
+            except OutOfBlocks:
+                assert (dict(alloc._refs), list(alloc._free), list(alloc._evictable)) == before
+        elif op < 0.6 and alloc._tables:
+            seq_id = rng.choice(list(alloc._tables))
+            n = len(alloc.table(seq_id))
+            alloc.commit(seq_id, 0, _hashes(owner[seq_id], n))
+        elif op < 0.98 and alloc._tables:
+            alloc.free(rng.choice(list(alloc._tables)))
+        else:
+            alloc.free_all()
+        _check_invariant(alloc)
