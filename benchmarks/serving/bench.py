@@ -59,6 +59,7 @@ class Bench:
         self.profile: Profile | None = None
         self.profiled_pass: Result | None = None
         self.notes: list[str] = []
+        self.passes = 0
         self.started = time.time()
         self.load_before = Path("/proc/loadavg").read_text().split()[:3]
         self.load_after: list[str] = []
@@ -110,14 +111,20 @@ class Bench:
                 return False
             self.log(f"waiting for quiet: others use {other:.0%} of the CPU ({busiest})")
 
+    def tagged(self, prompts: Sequence[Any]) -> list[Any]:
+        """The prompts with a new tag for this pass (see :func:`tag_prompts`)."""
+        self.passes += 1
+        return tag_prompts(prompts, f"[pass {self.passes}] ")
+
     async def measure(
         self, system: System, prompts: Sequence[Any], concurrency: int, pids: Sequence[int]
     ) -> Result:
-        bodies = [system.body(p, self.s.max_tokens) for p in prompts]
         url = system.url + "/v1/chat/completions"
         pid = system.proc.pid if system.proc else 0
 
         async def run() -> tuple[list[RequestRecord], float, Any, Any]:
+            # tagged per attempt: a repeat after a noisy run must not find its prompts cached
+            bodies = [system.body(p, self.s.max_tokens) for p in self.tagged(prompts)]
             await system.step_stats()  # reset
             before = schedstat(pid)
             records, seconds = await run_load(url, bodies, concurrency, budget=self.s.budget)
@@ -215,7 +222,7 @@ class Bench:
                         add_special_tokens=False,
                     )
                 )
-                for p in prompts_all
+                for p in tag_prompts(prompts_all, "[pass 10] ")
             ]
             self.prompt_len = round(statistics.mean(lengths))
             self.prompt_range = (min(lengths), max(lengths))
@@ -271,7 +278,7 @@ class Bench:
         out = self.s.work / "stoic-c32.pyspy.txt"
         argv = [pyspy, "record", "--threads", "--idle", "--nonblocking", "-r", str(self.s.rate)]
         argv += ["-d", str(window), "-f", "raw", "-p", str(system.proc.pid), "-o", str(out)]
-        bodies = [system.body(p, self.s.max_tokens) for p in prompts]
+        bodies = [system.body(p, self.s.max_tokens) for p in self.tagged(prompts)]
         url = system.url + "/v1/chat/completions"
         pid = system.proc.pid
         watch = CpuWatch(pids)
@@ -395,6 +402,19 @@ class Bench:
         await self.api_phase(model_dir)
 
 
+def tag_prompts(prompts: Sequence[Any], tag: str) -> list[Any]:
+    """``prompts`` with ``tag`` in front of each user message.
+
+    Every pass (each system, level, repeat and the profiled pass) gets its own tag, so a server's
+    prefix cache cannot reuse an earlier pass's prompts: it can share only what the requests of one
+    pass have in common (the chat template's system prompt), as it would in production.
+    """
+    return [
+        [{**m, "content": tag + m["content"]} if m["role"] == "user" else m for m in p]
+        for p in prompts
+    ]
+
+
 async def drive_endpoint(args: argparse.Namespace) -> None:
     """``--url``: drive one endpoint at each concurrency and print the table."""
     extra: dict[str, Any] = json.loads(args.extra_body) if args.extra_body else {}
@@ -402,7 +422,8 @@ async def drive_endpoint(args: argparse.Namespace) -> None:
     results = []
     for c in CONCURRENCY:
         n = (args.requests or {1: 16, 8: 64, 32: 128}[c]) if not args.quick else max(4, c)
-        bodies = [system.body(p, args.max_tokens) for p in eb.mixed_prompts(n)]
+        prompts = tag_prompts(eb.mixed_prompts(n), f"[c={c}] ")
+        bodies = [system.body(p, args.max_tokens) for p in prompts]
         records, seconds = await run_load(
             args.url.rstrip("/") + "/v1/chat/completions", bodies, c, budget=args.budget
         )

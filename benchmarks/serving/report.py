@@ -205,7 +205,10 @@ The sections below this one, measured with `benchmarks/engine_bench.py` and
 
 {per_level} requests: the first N of `engine_bench.mixed_prompts(seed=0)` (chat messages of 8-320
 random words; {bench.prompt_range[0]}-{bench.prompt_range[1]} prompt tokens, mean
-{bench.prompt_len}), streamed (`/v1/chat/completions`, SSE), greedy, `max_tokens`
+{bench.prompt_len}), each user message prefixed with a tag new for every pass (`[pass N] `, so
+no server's prefix cache can reuse an earlier pass's prompts: stoic's, on by default, shares only
+what the requests of one pass share, the chat template's system prompt, one 16-token block),
+streamed (`/v1/chat/completions`, SSE), greedy, `max_tokens`
 {bench.s.max_tokens} with EOS ignored (stoic: `ignore_eos`; transformers serve: a per-request
 `generation_config` with `eos_token_id: -1`), from C closed-loop clients. The servers, both up for
 the whole phase and idle when not measured; at each level every system is measured in turn, the
