@@ -20,6 +20,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,19 @@ def mixed_prompts(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
         text = " ".join(rng.choice(WORDS) for _ in range(words))
         out.append([{"role": "user", "content": f"({i}) Summarise these words: {text}"}])
     return out
+
+
+def tag_prompts(prompts: Sequence[Any], tag: str) -> list[Any]:
+    """``prompts`` with ``tag`` in front of each user message.
+
+    Give every measured pass its own tag, so that a prefix cache cannot reuse an earlier pass's
+    prompts: it can share only what the requests of one pass have in common (the chat template's
+    system prompt), as it would in production.
+    """
+    return [
+        [{**m, "content": tag + m["content"]} if m["role"] == "user" else m for m in p]
+        for p in prompts
+    ]
 
 
 async def stoic_mixed(engine: Any, prompts: list[Any], concurrency: int, max_tokens: int) -> Row:
@@ -226,6 +240,7 @@ async def main() -> None:
         await stoic_mixed(engine, prompts[:4], 4, 8)  # warm-up
         for concurrency in (1, 8, 32):
             work = prompts if concurrency > 1 else prompts[: max(4, args.requests // 4)]
+            work = tag_prompts(work, f"[c={concurrency}] ")
             rows.append(await stoic_mixed(engine, work, concurrency, args.max_tokens))
         rows.append(await stoic_steady(engine, 32, 128, 128))
         stats = engine.stats()
@@ -233,7 +248,10 @@ async def main() -> None:
     rows.insert(
         0,
         hf_one_at_a_time(
-            ref.model, ref.tokenizer, prompts[: args.baseline_requests], args.max_tokens
+            ref.model,
+            ref.tokenizer,
+            tag_prompts(prompts[: args.baseline_requests], "[c=1] "),
+            args.max_tokens,
         ),
     )
     rows.append(torch_decode_loop(ref.model, 32, 128, 128))

@@ -67,10 +67,11 @@ class EngineConfig:
     #: sequences decoding at once
     max_num_seqs: int = 64
     #: tokens per step (decode tokens + prefill chunks); ``None``: 256 on a CPU, 2048 on a GPU,
-    #: and never fewer than ``max_num_seqs``. The step's duration bounds time to first token (a
-    #: request arriving mid-step waits for that step, then for its own), so on a CPU, where a
-    #: prefill token costs ~0.4 ms, smaller steps win: measured on 2 cores at 32 clients, 256
-    #: gave a TTFT p50 ~15% lower than 512 at the same throughput (docs/benchmarks.md)
+    #: and never fewer than ``max_num_seqs``. A step with prefill stalls every decoding sequence
+    #: for its whole duration, and a request arriving mid-step waits for it: on a CPU, where a
+    #: prefill token costs ~0.45 ms, 256 halves those stalls against 512 (inter-token latency p99
+    #: at 32 clients 233 vs 342 ms on 2 cores) at about the same throughput and TTFT
+    #: (docs/benchmarks.md, "Step budget")
     max_num_batched_tokens: int | None = None
     #: reuse the KV blocks of a prompt prefix already computed (a shared system prompt, earlier
     #: turns of a chat): those tokens are not computed again

@@ -26,7 +26,9 @@ CONCURRENCY = (1, 8, 32)
 # stoic's defaults on this machine, passed to every server so they hold the same KV capacity
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 2912  # 1 GiB of bfloat16 KV for SmolLM2-135M: 46,592 tokens
-MAX_BATCHED_TOKENS = 256  # stoic's CPU default; transformers serve gets the same (its TTFT was
+MAX_BATCHED_TOKENS = (
+    256  # stoic's CPU default; transformers serve gets the same (in one comparison its TTFT was
+)
 # lower at 256 than at 512 here, at the same throughput)
 MAX_NUM_SEQS = 64
 # a measurement during which other processes used more of the machine's CPU is repeated

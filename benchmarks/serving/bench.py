@@ -112,9 +112,9 @@ class Bench:
             self.log(f"waiting for quiet: others use {other:.0%} of the CPU ({busiest})")
 
     def tagged(self, prompts: Sequence[Any]) -> list[Any]:
-        """The prompts with a new tag for this pass (see :func:`tag_prompts`)."""
+        """The prompts with a new tag for this pass (see :func:`engine_bench.tag_prompts`)."""
         self.passes += 1
-        return tag_prompts(prompts, f"[pass {self.passes}] ")
+        return eb.tag_prompts(prompts, f"[pass {self.passes}] ")
 
     async def measure(
         self, system: System, prompts: Sequence[Any], concurrency: int, pids: Sequence[int]
@@ -222,7 +222,7 @@ class Bench:
                         add_special_tokens=False,
                     )
                 )
-                for p in tag_prompts(prompts_all, "[pass 10] ")
+                for p in eb.tag_prompts(prompts_all, "[pass 10] ")
             ]
             self.prompt_len = round(statistics.mean(lengths))
             self.prompt_range = (min(lengths), max(lengths))
@@ -402,19 +402,6 @@ class Bench:
         await self.api_phase(model_dir)
 
 
-def tag_prompts(prompts: Sequence[Any], tag: str) -> list[Any]:
-    """``prompts`` with ``tag`` in front of each user message.
-
-    Every pass (each system, level, repeat and the profiled pass) gets its own tag, so a server's
-    prefix cache cannot reuse an earlier pass's prompts: it can share only what the requests of one
-    pass have in common (the chat template's system prompt), as it would in production.
-    """
-    return [
-        [{**m, "content": tag + m["content"]} if m["role"] == "user" else m for m in p]
-        for p in prompts
-    ]
-
-
 async def drive_endpoint(args: argparse.Namespace) -> None:
     """``--url``: drive one endpoint at each concurrency and print the table."""
     extra: dict[str, Any] = json.loads(args.extra_body) if args.extra_body else {}
@@ -422,7 +409,7 @@ async def drive_endpoint(args: argparse.Namespace) -> None:
     results = []
     for c in CONCURRENCY:
         n = (args.requests or {1: 16, 8: 64, 32: 128}[c]) if not args.quick else max(4, c)
-        prompts = tag_prompts(eb.mixed_prompts(n), f"[c={c}] ")
+        prompts = eb.tag_prompts(eb.mixed_prompts(n), f"[c={c}] ")
         bodies = [system.body(p, args.max_tokens) for p in prompts]
         records, seconds = await run_load(
             args.url.rstrip("/") + "/v1/chat/completions", bodies, c, budget=args.budget
