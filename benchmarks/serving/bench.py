@@ -60,6 +60,8 @@ class Bench:
         self.profiled_pass: Result | None = None
         self.notes: list[str] = []
         self.passes = 0
+        #: llama.cpp's command line and ``--version`` output, when it was measured
+        self.llama: tuple[list[str], str] | None = None
         self.started = time.time()
         self.load_before = Path("/proc/loadavg").read_text().split()[:3]
         self.load_after: list[str] = []
@@ -208,6 +210,14 @@ class Bench:
                     self.s.work, self.s.llama_server, default_gguf_path(), max(CONCURRENCY)
                 )
                 self.log(f"starting {llama.name}: {' '.join(llama.argv)}")
+                proc = await asyncio.create_subprocess_exec(
+                    self.s.llama_server,
+                    "--version",
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                )
+                out, _ = await proc.communicate()
+                self.llama = (llama.argv, " ".join(out.decode(errors="replace").split()))
                 await llama.start()
                 await self.warm(llama)
                 systems.append(llama)

@@ -120,6 +120,28 @@ def quantile(values: Sequence[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+#: every pooled connection may be stale at once: one retry per client, plus the first try
+_STALE_RETRIES = 33
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], limit_s: float
+) -> aiohttp.ClientResponse:
+    """POST, retried on another connection while kept-alive ones turn out closed.
+
+    Servers may close idle or much-used keep-alive connections (llama.cpp's cpp-httplib closes
+    each after 5 requests); aiohttp then fails the next request on that connection before
+    anything was sent ("Can not write request body"), which says nothing about the server.
+    """
+    timeout = aiohttp.ClientTimeout(total=limit_s)
+    for _ in range(_STALE_RETRIES):
+        try:
+            return await session.post(url, json=body, timeout=timeout)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            continue  # that connection is dropped from the pool; the next try takes another
+    return await session.post(url, json=body, timeout=timeout)
+
+
 async def one_request(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], limit_s: float
 ) -> RequestRecord:
@@ -129,9 +151,7 @@ async def one_request(
     chunks = 0
     last = 0.0
     try:
-        async with session.post(
-            url, json=body, timeout=aiohttp.ClientTimeout(total=limit_s)
-        ) as resp:
+        async with await _post(session, url, body, limit_s) as resp:
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 rec.e2e = time.perf_counter() - start

@@ -53,6 +53,11 @@ def targets(bench: Bench) -> list[tuple[str, str, str, str]]:
     tt = ratio(s32.ttft(0.5) if s32 else None, t32.ttft(0.5) if t32 else None)
     label = f"mixed c={top}: stoic / transformers serve TTFT p50"
     add(label, "<= 0.33x", tt, ".3f", lambda v: v <= 1 / 3)
+    l32 = find(bench.results, "llama.cpp", top)
+    if l32 is not None:
+        label = f"mixed c={top}: stoic / llama.cpp server tokens/s (no request failed)"
+        clean = l32.errors == 0 and (s32 is None or s32.errors == 0)
+        add(label, "> 1x", speed(s32, l32) if clean else None, ".2f", lambda v: v > 1)
     api = {(r.system, r.workload): r for r in bench.api_rows}
     steady = api.get(("stoic (Python API)", "steady decode"))
     loop = api.get(("torch decode loop (ceiling)", "steady decode"))
@@ -79,6 +84,21 @@ def targets(bench: Bench) -> list[tuple[str, str, str, str]]:
     ceil32 = find(bench.results, "torch", top)
     add(f"mixed c={top}: stoic serve / decode-only ceiling", "(info)", speed(s32, ceil32), ".1%")
     return rows
+
+
+def llama_bullet(bench: Bench) -> str:
+    """The systems-list entry for llama.cpp's server (empty when it was not measured)."""
+    if bench.llama is None:
+        return ""
+    argv, version = bench.llama
+    shown = " ".join(["llama-server", *argv[1:]])
+    shown = shown.replace(argv[argv.index("-m") + 1], "<the default GGUF file>")
+    return (
+        f"- `{shown}` ({version}): llama.cpp's own server, continuous batching over "
+        f"{max(CONCURRENCY)} parallel slots, on the GGUF file itself, so its weights stay 4-bit "
+        "(Q4_1) where stoic and transformers run them de-quantised to bfloat16 (its home ground); "
+        "`ignore_eos` per request;\n"
+    )
 
 
 def plot(bench: Bench, path: Path) -> None:
@@ -222,7 +242,7 @@ order rotating from level to level:
   --cb-block-size {BLOCK_SIZE} --cb-num-blocks {NUM_KV_BLOCKS} --cb-max-batch-tokens
   {MAX_BATCHED_TOKENS}`: the same KV capacity (46,592 tokens) and tokens per step, offline
   (`HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1`); measured as **{tname}**;
-- the ceiling: `engine_bench.torch_decode_loop` (batched decode with a `DynamicCache`) at batch =
+{llama_bullet(bench)}- the ceiling: `engine_bench.torch_decode_loop` (batched decode with a `DynamicCache`) at batch =
   C, {bench.prompt_len}-token prompts, {bench.s.max_tokens} new tokens, in a fresh process; the
   faster of the model's default attention (SDPA) and eager attention. It is decode only (no
   prefill, no HTTP, no scheduling), but it is not an upper bound for stoic: transformers' SDPA
