@@ -69,8 +69,8 @@ class EngineConfig:
     #: tokens per step (decode tokens + prefill chunks); ``None``: 256 on a CPU, 2048 on a GPU,
     #: and never fewer than ``max_num_seqs``. A step with prefill stalls every decoding sequence
     #: for its whole duration, and a request arriving mid-step waits for it: on a CPU, where a
-    #: prefill token costs ~0.45 ms, 256 halves those stalls against 512 (inter-token latency p99
-    #: at 32 clients 233 vs 342 ms on 2 cores) at about the same throughput and TTFT
+    #: prefill token costs ~0.45 ms, 256 shortens those stalls against 512 (inter-token latency
+    #: p99 at 32 clients 201-233 vs 342 ms on 2 cores) at about the same throughput and TTFT
     #: (docs/benchmarks.md, "Step budget")
     max_num_batched_tokens: int | None = None
     #: reuse the KV blocks of a prompt prefix already computed (a shared system prompt, earlier
