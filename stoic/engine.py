@@ -153,6 +153,11 @@ class RequestStream:
         self.request_id = stream.request_id
         self.prompt_tokens = stream.prompt_tokens
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (0 until the request is scheduled)."""
+        return self._stream.cached_tokens
+
     def __aiter__(self) -> RequestStream:
         return self
 

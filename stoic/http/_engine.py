@@ -26,6 +26,9 @@ class RequestStreamLike(Protocol):
     @property
     def prompt_tokens(self) -> int: ...
 
+    @property
+    def cached_tokens(self) -> int: ...
+
     def __aiter__(self) -> AsyncIterator[Delta]: ...
 
     async def aclose(self) -> None:

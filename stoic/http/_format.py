@@ -56,11 +56,12 @@ class ChoiceState:
         return PartialOutput(text="".join(self.text), token_ids=tuple(self.token_ids))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -91,14 +92,19 @@ class ResponseFormat:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
-    def full(self, choices: list[ChoiceState], prompt_tokens: int) -> dict[str, Any]:
+    def full(
+        self, choices: list[ChoiceState], prompt_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         body = self._envelope(self.object_full, [self.full_choice(c) for c in choices])
-        body["usage"] = usage(prompt_tokens, sum(c.completion_tokens for c in choices))
+        completion = sum(c.completion_tokens for c in choices)
+        body["usage"] = usage(prompt_tokens, completion, cached_tokens)
         return body
 
     # -- per kind ---------------------------------------------------------------------------------

@@ -83,10 +83,13 @@ async def _finish(state: AppState, streams: list[RequestStreamLike]) -> None:
         state.release_id(stream.request_id)
 
 
-def _prompt_tokens(jobs: list[Job], streams: list[RequestStreamLike]) -> int:
+def _prompt_tokens(
+    jobs: list[Job], streams: list[RequestStreamLike], *, cached: bool = False
+) -> int:
+    """Prompt tokens of the request (each distinct prompt once), or those served from cache."""
     seen: dict[int, int] = {}
     for job, stream in zip(jobs, streams, strict=True):
-        seen.setdefault(job.prompt_group, stream.prompt_tokens)
+        seen.setdefault(job.prompt_group, stream.cached_tokens if cached else stream.prompt_tokens)
     return sum(seen.values())
 
 
@@ -109,7 +112,13 @@ class _Run:
             ChoiceState(j.index, s.prompt_tokens) for j, s in zip(jobs, streams, strict=True)
         ]
         self.prompt_tokens = _prompt_tokens(jobs, streams)
+        self.jobs = jobs
         state.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (read at the end, once all are admitted)."""
+        return _prompt_tokens(self.jobs, self.streams, cached=True)
 
     def take(self, position: int, delta: Delta) -> ChoiceState:
         """Record ``delta`` of the choice at ``position`` (and its latency metrics)."""
@@ -157,7 +166,7 @@ class _Run:
                 response = error_response(error, partial=partial, index=index)
                 response.headers.update(headers)
                 return response
-        body = self.fmt.full(self.choices, self.prompt_tokens)
+        body = self.fmt.full(self.choices, self.prompt_tokens, self.cached_tokens)
         return web.json_response(body, headers=headers, dumps=dumps)
 
     async def stream(
@@ -181,7 +190,11 @@ class _Run:
                             )
                             await sse.send(body)
                     if include_usage:
-                        await sse.send(fmt.usage_chunk(self.prompt_tokens, self.completion_tokens))
+                        await sse.send(
+                            fmt.usage_chunk(
+                                self.prompt_tokens, self.completion_tokens, self.cached_tokens
+                            )
+                        )
                 except ChoiceFailed as failed:
                     error, partial, index = self.failure(failed)
                     await sse.send(error_object(error, partial=partial, index=index))

@@ -44,6 +44,7 @@ class FakeStream:
     def __init__(self, request_id: str, tokens: int, error: BaseException | None) -> None:
         self.request_id = request_id
         self.prompt_tokens = 3
+        self.cached_tokens = 0
         self.closed = False
         self._tokens = tokens
         self._error = error

@@ -72,6 +72,36 @@ async def test_chat_streaming_matches_non_streaming(client: openai.AsyncOpenAI) 
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+async def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(
+    client: openai.AsyncOpenAI,
+) -> None:
+    """A repeated prompt reports its cached prompt tokens in usage.prompt_tokens_details (whole
+    16-token blocks, never the last prompt token), streamed or not; a new prompt reports at most
+    what it shares with earlier requests (the chat template's system prompt)."""
+    content = "Repeat after me: " + " ".join(f"word{i}" for i in range(40))
+    args = {
+        "model": "default",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    first = await client.chat.completions.create(**args)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    first_cached = first.usage.prompt_tokens_details.cached_tokens
+    again = await client.chat.completions.create(**args)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    prompt = again.usage.prompt_tokens
+    assert cached == (prompt - 1) // 16 * 16 and first_cached < cached
+    stream = await client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == cached
+
+
 async def test_stream_wire_format(server: Server, http: aiohttp.ClientSession) -> None:
     """The SSE stream is `data: {json}` events ending with `data: [DONE]`; without
     include_usage no chunk has a usage key and none has an empty choices list."""

@@ -386,6 +386,10 @@ class Scheduler(Actor[SchedulerMsg]):
                 seq.num_computed = skipped
                 seq.committed_blocks = blocks
                 self._prefix_cached_tokens += skipped
+                if seq.num_generated == 0 and not seq.stream.cached_tokens:
+                    # what the client is told (usage.prompt_tokens_details.cached_tokens): the
+                    # first admission's hit; a readmission after preemption is stoic's business
+                    seq.stream.cached_tokens = min(skipped, seq.prompt_len)
                 p.n_tokens = max(0, end - skipped)
                 p.sample = p.n_tokens == seq.remaining
                 self.context.log.debug(

@@ -46,6 +46,8 @@ class Delta:
     completion_tokens: int
     #: which stop string or token id ended the sequence, when one did
     stop_reason: str | int | None = None
+    #: prompt tokens whose keys/values came from the prefix cache (known once admitted)
+    cached_tokens: int = 0
 
 
 class ResultStream:
@@ -67,6 +69,8 @@ class ResultStream:
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        #: prompt tokens served from the prefix cache, set by the scheduler on admission
+        self.cached_tokens = 0
         self.created = time.monotonic()
         self._text: list[str] = []
         self._ids: list[int] = []
@@ -153,6 +157,7 @@ class ResultStream:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self._completion_tokens,
             stop_reason=self._stop_reason,
+            cached_tokens=self.cached_tokens,
         )
         self._text.clear()
         self._ids.clear()
