@@ -64,6 +64,9 @@ class Row:
     seconds: float
     ttft_p50: float | None = None
     ttft_p90: float | None = None
+    #: each request's time to first token, in request order (closed loop: the first
+    #: ``concurrency`` were sent together)
+    ttfts: tuple[float, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -96,27 +99,34 @@ def tag_prompts(prompts: Sequence[Any], tag: str) -> list[Any]:
 async def stoic_mixed(engine: Any, prompts: list[Any], concurrency: int, max_tokens: int) -> Row:
     params = stoic.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     semaphore = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
+    by_index: dict[int, float] = {}
     tokens = 0
 
-    async def one(messages: Any) -> None:
+    async def one(index: int, messages: Any) -> None:
         nonlocal tokens
         async with semaphore:
             start = time.perf_counter()
-            first = True
             async for delta in engine.chat(messages, params):
-                if first and delta.token_ids:
-                    ttfts.append(time.perf_counter() - start)
-                    first = False
+                if index not in by_index and delta.token_ids:
+                    by_index[index] = time.perf_counter() - start
                 if delta.finish_reason is not None:
                     tokens += delta.completion_tokens
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     seconds = time.perf_counter() - start
+    ttfts = [by_index[i] for i in sorted(by_index)]
     q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else [ttfts[0]] * 9
     return Row(
-        "stoic", "mixed", concurrency, len(prompts), tokens, seconds, statistics.median(ttfts), q[8]
+        "stoic",
+        "mixed",
+        concurrency,
+        len(prompts),
+        tokens,
+        seconds,
+        statistics.median(ttfts),
+        q[8],
+        tuple(ttfts),
     )
 
 

@@ -21,7 +21,6 @@ import asyncio
 import random
 import statistics
 import time
-from typing import Any
 
 import engine_bench as eb
 import torch
@@ -83,32 +82,14 @@ def step_costs(path: str, dtype: str, decodes: int) -> list[tuple[str, float]]:
     return rows
 
 
-async def closed_loop(engine: Any, prompts: list[Any], clients: int) -> dict[str, float]:
-    params = stoic.SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    queue = list(enumerate(prompts))[::-1]
-    ttft: dict[int, float] = {}
-    tokens = 0
-
-    async def client() -> None:
-        nonlocal tokens
-        while queue:
-            index, messages = queue.pop()
-            sent = time.perf_counter()
-            async for delta in engine.chat(messages, params):
-                if index not in ttft and delta.token_ids:
-                    ttft[index] = time.perf_counter() - sent
-                if delta.finish_reason is not None:
-                    tokens += delta.completion_tokens
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    seconds = time.perf_counter() - start
-    first = [t for i, t in ttft.items() if i < clients]
-    rest = [t for i, t in ttft.items() if i >= clients]
+def split_ttft(row: eb.Row) -> dict[str, float]:
+    """Throughput and TTFT of a closed-loop run, the first wave (requests sent together at the
+    start) apart from the rest (sent as earlier requests finished)."""
+    first, rest = row.ttfts[: row.concurrency], row.ttfts[row.concurrency :]
     return {
-        "tokens/s": tokens / seconds,
-        "p50": statistics.median(ttft.values()),
-        "p90": statistics.quantiles(ttft.values(), n=10)[8],
+        "tokens/s": row.tokens_per_s,
+        "p50": statistics.median(row.ttfts),
+        "p90": statistics.quantiles(row.ttfts, n=10)[8],
         "first wave p50": statistics.median(first),
         "rest p50": statistics.median(rest) if rest else float("nan"),
     }
@@ -127,7 +108,7 @@ async def sweep(
             )
             async with stoic.Engine.start(config) as engine:
                 await eb.stoic_mixed(engine, eb.mixed_prompts(8, seed=99), 8, 8)  # warm-up
-                row = await closed_loop(engine, prompts, 32)
+                row = split_ttft(await eb.stoic_mixed(engine, prompts, 32, 64))
             print(
                 f"budget {budget}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True
             )

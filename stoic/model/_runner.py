@@ -144,8 +144,9 @@ def _build_inputs(
                 )
             )
     decodes = []
-    for members in group_decodes([-(-n // block_size) for n in dec_lens], block_size):
-        max_blocks = max(-(-dec_lens[i] // block_size) for i in members)
+    dec_blocks = [-(-n // block_size) for n in dec_lens]
+    for members in group_decodes(dec_blocks, block_size):
+        max_blocks = max(dec_blocks[i] for i in members)
         padded = [
             list(dec_tables[i][:max_blocks])
             + [0] * (max_blocks - min(len(dec_tables[i]), max_blocks))

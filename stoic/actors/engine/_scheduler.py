@@ -122,9 +122,10 @@ class Scheduler(Actor[SchedulerMsg]):
         try:
             await self._handle(message)
         finally:
-            await self._flush_frees()
+            await self._flush_cache_updates()
 
-    async def _flush_frees(self) -> None:
+    async def _flush_cache_updates(self) -> None:
+        """Send pending commits, then frees: a finished sequence's full blocks stay cached."""
         if self._to_commit:
             entries, self._to_commit = tuple(self._to_commit), []
             await self._cache.tell(CommitBlocks(entries))
@@ -274,7 +275,7 @@ class Scheduler(Actor[SchedulerMsg]):
                 count = (len(p.seq.all_ids) - 1) // self.cfg.block_size
                 if count:
                     prefixes.append((p.seq.seq_id, self._hashes(p.seq, count)))
-        await self._flush_frees()
+        await self._flush_cache_updates()
         fresh: tuple[int, ...] = ()
         if grants:
             try:
@@ -503,9 +504,7 @@ class Scheduler(Actor[SchedulerMsg]):
         for seq in [*self._running, *self._waiting]:
             seq.stream.fail(EngineFailed(f"engine failed: {reason}", partial=seq.partial()))
             seq.status = SeqStatus.FINISHED
-            if seq.block_table:
-                self._to_free.append(seq.seq_id)
-                seq.block_table = ()
+            self._return_blocks(seq)
             count += 1
         self._running.clear()
         self._waiting.clear()
