@@ -41,6 +41,8 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check stoic tests examples $(wildcard benchmarks)
 	$(VENV)/bin/ruff format --check stoic tests examples $(wildcard benchmarks)
+	# the layer contract in pyproject.toml: http -> engine -> actors -> runtime | model
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -37,7 +37,7 @@ async def stream_chat(args: argparse.Namespace) -> int:
             # submit() validates and admits the request; anything wrong with it raises here
             stream = await engine.submit(messages=messages, params=params)
         except stoic.errors.StoicError as exc:
-            print(f"refused ({exc.status}): {exc.message}", file=sys.stderr)
+            print(f"refused ({exc.code or type(exc).__name__}): {exc.message}", file=sys.stderr)
             return 2
         last: stoic.Delta | None = None
         try:

@@ -2,7 +2,7 @@
 
     python examples/supervised_counter.py
 
-Uses only :mod:`stoic.actors`, the generic runtime (nothing of the inference engine). It shows
+Uses only :mod:`stoic.runtime`, the generic runtime (nothing of the inference engine). It shows
 typed messages, ``tell`` and ``ask``, a crash, the supervisor's ``on_failure`` hook, the restart
 (a fresh instance behind the same ``ActorRef``; messages queued meanwhile are kept) and the
 restart intensity: a third crash within the window makes the supervisor give up (escalate).
@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from stoic.actors import Actor, ActorRef, ActorSystem, ChildSpec, Reply, SupervisorEscalation
+from stoic.runtime import Actor, ActorRef, ActorSystem, ChildSpec, Reply, SupervisorEscalation
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,17 @@
 """stoic: an LLM inference server that keeps serving through the failures that take its peers down."""
 
 from . import errors
-from .actors.engine import Delta, TokenLogprob
 from .config import EngineConfig, FaultSpec
-from .engine import CompletionResult, Engine, EngineStats, Health, RequestStream
-from .model import SamplingParams
+from .engine import (
+    CompletionResult,
+    Delta,
+    Engine,
+    EngineStats,
+    Health,
+    RequestStream,
+    SamplingParams,
+    TokenLogprob,
+)
 
 __all__ = [
     "CompletionResult",

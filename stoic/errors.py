@@ -1,25 +1,33 @@
 """One flat error taxonomy shared by every layer of stoic.
 
-Every error a caller of :class:`stoic.Engine` can see derives from :class:`StoicError`. Each class
-carries the HTTP status the server maps it to and whether a client retry can help, so the HTTP
-layer never guesses (see ``docs/architecture.md``, "Errors and HTTP").
+Every error a caller of :class:`stoic.Engine` can see derives from :class:`StoicError`. The
+classes say *what* went wrong and whether a retry can help; how that is shown to an HTTP client
+(status, OpenAI error ``type``) is decided in :mod:`stoic.http`, not here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = [
     "ContextLengthExceeded",
     "EngineFailed",
     "EngineStopped",
     "ExecutorFailed",
+    "FailureKind",
     "InvalidRequest",
     "ModelNotFound",
+    "ModelUnavailable",
     "Overloaded",
     "PartialOutput",
     "StoicError",
 ]
+
+#: How an executor failure is classified: ``"oom"`` (out of device memory), ``"fatal"`` (the
+#: device context is poisoned: an illegal memory access, a device-side assert), ``"hang"`` (a
+#: step outlived the step timeout), ``"error"`` (any other exception in the step).
+FailureKind = Literal["error", "oom", "fatal", "hang"]
 
 
 @dataclass(frozen=True)
@@ -37,27 +45,33 @@ class PartialOutput:
 
 
 class StoicError(Exception):
-    """Base of every error stoic raises to its callers."""
+    """Base of every error stoic raises to its callers.
 
-    #: HTTP status the server answers with
-    status: int = 500
-    #: OpenAI error ``type``
-    error_type: str = "internal_error"
-    #: whether retrying the same request may succeed (``x-should-retry``)
+    ``partial`` is set when the error ended a request that had already generated output (an
+    executor failure, the engine failing or stopping mid-generation); it is ``None`` for errors
+    raised before admission.
+    """
+
+    #: whether retrying the same request may succeed (``x-should-retry`` over HTTP)
     retryable: bool = False
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        partial: PartialOutput | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.partial = partial
 
 
 class InvalidRequest(StoicError):
     """The request is malformed: schema, roles, chat template, sampling parameters."""
-
-    status = 400
-    error_type = "invalid_request_error"
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -70,18 +84,22 @@ class ContextLengthExceeded(InvalidRequest):
 class ModelNotFound(StoicError):
     """The request names a model this server does not serve."""
 
-    status = 404
-    error_type = "not_found_error"
-
     def __init__(self, message: str) -> None:
         super().__init__(message, param="model", code="model_not_found")
+
+
+class ModelUnavailable(StoicError):
+    """The model cannot be loaded at start-up: no such file or directory, not a model, or the
+    default model's wheel is not installed. Raised by :meth:`stoic.Engine.start`, never by a
+    request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="model_unavailable")
 
 
 class Overloaded(StoicError):
     """Admission limits are reached; retry later."""
 
-    status = 429
-    error_type = "rate_limit_error"
     retryable = True
 
     def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
@@ -92,27 +110,19 @@ class Overloaded(StoicError):
 class EngineFailed(StoicError):
     """The engine exceeded its restart intensity (or hit an unrecoverable fault): it serves nothing."""
 
-    status = 503
-    error_type = "service_unavailable"
-    retryable = False
-
     def __init__(self, message: str, *, partial: PartialOutput | None = None) -> None:
-        super().__init__(message, code="engine_failed")
-        self.partial = partial
+        super().__init__(message, code="engine_failed", partial=partial)
 
 
 class EngineStopped(StoicError):
     """The engine is shutting down or stopped; the request was not (or no longer) served."""
 
-    status = 503
-    error_type = "service_unavailable"
     retryable = True
 
     def __init__(
         self, message: str = "engine is stopping", *, partial: PartialOutput | None = None
     ) -> None:
-        super().__init__(message, code="engine_stopped")
-        self.partial = partial
+        super().__init__(message, code="engine_stopped", partial=partial)
 
 
 class ExecutorFailed(StoicError):
@@ -123,8 +133,6 @@ class ExecutorFailed(StoicError):
     is then False for it).
     """
 
-    status = 500
-    error_type = "server_error"
     retryable = True
 
     def __init__(
@@ -132,10 +140,9 @@ class ExecutorFailed(StoicError):
         message: str,
         *,
         partial: PartialOutput,
-        kind: str = "error",
+        kind: FailureKind = "error",
         retryable: bool = True,
     ) -> None:
-        super().__init__(message, code=f"executor_{kind}")
-        self.partial = partial
-        self.kind = kind
+        super().__init__(message, code=f"executor_{kind}", partial=partial)
+        self.kind: FailureKind = kind
         self.retryable = retryable

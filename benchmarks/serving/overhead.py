@@ -96,8 +96,8 @@ def profile_section(bench: Bench) -> str:
         "inputs* = `_build_inputs` and KV block zeroing; *idle* = blocked on the step queue. Event "
         "loop: each sample goes to the innermost frame it recognises (detokenising: "
         "`Sequence.detokenize` and tokenizer calls; HTTP: `stoic/http`, aiohttp, JSON, pydantic; "
-        "scheduling: `stoic/actors/engine/*` except streams; messaging: `stoic/actors/*`, "
-        "`stoic/engine.py`, result streams); *idle* = blocked in `epoll`. A thread waiting for "
+        "scheduling: `stoic/actors/*` except streams and messages; messaging: `stoic/runtime/*`, "
+        "`stoic/engine/*`, result streams); *idle* = blocked in `epoll`. A thread waiting for "
         "the GIL is sampled where it stands, so GIL contention shows up inside its category.",
         "",
         f"Cross-check over the same window: py-spy puts the executor outside forward+sampling "

@@ -73,9 +73,13 @@ def _loop_category(frame: str) -> str | None:
         return "HTTP (aiohttp, stoic.http, JSON)"
     if fl.startswith(("structlog/", "logging/", "prometheus_client/")):
         return "logging / metrics"
-    if fl.startswith("stoic/actors/engine/") and not fl.endswith(("_stream.py", "_messages.py")):
+    # the engine's actors (stoic/actors/) schedule, except their streams and messages; the
+    # generic runtime (stoic/runtime/), the facade (stoic/engine/) and queues are messaging
+    if fl.startswith("stoic/actors/") and not fl.endswith(("_stream.py", "_messages.py")):
         return "scheduling"
-    if fl.startswith(("stoic/actors/", "stoic/engine.py", "asyncio/queues.py", "anyio/")):
+    if fl.startswith(
+        ("stoic/actors/", "stoic/runtime/", "stoic/engine/", "asyncio/queues.py", "anyio/")
+    ):
         return "messaging (actors, streams)"
     return None
 

@@ -1,53 +1,77 @@
-"""A small, generic actor runtime for asyncio: typed actors with bounded
-mailboxes, ``tell``/``ask``, death watch, and OTP-style supervision trees with
-sliding-window restart intensity, backoff and escalation.
+"""The engine's actors: intake, scheduler (a pure core and an actor shell), cache manager,
+executor and guardian; their messages, result streams, sequences, health and fault injection.
 
-It knows nothing about models or HTTP.  Test helpers live in
-:mod:`stoic.actors.testing`.
+Test helpers live in :mod:`stoic.actors.testing`.
 """
 
-from ._actor import Actor as Actor
-from ._actor import ActorContext as ActorContext
-from ._actor import Terminated as Terminated
-from ._clock import Clock as Clock
-from ._clock import MonotonicClock as MonotonicClock
-from ._exceptions import ActorError as ActorError
-from ._exceptions import ActorStopped as ActorStopped
-from ._exceptions import AskTimeout as AskTimeout
-from ._exceptions import MailboxFull as MailboxFull
-from ._exceptions import SupervisorEscalation as SupervisorEscalation
-from ._mailbox import MailboxStatistics as MailboxStatistics
-from ._ref import ActorRef as ActorRef
-from ._reply import Reply as Reply
-from ._spec import Backoff as Backoff
-from ._spec import ChildSpec as ChildSpec
-from ._spec import Restart as Restart
-from ._spec import Strategy as Strategy
-from ._supervisor import Supervisor as Supervisor
-from ._supervisor import SupervisorStatistics as SupervisorStatistics
-from ._system import ActorSystem as ActorSystem
-from ._system import SystemStatistics as SystemStatistics
+from ._allocator import BlockAllocator, OutOfBlocks
+from ._cache import CacheManager
+from ._core import SchedulerConfig, SchedulerCore, SchedulerStats
+from ._detok import Detokenizer
+from ._executor import Executor, StepWorker, classify_failure
+from ._faults import FaultInjector, InjectedFault
+from ._guardian import Guardian
+from ._health import STATES, EngineHealth, Health, State
+from ._intake import Intake, IntakeConfig
+from ._messages import (
+    ASK_TIMEOUT,
+    Abort,
+    CacheMsg,
+    CacheStats,
+    Drain,
+    DropAll,
+    EngineFailedNotice,
+    ExecutorDown,
+    ExecutorMsg,
+    IntakeMsg,
+    SchedulerMsg,
+    Submit,
+)
+from ._plan import Planned, StepPlan
+from ._scheduler import Scheduler
+from ._sequence import SeqStatus, Sequence, block_hashes
+from ._stream import Delta, FinishReason, ResultStream, TokenLogprob
 
 __all__ = [
-    "Actor",
-    "ActorContext",
-    "ActorError",
-    "ActorRef",
-    "ActorStopped",
-    "ActorSystem",
-    "AskTimeout",
-    "Backoff",
-    "ChildSpec",
-    "Clock",
-    "MailboxFull",
-    "MailboxStatistics",
-    "MonotonicClock",
-    "Reply",
-    "Restart",
-    "Strategy",
-    "Supervisor",
-    "SupervisorEscalation",
-    "SupervisorStatistics",
-    "SystemStatistics",
-    "Terminated",
+    "ASK_TIMEOUT",
+    "STATES",
+    "Abort",
+    "BlockAllocator",
+    "CacheManager",
+    "CacheMsg",
+    "CacheStats",
+    "Delta",
+    "Detokenizer",
+    "Drain",
+    "DropAll",
+    "EngineFailedNotice",
+    "EngineHealth",
+    "Executor",
+    "ExecutorDown",
+    "ExecutorMsg",
+    "FaultInjector",
+    "FinishReason",
+    "Guardian",
+    "Health",
+    "InjectedFault",
+    "Intake",
+    "IntakeConfig",
+    "IntakeMsg",
+    "OutOfBlocks",
+    "Planned",
+    "ResultStream",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerCore",
+    "SchedulerMsg",
+    "SchedulerStats",
+    "SeqStatus",
+    "Sequence",
+    "State",
+    "StepPlan",
+    "StepWorker",
+    "Submit",
+    "TokenLogprob",
+    "block_hashes",
+    "classify_failure",
 ]

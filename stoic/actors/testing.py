@@ -1,231 +1,229 @@
-"""Test kit for code built on :mod:`stoic.actors`.
+"""Test kit for the engine's actors: drive the scheduler's core without a model.
 
-* :class:`MockClock` -- a :class:`~stoic.actors.Clock` whose time moves only
-  when the test says so, to drive restart windows and backoff deterministically;
-* :class:`TestProbe` -- an actor that records what it receives and offers
-  ``expect_*`` assertions with (real-time) timeouts.
+* :func:`byte_tokenizer` -- a real ``tokenizers.Tokenizer`` with one token per byte (ids 0-255)
+  and an ``<eos>`` token (id 256), built in memory;
+* :func:`create_scheduler` -- a :class:`SchedulerHarness`: a
+  :class:`~stoic.actors.SchedulerCore` over a real :class:`~stoic.actors.BlockAllocator`, driven
+  step by step the way the scheduler actor drives it, with fabricated step outputs.
+
+    harness = create_scheduler(num_blocks=16, block_size=4)
+    stream = harness.add("hello", max_tokens=5)
+    harness.run_until_idle()
+    harness.check()   # allocator invariant, nothing leaked
 """
-
-# The expect_* timeouts are part of the assertion, not cancellation plumbing.
-# ruff: noqa: ASYNC109
 
 from __future__ import annotations
 
-import asyncio
-import heapq
-import itertools
-import math
-from collections import deque
-from typing import Any, Generic, TypeVar, overload
+from collections.abc import Callable
+from typing import Any
 
-from ._actor import Actor, Terminated
-from ._ref import ActorRef
-from ._system import ActorSystem
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-__all__ = ["MockClock", "TestProbe"]
+from ..model import SampledToken, SamplingParams, SeqChunk, StepBatch, StepOutput
+from ._allocator import BlockAllocator, OutOfBlocks
+from ._core import SchedulerConfig, SchedulerCore
+from ._messages import Allocation
+from ._stream import ResultStream
 
-M = TypeVar("M")
-T = TypeVar("T")
+__all__ = ["EOS_ID", "SchedulerHarness", "byte_tokenizer", "create_scheduler", "next_letter"]
+
+#: the ``<eos>`` token of :func:`byte_tokenizer`
+EOS_ID = 256
 
 
-class MockClock:
-    """A manual clock: ``now()`` changes only through :meth:`advance`.
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer: token ``i < 256`` is byte ``i``; ``<eos>`` is :data:`EOS_ID`."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab["<eos>"] = EOS_ID
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return tok
 
-    ``sleep(seconds)`` parks the caller until the clock is advanced past its
-    deadline; ``sleep(0)`` (or less) only yields to the event loop.  There is
-    no autojump: a test advances time itself, typically after
-    :meth:`wait_for_sleepers` has shown that the code under test is parked.
-    Every requested duration is appended to :attr:`sleeps`.
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest are shifted
+    past 255 in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def next_letter(chunk: SeqChunk) -> int:
+    """A fabricated sample: the letter after the chunk's last token's position, ``a`` to ``z``."""
+    return ord("a") + (chunk.start_pos + len(chunk.token_ids)) % 26
+
+
+class SchedulerHarness:
+    """A :class:`SchedulerCore` and a :class:`BlockAllocator`, driven synchronously.
+
+    :meth:`start_step` plans, allocates (correcting the estimate and planning again when the
+    allocator refuses, as the actor does) and starts a step; :meth:`finish_step` completes it
+    with fabricated samples and emits the deltas. Commits and frees reach the allocator before
+    every allocation and after every call, as the actor's flush does.
     """
 
-    def __init__(self, start: float = 0.0) -> None:
-        self._now = start
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
-        self._watchers: list[asyncio.Future[None]] = []
-        #: every duration passed to :meth:`sleep`, in call order
-        self.sleeps: list[float] = []
+    def __init__(self, core: SchedulerCore, allocator: BlockAllocator, tokenizer: Any) -> None:
+        self.core = core
+        self.allocator = allocator
+        self.tokenizer = tokenizer
+        self.incarnation = 0
+        self.core.executor_ready(0, allocator.free_blocks)
+        #: every stream added, in order
+        self.streams: list[ResultStream] = []
+        #: every batch started, in order
+        self.batches: list[StepBatch] = []
+        self.inflight: tuple[int, int, StepBatch] | None = None
+        #: allocations the allocator refused (the core's free-block estimate was wrong)
+        self.refusals = 0
+        self._next_id = 0
 
-    def now(self) -> float:
-        return self._now
+    def add(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 8,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> ResultStream:
+        """Admit a request (text is encoded with the harness's tokenizer)."""
+        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        rid = request_id or f"req-{self._next_id}"
+        self._next_id += 1
+        stream = ResultStream(rid, len(ids))
+        self.streams.append(stream)
+        self.core.add(
+            rid, tuple(ids), params or SamplingParams(max_tokens=max_tokens), max_tokens, stream
+        )
+        return stream
 
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), future))
-        for watcher in self._watchers:
-            if not watcher.done():
-                watcher.set_result(None)
-        self._watchers.clear()
-        await future  # a cancelled future is skipped (and dropped) by advance()
+    def flush(self) -> None:
+        """Apply the core's queued commits, then frees, to the allocator."""
+        commits, frees = self.core.take_cache_updates()
+        for c in commits:
+            self.allocator.commit(c.seq_id, c.start, c.hashes)
+        for seq_id in frees:
+            self.allocator.free(seq_id)
 
-    def advance(self, seconds: float) -> None:
-        """Move time forward by ``seconds`` and wake every sleeper now due.
+    def start_step(self) -> StepBatch | None:
+        """Plan and start a step (None if none can or need run)."""
+        for _ in range(3):
+            plan = self.core.plan()
+            if plan is None:
+                break
+            self.flush()
+            allocation: Allocation | None = None
+            if plan.grants:
+                try:
+                    tables, cached = self.allocator.allocate(plan.grants, plan.prefixes)
+                except OutOfBlocks:
+                    self.refusals += 1
+                    self.core.allocation_refused(self.allocator.free_blocks)
+                    continue
+                allocation = Allocation(tables, self.allocator.free_blocks, (), cached)
+            started = self.core.allocated(plan, allocation)
+            if started is not None:
+                self.inflight = started
+                self.batches.append(started[2])
+                break
+        self.flush()
+        return self.inflight[2] if self.inflight is not None else None
 
-        The woken tasks run at the caller's next ``await``.
+    def output_for(
+        self, batch: StepBatch, sample: Callable[[SeqChunk], int] = next_letter
+    ) -> StepOutput:
+        """A fabricated output: ``sample(chunk)`` for each chunk that samples."""
+        return StepOutput({c.seq_id: SampledToken(sample(c)) for c in batch.chunks if c.sample})
 
-        :raises ValueError: if ``seconds`` is negative.
-        """
-        if seconds < 0:
-            raise ValueError("time cannot go backwards")
-        self._now += seconds
-        while self._sleepers and self._sleepers[0][0] <= self._now:
-            _, _, future = heapq.heappop(self._sleepers)
-            if not future.done():
-                future.set_result(None)
-
-    @property
-    def sleepers(self) -> int:
-        """Number of tasks currently parked in :meth:`sleep`."""
-        return sum(1 for _, _, future in self._sleepers if not future.done())
-
-    @property
-    def next_deadline(self) -> float:
-        """The earliest deadline of a parked sleeper (``math.inf`` when none)."""
-        pending = [deadline for deadline, _, future in self._sleepers if not future.done()]
-        return min(pending, default=math.inf)
-
-    async def wait_for_sleepers(self, count: int = 1, *, within: float = 1.0) -> None:
-        """Wait (real time) until at least ``count`` tasks are parked in :meth:`sleep`.
-
-        :raises AssertionError: if that does not happen within ``within`` seconds.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while self.sleepers < count:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise AssertionError(
-                    f"expected {count} sleeper(s) on the mock clock, found {self.sleepers}"
-                )
-            watcher: asyncio.Future[None] = loop.create_future()
-            self._watchers.append(watcher)
-            try:
-                await asyncio.wait({watcher}, timeout=remaining)
-            finally:
-                watcher.cancel()
-
-    def __repr__(self) -> str:
-        return f"MockClock(now={self._now}, sleepers={self.sleepers})"
-
-
-class _ProbeActor(Actor[Any]):
-    def __init__(self, probe: TestProbe[Any]) -> None:
-        self._probe = probe
-
-    async def receive(self, message: Any) -> None:
-        self._probe._record(message)
-
-
-class TestProbe(Generic[M]):
-    """An actor that records every message it receives, for assertions.
-
-    Create with :meth:`spawn`; hand :attr:`ref` to the code under test.  The
-    ``expect_*`` methods consume recorded messages in arrival order; their
-    timeouts are real time.  :attr:`received` keeps everything ever received.
-    """
-
-    __test__ = False  # not a pytest test class
-
-    def __init__(self) -> None:
-        self._ref: ActorRef[M] | None = None
-        self._pending: deque[Any] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        #: every message received, in order (consumed or not)
-        self.received: list[Any] = []
-
-    @classmethod
-    async def spawn(
-        cls, system: ActorSystem, name: str = "probe", *, mailbox_size: int = 1024
-    ) -> TestProbe[Any]:
-        """Spawn a probe as a top-level actor of ``system``."""
-        probe: TestProbe[Any] = cls()
-        probe._ref = await system.spawn(_ProbeActor(probe), name=name, mailbox_size=mailbox_size)
-        return probe
-
-    @property
-    def ref(self) -> ActorRef[M]:
-        if self._ref is None:
-            raise RuntimeError("create probes with `await TestProbe.spawn(system)`")
-        return self._ref
-
-    def watch(self, ref: ActorRef[Any]) -> None:
-        """Have this probe receive ``Terminated`` once ``ref`` stops for good."""
-        self.ref._cell.watch(ref._cell)
-
-    def _record(self, message: Any) -> None:
-        self.received.append(message)
-        self._pending.append(message)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def _wait(self, deadline: float) -> bool:
-        loop = asyncio.get_running_loop()
-        remaining = deadline - loop.time()
-        if remaining <= 0:
+    def finish_step(self, sample: Callable[[SeqChunk], int] = next_letter) -> bool:
+        """Complete the step in flight with fabricated samples and emit; False if none was."""
+        if self.inflight is None:
             return False
-        self._waiter = loop.create_future()
-        try:
-            await asyncio.wait({self._waiter}, timeout=remaining)
-        finally:
-            self._waiter.cancel()
-            self._waiter = None
+        step_id, incarnation, batch = self.inflight
+        self.inflight = None
+        touched = self.core.complete(step_id, incarnation, self.output_for(batch, sample))
+        assert touched is not None, "the harness's own step was fenced"
+        self.core.emit(touched)
+        self.flush()
         return True
 
-    @overload
-    async def expect_message(self, timeout: float = ..., *, of_type: None = None) -> Any: ...
+    def step(self, sample: Callable[[SeqChunk], int] = next_letter) -> StepBatch | None:
+        """Start a step and finish it."""
+        batch = self.start_step()
+        self.finish_step(sample)
+        return batch
 
-    @overload
-    async def expect_message(self, timeout: float = ..., *, of_type: type[T]) -> T: ...
+    def run_until_idle(
+        self, max_steps: int = 10_000, sample: Callable[[SeqChunk], int] = next_letter
+    ) -> int:
+        """Step until nothing is waiting or running; returns the steps run.
 
-    async def expect_message(
-        self, timeout: float = 1.0, *, of_type: type[Any] | None = None
-    ) -> Any:
-        """Return the next message, waiting up to ``timeout`` seconds.
-
-        :raises AssertionError: if none arrives in time, or it is not an
-            instance of ``of_type``.
+        :raises AssertionError: if work remains but no step can start, or after ``max_steps``.
         """
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not self._pending:
-            if not await self._wait(deadline):
-                kind = "" if of_type is None else f" of type {of_type.__name__}"
-                raise AssertionError(f"probe got no message{kind} within {timeout} s")
-        message = self._pending.popleft()
-        if of_type is not None and not isinstance(message, of_type):
-            raise AssertionError(
-                f"probe expected a message of type {of_type.__name__}, got {message!r}"
+        for n in range(max_steps):
+            if self.core.idle:
+                return n
+            assert self.step(sample) is not None, "work remains but no step could start"
+        raise AssertionError(f"not idle after {max_steps} steps")
+
+    def executor_down(self, error: BaseException | None = None, kind: Any = "error") -> int:
+        """What recovery does: fence and fail every sequence, drop the cache, restart."""
+        count = self.core.executor_down(error or RuntimeError("injected"), kind)
+        self.flush()
+        self.inflight = None
+        self.allocator.free_all()
+        self.incarnation += 1
+        self.core.executor_ready(self.incarnation, self.allocator.free_blocks)
+        return count
+
+    def held_blocks(self) -> set[int]:
+        """Blocks in the block tables of the sequences the core knows."""
+        return {b for seq in (*self.core.running, *self.core.waiting) for b in seq.block_table}
+
+    def check(self) -> None:
+        """Assert the invariants that hold between calls.
+
+        The allocator's own invariant; the blocks in use are exactly those in the core's block
+        tables (nothing leaked, nothing shared that is not recorded); the core's free-block
+        estimate matches; a stream is open exactly while its sequence is known to the core.
+        """
+        self.allocator.check_invariant()
+        held = self.held_blocks()
+        assert self.allocator.used_blocks == len(held), (
+            f"allocator uses {self.allocator.used_blocks} blocks, tables hold {len(held)}"
+        )
+        known = {s.request_id for s in (*self.core.running, *self.core.waiting)}
+        for stream in self.streams:
+            assert stream.done != (stream.request_id in known), (
+                f"{stream.request_id}: done={stream.done}, known={stream.request_id in known}"
             )
-        return message
 
-    async def expect_no_message(self, within: float = 0.1) -> None:
-        """Assert that no message arrives (or is already waiting) for ``within`` seconds.
 
-        :raises AssertionError: naming the message that did arrive.
-        """
-        deadline = asyncio.get_running_loop().time() + within
-        while not self._pending:
-            if not await self._wait(deadline):
-                return
-        raise AssertionError(f"probe expected no message, got {self._pending[0]!r}")
-
-    async def expect_terminated(self, ref: ActorRef[Any], timeout: float = 1.0) -> Terminated:
-        """Watch ``ref`` and return its :class:`Terminated` notice.
-
-        Other messages received meanwhile stay queued, in order, for later
-        ``expect_message`` calls.
-
-        :raises AssertionError: if ``ref`` does not terminate within ``timeout``.
-        """
-        self.watch(ref)
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            for message in self._pending:
-                if isinstance(message, Terminated) and message.ref is ref:
-                    self._pending.remove(message)
-                    return message
-            if not await self._wait(deadline):
-                raise AssertionError(f"{ref!r} did not terminate within {timeout} s")
+def create_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    prefix_caching: bool = True,
+    eos_token_ids: frozenset[int] = frozenset({EOS_ID}),
+) -> SchedulerHarness:
+    """A :class:`SchedulerHarness` over a fresh core and allocator with the byte tokenizer."""
+    tokenizer = byte_tokenizer()
+    core = SchedulerCore(
+        SchedulerConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            eos_token_ids=eos_token_ids,
+            prefix_caching=prefix_caching,
+        ),
+        tokenizer,
+    )
+    return SchedulerHarness(core, BlockAllocator(num_blocks), tokenizer)

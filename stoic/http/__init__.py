@@ -6,6 +6,15 @@
 
 from ._app import create_app, drain
 from ._engine import EngineLike, RequestStreamLike
+from ._errors import status_of
 from ._server import EXIT_ENGINE_FAILED, serve
 
-__all__ = ["EXIT_ENGINE_FAILED", "EngineLike", "RequestStreamLike", "create_app", "drain", "serve"]
+__all__ = [
+    "EXIT_ENGINE_FAILED",
+    "EngineLike",
+    "RequestStreamLike",
+    "create_app",
+    "drain",
+    "serve",
+    "status_of",
+]

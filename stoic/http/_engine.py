@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from ..actors.engine import Delta
 from ..config import EngineConfig, FaultSpec
+from ..engine import Delta, SamplingParams
 from ..errors import EngineFailed
-from ..model import SamplingParams
 
 __all__ = ["EngineLike", "HealthLike", "RequestStreamLike", "StatsLike"]
 
@@ -56,6 +55,8 @@ class StatsLike(Protocol):
     def prefix_cached_tokens(self) -> int: ...
     @property
     def kv_blocks_cached(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
 
 
 class HealthLike(Protocol):

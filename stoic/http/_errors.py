@@ -13,7 +13,17 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from ..errors import InvalidRequest, Overloaded, PartialOutput, StoicError
+from ..errors import (
+    EngineFailed,
+    EngineStopped,
+    ExecutorFailed,
+    InvalidRequest,
+    ModelNotFound,
+    ModelUnavailable,
+    Overloaded,
+    PartialOutput,
+    StoicError,
+)
 
 __all__ = [
     "dumps",
@@ -23,8 +33,20 @@ __all__ = [
     "internal_error_object",
     "internal_error_response",
     "invalid_from_validation",
-    "partial_of",
+    "status_of",
 ]
+
+#: The HTTP status and OpenAI error ``type`` of each stoic error; the first matching class wins
+#: (subclasses before their bases). An error class missing here is a 500 ``internal_error``.
+_ERROR_STATUS: tuple[tuple[type[StoicError], int, str], ...] = (
+    (InvalidRequest, 400, "invalid_request_error"),
+    (ModelNotFound, 404, "not_found_error"),
+    (Overloaded, 429, "rate_limit_error"),
+    (ExecutorFailed, 500, "server_error"),
+    (EngineFailed, 503, "service_unavailable"),
+    (EngineStopped, 503, "service_unavailable"),
+    (ModelUnavailable, 503, "service_unavailable"),
+)
 
 _HTTP_ERROR_TYPES = {
     400: "invalid_request_error",
@@ -42,10 +64,12 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def partial_of(exc: StoicError) -> PartialOutput | None:
-    """The partial output an error carries (ExecutorFailed, EngineFailed, EngineStopped...)."""
-    partial = getattr(exc, "partial", None)
-    return partial if isinstance(partial, PartialOutput) else None
+def status_of(exc: StoicError) -> tuple[int, str]:
+    """``(HTTP status, OpenAI error type)`` for ``exc``."""
+    for cls, status, error_type in _ERROR_STATUS:
+        if isinstance(exc, cls):
+            return status, error_type
+    return 500, "internal_error"
 
 
 def error_object(
@@ -54,11 +78,11 @@ def error_object(
     """The ``{"error": {...}}`` body for ``exc``, with ``partial`` when generation had begun."""
     body: dict[str, Any] = {
         "message": exc.message,
-        "type": exc.error_type,
+        "type": status_of(exc)[1],
         "param": exc.param,
         "code": exc.code,
     }
-    partial = partial if partial is not None else partial_of(exc)
+    partial = partial if partial is not None else exc.partial
     if partial is not None:
         body["partial"] = {"text": partial.text, "completion_tokens": partial.completion_tokens}
         if index is not None:
@@ -85,7 +109,7 @@ def error_response(
         headers["Retry-After"] = str(max(1, math.ceil(seconds)))
         headers["retry-after-ms"] = str(round(seconds * 1000))
     body = error_object(exc, partial=partial, index=index)
-    return _json_response(exc.status, body, retry=exc.retryable, headers=headers)
+    return _json_response(status_of(exc)[0], body, retry=exc.retryable, headers=headers)
 
 
 def http_error_response(exc: web.HTTPException) -> web.Response:

@@ -8,7 +8,7 @@ from types import TracebackType
 
 import structlog
 
-from ..actors.engine import Delta
+from ..engine import Delta
 from ..errors import EngineStopped, StoicError
 from ._engine import RequestStreamLike
 

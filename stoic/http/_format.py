@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..actors.engine import Delta, TokenLogprob
+from ..engine import Delta, TokenLogprob
 from ..errors import PartialOutput
 
 __all__ = ["ChatFormat", "ChoiceState", "CompletionFormat", "ResponseFormat", "usage"]

@@ -14,9 +14,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ..actors.engine import Delta
+from ..engine import Delta, SamplingParams
 from ..errors import EngineStopped, PartialOutput, StoicError
-from ..model import SamplingParams
 from ._engine import RequestStreamLike
 from ._errors import dumps, error_object, error_response, internal_error_object
 from ._fanin import ChoiceFailed, Fanin, close_streams

@@ -15,8 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from ..engine import STATES
 from ..errors import EngineFailed, EngineStopped, Overloaded, StoicError
 from ._engine import EngineLike
+from ._errors import status_of
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "Outcome", "outcome_of"]
 
@@ -35,7 +37,7 @@ def outcome_of(exc: BaseException) -> Outcome:
     if isinstance(exc, EngineFailed | EngineStopped):
         return "unavailable"
     if isinstance(exc, StoicError):
-        return "invalid" if exc.status < 500 else "failed"
+        return "invalid" if status_of(exc)[0] < 500 else "failed"
     return "error"
 
 
@@ -74,8 +76,11 @@ class _EngineCollector:
             "Prompt tokens whose keys and values came from the prefix cache.",
             stats.prefix_cached_tokens,
         )
-        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-        yield gauge("stoic_kv_cache_usage", "Fraction of KV cache blocks in use (0..1).", usage)
+        yield gauge(
+            "stoic_kv_cache_usage",
+            "Fraction of KV cache blocks in use (0..1).",
+            stats.kv_cache_usage,
+        )
         yield gauge("stoic_executor_incarnation", "Executor incarnation number.", stats.incarnation)
         yield counter(
             "stoic_executor_restarts", "Executor restarts after failures.", stats.restarts
@@ -89,7 +94,7 @@ class _EngineCollector:
         state = GaugeMetricFamily(
             "stoic_engine_state", "1 for the engine's current state.", labels=["state"]
         )
-        for name in ("starting", "serving", "recovering", "failed", "stopping"):
+        for name in STATES:
             state.add_metric([name], 1.0 if health.state == name else 0.0)
         yield state
 

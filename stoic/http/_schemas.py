@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..engine import SamplingParams
 from ..errors import InvalidRequest
-from ..model import SamplingParams
 
 __all__ = [
     "MAX_CHOICES",

@@ -1,6 +1,7 @@
 """Everything that touches torch and transformers. Knows nothing of actors or HTTP."""
 
 from ._batch import SampledToken, SeqChunk, StepBatch, StepOutput
+from ._chat import apply_chat_template
 from ._loader import (
     DEFAULT_MODEL_NAME,
     LoadedModel,
@@ -24,6 +25,7 @@ __all__ = [
     "SeqChunk",
     "StepBatch",
     "StepOutput",
+    "apply_chat_template",
     "default_gguf_path",
     "load_model",
     "resolve_device",

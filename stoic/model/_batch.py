@@ -54,6 +54,3 @@ class StepOutput:
     """Sampled tokens of the chunks that asked for one, keyed by ``seq_id``."""
 
     sampled: dict[int, SampledToken]
-    num_tokens: int
-    #: seconds spent in the forward pass and sampling
-    forward_seconds: float

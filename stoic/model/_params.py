@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import InvalidRequest
 
@@ -44,7 +44,6 @@ class SamplingParams:
     top_logprobs: int = 0
     #: keep special tokens in the detokenised text
     skip_special_tokens: bool = True
-    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:

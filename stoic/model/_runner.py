@@ -6,7 +6,6 @@ thread. All torch work of a step happens inside that call.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -79,7 +78,6 @@ class ModelRunner:
         """
         if cache.released:
             raise RuntimeError("KV cache was released")
-        started = time.perf_counter()
         device = self.loaded.device
         cache.zero_blocks(batch.zero_blocks)
         meta, input_ids, positions, sample_rows = _build_inputs(batch, cache, device)
@@ -97,11 +95,7 @@ class ModelRunner:
                 chunks, sample(logits, chunks, self.loaded.eos_token_ids), strict=True
             ):
                 sampled[chunk.seq_id] = token
-        return StepOutput(
-            sampled=sampled,
-            num_tokens=batch.num_tokens,
-            forward_seconds=time.perf_counter() - started,
-        )
+        return StepOutput(sampled=sampled)
 
 
 def _build_inputs(

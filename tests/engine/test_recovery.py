@@ -192,7 +192,7 @@ async def test_a_crashed_scheduler_fails_the_engine_and_ends_every_stream(
 ) -> None:
     """A bug that crashes the scheduler leaves no caller waiting: every stream ends with an error,
     the engine reports failed, and new requests are refused at once."""
-    from stoic.actors.engine import Scheduler
+    from stoic.actors import SchedulerCore
 
     config = stoic.EngineConfig(model=str(tiny_model_dir), dtype="float32")
     async with stoic.Engine.start(config) as engine:
@@ -200,10 +200,10 @@ async def test_a_crashed_scheduler_fails_the_engine_and_ends_every_stream(
         stream = await engine.submit("hello", params)
         await stream.__anext__()
 
-        async def boom(self: Scheduler, msg: object) -> None:
+        def boom(self: SchedulerCore, *args: object) -> None:
             raise RuntimeError("bug in the scheduler")
 
-        monkeypatch.setattr(Scheduler, "_on_step_result", boom)
+        monkeypatch.setattr(SchedulerCore, "complete", boom)
         _text, error = await asyncio.wait_for(_collect(stream), 5)
         assert isinstance(error, stoic.errors.StoicError)
         failure = await asyncio.wait_for(engine.wait_failed(), 5)

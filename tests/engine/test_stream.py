@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import stoic
-from stoic.actors.engine import ResultStream
+from stoic.actors import ResultStream
 from stoic.errors import ExecutorFailed, PartialOutput
 
 

@@ -27,6 +27,10 @@ class FakeStats:
     prefix_cached_tokens: int = 0
     kv_blocks_cached: int = 0
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
 
 @dataclass(frozen=True)
 class FakeHealth:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import stoic.actors
-from stoic.actors import AskTimeout, SupervisorEscalation
+import stoic.runtime
+from stoic.runtime import AskTimeout, SupervisorEscalation
 
 
 def test_public_names_are_exported() -> None:
-    """Every name the engine imports is exported from stoic.actors."""
+    """Every name the engine imports is exported from stoic.runtime."""
     expected = {
         "Actor",
         "ActorRef",
@@ -30,8 +30,8 @@ def test_public_names_are_exported() -> None:
         "MailboxStatistics",
         "SystemStatistics",
     }
-    assert expected <= set(stoic.actors.__all__)
-    assert all(hasattr(stoic.actors, name) for name in stoic.actors.__all__)
+    assert expected <= set(stoic.runtime.__all__)
+    assert all(hasattr(stoic.runtime, name) for name in stoic.runtime.__all__)
 
 
 def test_exception_hierarchy() -> None:
@@ -39,13 +39,13 @@ def test_exception_hierarchy() -> None:
     escalation carries who gave up on whom and how often."""
     assert issubclass(AskTimeout, TimeoutError)
     for name in ("ActorStopped", "MailboxFull", "AskTimeout", "SupervisorEscalation"):
-        assert issubclass(getattr(stoic.actors, name), stoic.actors.ActorError)
+        assert issubclass(getattr(stoic.runtime, name), stoic.runtime.ActorError)
     error = SupervisorEscalation("gave up", supervisor="sup", child="w", restarts=4)
     assert (error.supervisor, error.child, error.restarts, str(error)) == ("sup", "w", 4, "gave up")
 
 
 def test_monotonic_clock_is_a_clock() -> None:
     """MonotonicClock satisfies the Clock protocol and never goes backwards."""
-    clock = stoic.actors.MonotonicClock()
-    assert isinstance(clock, stoic.actors.Clock)
+    clock = stoic.runtime.MonotonicClock()
+    assert isinstance(clock, stoic.runtime.Clock)
     assert clock.now() <= clock.now()

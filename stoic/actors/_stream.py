@@ -5,12 +5,11 @@ its pending pieces coalesced into one delta.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ...errors import StoicError
+from ..errors import StoicError
 
 __all__ = ["Delta", "FinishReason", "ResultStream", "TokenLogprob"]
 
@@ -71,7 +70,6 @@ class ResultStream:
         self.prompt_tokens = prompt_tokens
         #: prompt tokens served from the prefix cache, set by the scheduler on admission
         self.cached_tokens = 0
-        self.created = time.monotonic()
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] | None = None
@@ -88,10 +86,6 @@ class ResultStream:
     def done(self) -> bool:
         """A terminal outcome was recorded (not necessarily consumed yet)."""
         return self._finish is not None or self._error is not None
-
-    @property
-    def error(self) -> StoicError | None:
-        return self._error
 
     def push(
         self,

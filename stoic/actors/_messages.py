@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ...model import SamplingParams, StepBatch, StepOutput
-from .. import Reply
+from ..errors import FailureKind
+from ..model import SamplingParams, StepBatch, StepOutput
+from ..runtime import ActorRef, Reply
 
 if TYPE_CHECKING:
-    from ...model import PagedKVCache
+    from ..model import PagedKVCache
     from ._stream import ResultStream
 
+#: how long an actor waits for another's reply before giving up (caller-side, see ``ask``)
+ASK_TIMEOUT = 30.0
+
 __all__ = [
+    "ASK_TIMEOUT",
     "Abort",
     "AcquireKV",
     "AddSequence",
     "AllocateBlocks",
     "Allocation",
+    "BlockCommit",
+    "BlockGrant",
     "CacheMsg",
     "CacheStats",
     "CommitBlocks",
     "Drain",
+    "DrainDeadline",
     "DropAll",
     "EngineFailedNotice",
     "ExecutorDown",
@@ -30,12 +38,13 @@ __all__ = [
     "FreeBlocks",
     "GetCacheStats",
     "IntakeMsg",
+    "PrefixQuery",
     "RunStep",
     "SchedulerMsg",
-    "SchedulerStats",
     "StepResult",
     "StepTimeout",
     "Submit",
+    "Wake",
 ]
 
 
@@ -92,14 +101,17 @@ class ExecutorDown:
     """
 
     error: BaseException
-    kind: str
+    kind: FailureKind
     incarnation: int
     reply: Reply[int]
 
 
 @dataclass(frozen=True, slots=True)
 class ExecutorReady:
+    """Executor incarnation ``incarnation`` holds its KV cache; steps go to ``executor``."""
+
     incarnation: int
+    executor: ActorRef[ExecutorMsg]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,21 +130,13 @@ class Drain:
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    running: int
-    waiting: int
-    steps: int
-    preemptions: int
-    fenced_results: int
-    failed_sequences: int
-    #: sequences in the last step
-    last_batch_size: int
-    #: most sequences seen in one step so far
-    max_batch_size: int
-    prompt_tokens: int
-    generated_tokens: int
-    #: prompt tokens whose keys/values came from the prefix cache instead of being computed
-    prefix_cached_tokens: int = 0
+class DrainDeadline:
+    """The scheduler's own timer: the drain's deadline passed; end what still runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """The scheduler's own nudge: plan a step (sent when planning gave up for this event)."""
 
 
 SchedulerMsg = (
@@ -144,10 +148,36 @@ SchedulerMsg = (
     | ExecutorReady
     | EngineFailedNotice
     | Drain
+    | DrainDeadline
+    | Wake
 )
 
 
 # ---- Cache manager -------------------------------------------------------------------------------
+class BlockGrant(NamedTuple):
+    """Grow sequence ``seq_id``'s block table to ``blocks`` blocks."""
+
+    seq_id: int
+    blocks: int
+
+
+class PrefixQuery(NamedTuple):
+    """Sequence ``seq_id`` (no blocks yet) may share the cached blocks of its longest cached
+    prefix; ``hashes`` are its full blocks' content hashes, first block first."""
+
+    seq_id: int
+    hashes: tuple[bytes, ...]
+
+
+class BlockCommit(NamedTuple):
+    """Blocks ``start, start + 1, ...`` of ``seq_id``'s table are full and written by a completed
+    step: cache them under ``hashes`` for later sequences with the same prefix."""
+
+    seq_id: int
+    start: int
+    hashes: tuple[bytes, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Allocation:
     #: every grown sequence's full block table
@@ -161,24 +191,23 @@ class Allocation:
 
 @dataclass(frozen=True, slots=True)
 class AllocateBlocks:
-    """Grow each ``(seq_id, total_blocks)`` table to that size; all-or-nothing. Replies
-    :class:`Allocation` (or fails with ``OutOfBlocks``, allocating nothing).
+    """Grow each granted table to its size; all-or-nothing. Replies :class:`Allocation` (or
+    fails with ``OutOfBlocks``, allocating nothing).
 
-    ``prefixes``: ``(seq_id, block_hashes)`` of sequences with no blocks yet; each first takes the
-    cached blocks of its longest cached prefix (prefix caching), then grows.
+    ``prefixes``: sequences with no blocks yet; each first takes the cached blocks of its longest
+    cached prefix (prefix caching), then grows.
     """
 
-    grants: tuple[tuple[int, int], ...]
+    grants: tuple[BlockGrant, ...]
     reply: Reply[Allocation]
-    prefixes: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    prefixes: tuple[PrefixQuery, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class CommitBlocks:
-    """``(seq_id, first_block_index, block_hashes)``: those blocks are full and written by a
-    completed step; cache them for reuse by later sequences with the same prefix."""
+    """Full blocks written by a completed step, to cache for reuse (see :class:`BlockCommit`)."""
 
-    entries: tuple[tuple[int, int, tuple[bytes, ...]], ...]
+    entries: tuple[BlockCommit, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,10 +241,6 @@ class CacheStats:
     cached_blocks: int = 0
     #: cached blocks handed out again because no block was free
     evictions: int = 0
-
-    @property
-    def usage(self) -> float:
-        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
 
 @dataclass(frozen=True, slots=True)

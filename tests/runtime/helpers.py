@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from stoic.actors import Actor, ActorRef, ChildSpec, Reply, Restart
-from stoic.actors.testing import TestProbe
+from stoic.runtime import Actor, ActorRef, ChildSpec, Reply, Restart
+from stoic.runtime.testing import TestProbe
 
 
 class Boom(Exception):

@@ -6,28 +6,12 @@ import random
 
 import pytest
 
-from stoic.actors.engine import BlockAllocator, OutOfBlocks
-from stoic.actors.engine._sequence import block_hashes
+from stoic.actors import BlockAllocator, OutOfBlocks, block_hashes
+from stoic.actors._messages import BlockGrant, PrefixQuery
 
 
 def _hashes(tokens: list[int], count: int, block_size: int = 4) -> tuple[bytes, ...]:
     return block_hashes(tokens, block_size, count, [])
-
-
-def _check_invariant(a: BlockAllocator) -> None:
-    """Every block is free, evictable, or held by tables exactly as often as it is referenced."""
-    held: dict[int, int] = {}
-    for table in a._tables.values():
-        for block in table:
-            held[block] = held.get(block, 0) + 1
-    assert held == a._refs
-    free, evictable = set(a._free), set(a._evictable)
-    assert len(free) == len(a._free), "a block is twice in the free list"
-    assert not free & evictable and not free & set(held) and not evictable & set(held)
-    assert free | evictable | set(held) == set(range(a.num_blocks))
-    assert evictable <= set(a._hash_of)
-    assert {b: h for h, b in a._by_hash.items()} == a._hash_of
-    assert a.free_blocks == len(free) + len(evictable)
 
 
 def test_equal_prefixes_hash_equal_and_any_difference_changes_every_later_hash() -> None:
@@ -54,15 +38,15 @@ def test_a_committed_prefix_is_shared_and_reference_counted() -> None:
     assert alloc.table(2) == alloc.table(1)[:2]
     alloc.grow(((2, 3),))
     assert alloc.table(2)[2] != alloc.table(1)[2], "the unshared tail gets its own block"
-    _check_invariant(alloc)
+    alloc.check_invariant()
     alloc.free(1)
     assert alloc.used_blocks == 3  # sequence 2's three blocks
-    _check_invariant(alloc)
+    alloc.check_invariant()
     alloc.free(2)
     assert alloc.used_blocks == 0 and alloc.free_blocks == 8 and alloc.cached_blocks == 2
-    _check_invariant(alloc)
+    alloc.check_invariant()
     assert alloc.match(3, _hashes(tokens, 2)) == 2, "cached blocks outlive their sequences"
-    _check_invariant(alloc)
+    alloc.check_invariant()
 
 
 def test_match_stops_at_the_first_uncached_block() -> None:
@@ -75,7 +59,7 @@ def test_match_stops_at_the_first_uncached_block() -> None:
     assert alloc.match(2, _hashes(other, 3)) == 1
     assert alloc.match(2, _hashes(tokens, 1)) == 0, "a sequence with blocks already matches nothing"
     assert alloc.match(3, _hashes([7, 7, 7, 7], 1)) == 0 and alloc.table(3) == ()
-    _check_invariant(alloc)
+    alloc.check_invariant()
 
 
 def test_cached_blocks_are_evicted_least_recently_used_only_when_none_is_free() -> None:
@@ -94,10 +78,10 @@ def test_cached_blocks_are_evicted_least_recently_used_only_when_none_is_free() 
     assert alloc.evictions == 1
     assert alloc.match(5, _hashes(first, 1)) == 0
     assert alloc.match(6, _hashes(second, 1)) == 1
-    _check_invariant(alloc)
+    alloc.check_invariant()
     with pytest.raises(OutOfBlocks):
         alloc.grow(((7, 1),))  # every block is now held
-    _check_invariant(alloc)
+    alloc.check_invariant()
 
 
 def test_a_hash_computed_twice_keeps_its_first_block() -> None:
@@ -109,7 +93,7 @@ def test_a_hash_computed_twice_keeps_its_first_block() -> None:
     assert alloc.commit(2, 0, _hashes(tokens, 1)) == 0
     alloc.free(2)
     assert alloc.free_blocks == 3 and alloc.cached_blocks == 1, "the duplicate went back free"
-    _check_invariant(alloc)
+    alloc.check_invariant()
 
 
 def test_free_all_forgets_the_prefix_cache() -> None:
@@ -120,7 +104,7 @@ def test_free_all_forgets_the_prefix_cache() -> None:
     assert alloc.free_all() == 2
     assert alloc.cached_blocks == 0 and alloc.free_blocks == 4
     assert alloc.match(2, _hashes(list(range(8)), 2)) == 0
-    _check_invariant(alloc)
+    alloc.check_invariant()
 
 
 def test_random_operations_keep_every_block_accounted_for() -> None:
@@ -130,23 +114,54 @@ def test_random_operations_keep_every_block_accounted_for() -> None:
     alloc = BlockAllocator(12)
     prompts = [[rng.randrange(3) for _ in range(16)] for _ in range(4)]
     owner: dict[int, list[int]] = {}
+    live: set[int] = set()
+
+    def snapshot(extra: int) -> tuple[object, ...]:
+        tables = {seq_id: alloc.table(seq_id) for seq_id in live | {extra}}
+        return alloc.free_blocks, alloc.cached_blocks, alloc.sequences, tables
+
     for step in range(2000):
         op = rng.random()
         if op < 0.3:
             seq_id, tokens = step, rng.choice(prompts)
             owner[seq_id] = tokens
-            alloc.match(seq_id, _hashes(tokens, rng.randint(0, 4)))
-            before = (dict(alloc._refs), list(alloc._free), list(alloc._evictable))
+            if alloc.match(seq_id, _hashes(tokens, rng.randint(0, 4))):
+                live.add(seq_id)
+            before = snapshot(seq_id)
             try:
                 alloc.grow(((seq_id, rng.randint(1, 4)),))
+                live.add(seq_id)
             except OutOfBlocks:
-                assert (dict(alloc._refs), list(alloc._free), list(alloc._evictable)) == before
-        elif op < 0.6 and alloc._tables:
-            seq_id = rng.choice(list(alloc._tables))
+                assert snapshot(seq_id) == before
+        elif op < 0.6 and live:
+            seq_id = rng.choice(sorted(live))
             n = len(alloc.table(seq_id))
             alloc.commit(seq_id, 0, _hashes(owner[seq_id], n))
-        elif op < 0.98 and alloc._tables:
-            alloc.free(rng.choice(list(alloc._tables)))
+        elif op < 0.98 and live:
+            seq_id = rng.choice(sorted(live))
+            alloc.free(seq_id)
+            live.discard(seq_id)
         else:
             alloc.free_all()
-        _check_invariant(alloc)
+            live.clear()
+        alloc.check_invariant()
+        assert alloc.sequences == len(live)
+
+
+def test_allocate_is_all_or_nothing_with_shared_prefixes() -> None:
+    """When the grants do not fit, ``allocate`` gives back the prefix blocks it shared and
+    changes nothing; when they fit, it reports how many blocks each queried sequence shared."""
+    alloc = BlockAllocator(4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    alloc.grow((BlockGrant(1, 2),))
+    alloc.commit(1, 0, _hashes(tokens, 2))
+    alloc.free(1)  # both blocks cached, evictable
+    before = (alloc.free_blocks, alloc.cached_blocks, alloc.sequences)
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate([BlockGrant(2, 7)], [PrefixQuery(2, _hashes(tokens, 2))])
+    assert (alloc.free_blocks, alloc.cached_blocks, alloc.sequences) == before
+    alloc.check_invariant()
+    tables, cached = alloc.allocate([BlockGrant(2, 3)], [PrefixQuery(2, _hashes(tokens, 2))])
+    assert cached == {2: 2}
+    assert len(tables[2]) == 3 and alloc.free_blocks == 1
+    alloc.check_invariant()

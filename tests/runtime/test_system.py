@@ -10,7 +10,7 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from stoic.actors import (
+from stoic.runtime import (
     Actor,
     ActorStopped,
     ActorSystem,
@@ -19,7 +19,7 @@ from stoic.actors import (
     SupervisorEscalation,
     Terminated,
 )
-from stoic.actors.testing import MockClock, TestProbe
+from stoic.runtime.testing import MockClock, TestProbe
 
 from .helpers import Boom, Ping, Worker, take, worker
 

@@ -1,4 +1,4 @@
-"""One sequence's state inside the scheduler: tokens, KV progress, detokenisation, stops."""
+"""One sequence's state inside the scheduler: its tokens, its KV progress, its block table."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import hashlib
 from array import array
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
-from ...errors import PartialOutput
-from ...model import SampledToken, SamplingParams
+from ..errors import PartialOutput
+from ..model import SampledToken, SamplingParams
+from ._detok import Detokenizer
 from ._stream import FinishReason, ResultStream, TokenLogprob
 
 __all__ = ["SeqStatus", "Sequence", "block_hashes"]
@@ -49,14 +48,10 @@ class Sequence:
     """
 
     __slots__ = (
-        "_decoder",
-        "_emitted",
-        "_hold",
+        "_detok",
         "_pending_ids",
         "_pending_logprobs",
-        "_tokenizer",
         "all_ids",
-        "arrival",
         "block_table",
         "committed_blocks",
         "finish_reason",
@@ -70,7 +65,6 @@ class Sequence:
         "status",
         "stop_reason",
         "stream",
-        "text",
     )
 
     def __init__(
@@ -82,7 +76,6 @@ class Sequence:
         max_tokens: int,
         stream: ResultStream,
         tokenizer: Any,
-        arrival: float,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -91,7 +84,6 @@ class Sequence:
         self.params = params
         self.max_tokens = max_tokens
         self.stream = stream
-        self.arrival = arrival
         self.num_computed = 0
         self.block_table: tuple[int, ...] = ()
         #: leading blocks of ``block_table`` already in the prefix cache
@@ -101,14 +93,11 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
-        self.text = ""
-        self._tokenizer = tokenizer
-        self._decoder = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self._emitted = 0
+        self._detok = Detokenizer(
+            tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens
+        )
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[TokenLogprob] = []
-        # text that could be the start of a stop string is held back until it cannot be
-        self._hold = max((len(s) for s in params.stop), default=1) - 1
 
     @property
     def num_generated(self) -> int:
@@ -124,8 +113,9 @@ class Sequence:
         return len(self.all_ids) - self.num_computed
 
     @property
-    def in_prefill(self) -> bool:
-        return self.remaining > 1
+    def text(self) -> str:
+        """The text generated so far (detokenised up to the last :meth:`detokenize`)."""
+        return self._detok.text
 
     def partial(self) -> PartialOutput:
         return PartialOutput(text=self.text, token_ids=tuple(self.output_ids))
@@ -136,7 +126,7 @@ class Sequence:
         self.all_ids.append(tid)
         self._pending_ids.append(tid)
         if self.params.logprobs and token.logprob is not None:
-            piece = self._token_text
+            piece = self._detok.token_text
             self._pending_logprobs.append(
                 TokenLogprob(
                     token_id=tid,
@@ -154,46 +144,18 @@ class Sequence:
         if self.finish_reason is None and n >= self.max_tokens:
             self.finish_reason = "length"
 
-    def _token_text(self, token_id: int) -> str:
-        """One token as text, the way OpenAI's logprobs show it (``" it"``, not ``"Ġit"``)."""
-        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
     def detokenize(self) -> None:
         """Turn pending tokens into text, apply stop strings, push a delta to the stream."""
         if not self._pending_ids:
             return
-        tok = self._tokenizer._tokenizer
-        is_eos_stop = isinstance(self.stop_reason, int)
-        for i, tid in enumerate(self._pending_ids):
-            if is_eos_stop and i == len(self._pending_ids) - 1:
-                break  # the EOS / stop token itself is not part of the text
-            piece = self._decoder.step(tok, tid)
-            if piece:
-                self.text += piece
-                if self.params.stop and self._apply_stop_strings(len(piece)):
-                    break
         ids, self._pending_ids = self._pending_ids, []
+        # the EOS / stop token itself is not part of the text
+        text_ids = ids[:-1] if isinstance(self.stop_reason, int) else ids
+        matched = self._detok.add(
+            text_ids, stops_allowed=self.num_generated >= self.params.min_tokens
+        )
+        if matched is not None:
+            self.finish_reason, self.stop_reason = "stop", matched
         logprobs = self._pending_logprobs if self.params.logprobs else None
         self._pending_logprobs = []
-        end = (
-            len(self.text)
-            if self.finish_reason is not None
-            else max(self._emitted, len(self.text) - self._hold)
-        )
-        new_text = self.text[self._emitted : end]
-        self._emitted = end
-        self.stream.push(new_text, ids, logprobs)
-
-    def _apply_stop_strings(self, added: int) -> bool:
-        window_start = max(0, len(self.text) - added - self._hold)
-        best: tuple[int, str] | None = None
-        for stop in self.params.stop:
-            at = self.text.find(stop, window_start)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None or self.num_generated < self.params.min_tokens:
-            return False
-        self.text = self.text[: best[0]]
-        self.finish_reason, self.stop_reason = "stop", best[1]
-        return True
+        self.stream.push(self._detok.take(final=self.finish_reason is not None), ids, logprobs)

@@ -13,10 +13,13 @@ from typing import Any, TypeVar, assert_never
 
 import torch
 
-from ...model import ModelRunner, PagedKVCache, StepOutput
-from .. import Actor, ActorRef
+from ..errors import FailureKind
+from ..model import ModelRunner, PagedKVCache, StepOutput
+from ..runtime import Actor, ActorRef
 from ._faults import FaultInjector
+from ._health import EngineHealth
 from ._messages import (
+    ASK_TIMEOUT,
     AcquireKV,
     CacheMsg,
     ExecutorMsg,
@@ -29,7 +32,6 @@ from ._messages import (
 __all__ = ["Executor", "StepWorker", "classify_failure"]
 
 T = TypeVar("T")
-_ASK_TIMEOUT = 60.0
 
 # errors after which the CUDA context cannot be trusted: recovery in-process is impossible
 _FATAL_MARKERS = (
@@ -40,7 +42,7 @@ _FATAL_MARKERS = (
 )
 
 
-def classify_failure(error: BaseException) -> str:
+def classify_failure(error: BaseException) -> FailureKind:
     """``"oom"``, ``"fatal"`` (poisoned device context) or ``"error"``."""
     if isinstance(error, torch.OutOfMemoryError):
         return "oom"
@@ -79,7 +81,14 @@ class StepWorker:
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
+        """Let the thread exit once the callables queued before this one have run."""
         self._queue.put(None)
+
+    def __enter__(self) -> StepWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Executor(Actor[ExecutorMsg]):
@@ -95,14 +104,14 @@ class Executor(Actor[ExecutorMsg]):
         cache: ActorRef[CacheMsg],
         scheduler: ActorRef[SchedulerMsg],
         faults: FaultInjector,
-        on_ready: Callable[[int], None],
+        health: EngineHealth,
         worker: StepWorker,
     ) -> None:
         self._runner = runner
         self._cache = cache
         self._scheduler = scheduler
         self._faults = faults
-        self._on_ready = on_ready
+        self._health = health
         self._kv: PagedKVCache | None = None
         # one worker thread for every incarnation: torch's OpenMP pool is per calling thread, so a
         # new thread per restart would leave idle pools competing for the cores
@@ -110,10 +119,10 @@ class Executor(Actor[ExecutorMsg]):
 
     async def on_start(self) -> None:
         incarnation = self.context.incarnation
-        kv: PagedKVCache = await self._cache.ask(lambda r: AcquireKV(r), timeout=_ASK_TIMEOUT)
+        kv: PagedKVCache = await self._cache.ask(AcquireKV, timeout=ASK_TIMEOUT)
         self._kv = kv
-        self._on_ready(incarnation)
-        await self._scheduler.tell(ExecutorReady(incarnation))
+        self._health.executor_ready(incarnation)
+        await self._scheduler.tell(ExecutorReady(incarnation, self.context.ref))
         self.context.log.info("executor.ready")
 
     async def on_stop(self) -> None:

@@ -15,7 +15,7 @@ class Clock(Protocol):
 
     Supervisors read :meth:`now` for their sliding restart-intensity window
     and :meth:`sleep` for backoff delays, so tests can inject a clock they
-    control (see :class:`stoic.actors.testing.MockClock`).  Shutdown timeouts
+    control (see :class:`stoic.runtime.testing.MockClock`).  Shutdown timeouts
     and ``ask`` timeouts are always real (event loop) time.
     """
 

@@ -1,28 +1,13 @@
-"""The cache manager: owns the block allocator and the KV tensors' lifetime."""
+"""The block allocator: a fixed pool of KV block ids, per-sequence block tables, a prefix cache."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import assert_never
+from collections.abc import Iterable
 
-import torch
+from ._messages import BlockGrant, PrefixQuery
 
-from ...model import KVCacheSpec, PagedKVCache
-from .. import Actor, Reply
-from ._messages import (
-    AcquireKV,
-    AllocateBlocks,
-    Allocation,
-    CacheMsg,
-    CacheStats,
-    CommitBlocks,
-    DropAll,
-    FreeBlocks,
-    GetCacheStats,
-)
-
-__all__ = ["BlockAllocator", "CacheManager", "OutOfBlocks"]
+__all__ = ["BlockAllocator", "OutOfBlocks"]
 
 
 class OutOfBlocks(Exception):
@@ -34,7 +19,7 @@ class BlockAllocator:
 
     **Prefix caching.** A full block whose keys and values a completed step wrote can be
     *committed* under its content hash (a chain over every token up to the block's end, see
-    :func:`~stoic.actors.engine._sequence.block_hashes`). A new sequence whose first blocks hash
+    :func:`~stoic.actors._sequence.block_hashes`). A new sequence whose first blocks hash
     the same shares those blocks instead of computing them (:meth:`match`); a shared block is
     reference-counted. A committed block nobody references stays cached, *evictable*, in
     least-recently-used order, and is handed out again (its hash forgotten) only when no block is
@@ -96,7 +81,29 @@ class BlockAllocator:
             self._tables[seq_id] = shared
         return len(shared)
 
-    def grow(self, grants: tuple[tuple[int, int], ...]) -> dict[int, tuple[int, ...]]:
+    def allocate(
+        self, grants: Iterable[BlockGrant], prefixes: Iterable[PrefixQuery] = ()
+    ) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+        """Share each queried sequence's cached prefix (:meth:`match`), then :meth:`grow` the
+        granted tables; all-or-nothing.
+
+        Returns ``(tables, cached)``: every granted sequence's table, and for each queried
+        sequence that shared cached blocks, how many.
+
+        :raises OutOfBlocks: if the grants need more blocks than are free (nothing changes).
+        :raises ValueError: on a negative count (nothing changes).
+        """
+        shared = {q.seq_id: self.match(q.seq_id, q.hashes) for q in prefixes}
+        try:
+            tables = self.grow(tuple(grants))
+        except (OutOfBlocks, ValueError):
+            for seq_id, n in shared.items():  # give the shared blocks back
+                if n:
+                    self.free(seq_id)
+            raise
+        return tables, {seq_id: n for seq_id, n in shared.items() if n}
+
+    def grow(self, grants: tuple[BlockGrant, ...]) -> dict[int, tuple[int, ...]]:
         """Extend each ``(seq_id, total)`` table to ``total`` blocks; all-or-nothing.
 
         :raises OutOfBlocks: if the grants together need more than the free blocks.
@@ -176,104 +183,23 @@ class BlockAllocator:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         return freed
 
+    def check_invariant(self) -> None:
+        """Assert the allocator's invariant (for tests): every block is in exactly one of the free
+        list, the evictable set or one or more tables, with a reference count equal to the
+        number of tables holding it; the hash maps are inverse of each other.
 
-class CacheManager(Actor[CacheMsg]):
-    """Owns the :class:`BlockAllocator` and the :class:`PagedKVCache` tensors.
-
-    ``DropAll`` frees every block and releases the tensors (emptying the CUDA allocator's cache on
-    GPUs); the next ``AcquireKV`` (from a restarted executor) re-creates them.
-    """
-
-    def __init__(
-        self, spec: KVCacheSpec, *, make_cache: Callable[[KVCacheSpec], PagedKVCache] = PagedKVCache
-    ) -> None:
-        self.spec = spec
-        self.allocator = BlockAllocator(spec.num_blocks)
-        self._make_cache = make_cache
-        self._kv: PagedKVCache | None = None
-        self._drops = 0
-        #: blocks not yet zeroed since the tensors were created (see StepBatch.zero_blocks)
-        self._unzeroed: set[int] = set()
-
-    async def on_start(self) -> None:
-        self._kv = self._create()
-        self.context.log.info(
-            "cache.started",
-            blocks=self.spec.num_blocks,
-            block_size=self.spec.block_size,
-            mib=round(self.spec.bytes_per_block * self.spec.num_blocks / 2**20, 1),
-        )
-
-    async def on_stop(self) -> None:
-        self._release()
-
-    async def receive(self, message: CacheMsg) -> None:
-        match message:
-            case AllocateBlocks(grants=grants, reply=reply, prefixes=prefixes):
-                self._allocate(grants, prefixes, reply)
-            case CommitBlocks(entries=entries):
-                for seq_id, start, hashes in entries:
-                    self.allocator.commit(seq_id, start, hashes)
-            case FreeBlocks(seq_ids=seq_ids):
-                for seq_id in seq_ids:
-                    self.allocator.free(seq_id)
-            case DropAll(reply=reply):
-                freed = self.allocator.free_all()
-                self._release()
-                self._drops += 1
-                self.context.log.info("cache.dropped_all", blocks_freed=freed)
-                reply.send(freed)
-            case AcquireKV(reply=reply):
-                if self._kv is None or self._kv.released:
-                    self._kv = self._create()
-                    self.context.log.info("cache.recreated", blocks=self.spec.num_blocks)
-                reply.send(self._kv)
-            case GetCacheStats(reply=reply):
-                reply.send(self.stats())
-            case _:
-                assert_never(message)
-
-    def _allocate(
-        self,
-        grants: tuple[tuple[int, int], ...],
-        prefixes: tuple[tuple[int, tuple[bytes, ...]], ...],
-        reply: Reply[Allocation],
-    ) -> None:
-        allocator = self.allocator
-        shared = {seq_id: allocator.match(seq_id, hashes) for seq_id, hashes in prefixes}
-        try:
-            tables = allocator.grow(grants)
-        except (OutOfBlocks, ValueError) as exc:
-            for seq_id, n in shared.items():  # all-or-nothing: give the shared blocks back
-                if n:
-                    allocator.free(seq_id)
-            reply.fail(exc)
-            return
-        fresh = tuple(b for seq_id, _ in grants for b in tables[seq_id] if b in self._unzeroed)
-        self._unzeroed.difference_update(fresh)
-        cached = {seq_id: n for seq_id, n in shared.items() if n}
-        reply.send(Allocation(tables, allocator.free_blocks, fresh, cached))
-
-    def stats(self) -> CacheStats:
-        return CacheStats(
-            blocks_total=self.allocator.num_blocks,
-            blocks_used=self.allocator.used_blocks,
-            block_size=self.spec.block_size,
-            sequences=self.allocator.sequences,
-            tensors_allocated=self._kv is not None and not self._kv.released,
-            drops=self._drops,
-            cached_blocks=self.allocator.cached_blocks,
-            evictions=self.allocator.evictions,
-        )
-
-    def _create(self) -> PagedKVCache:
-        # every block starts unzeroed: allocating the pools empty (not zeroed) keeps a restart fast
-        self._unzeroed = set(range(self.spec.num_blocks))
-        return self._make_cache(self.spec)
-
-    def _release(self) -> None:
-        if self._kv is not None:
-            self._kv.release()
-            self._kv = None
-        if self.spec.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        :raises AssertionError: naming the first violation.
+        """
+        held: dict[int, int] = {}
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), f"a table holds a block twice: {table}"
+            for block in table:
+                held[block] = held.get(block, 0) + 1
+        assert held == self._refs, f"reference counts {self._refs} != table holdings {held}"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        assert not free & evictable, f"blocks both free and evictable: {free & evictable}"
+        assert not (free | evictable) & held.keys(), "a free or evictable block is held"
+        assert free | evictable | held.keys() == set(range(self.num_blocks)), "a block is lost"
+        assert evictable <= self._hash_of.keys(), "an evictable block is not committed"
+        assert {b: h for h, b in self._by_hash.items()} == self._hash_of, "hash maps disagree"

@@ -23,7 +23,7 @@ __all__ = ["ActorSystem", "SystemStatistics"]
 
 M = TypeVar("M")
 
-_logger: FilteringBoundLogger = structlog.get_logger("stoic.actors")
+_logger: FilteringBoundLogger = structlog.get_logger("stoic.runtime")
 _NO_BACKOFF = Backoff()
 
 

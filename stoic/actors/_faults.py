@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ...config import FaultSpec
+from ..config import FaultSpec
 
 __all__ = ["FaultInjector", "InjectedFault"]
 
@@ -37,10 +37,6 @@ class FaultInjector:
     def clear(self) -> None:
         with self._lock:
             self._armed.clear()
-
-    @property
-    def active(self) -> bool:
-        return bool(self._armed)
 
     def before_step(self) -> None:
         """Called in the worker thread before each forward pass; raises or blocks on a fault."""

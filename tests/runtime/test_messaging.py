@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from stoic.actors import (
+from stoic.runtime import (
     Actor,
     ActorStopped,
     ActorSystem,
@@ -20,8 +20,8 @@ from stoic.actors import (
     Reply,
     Strategy,
 )
-from stoic.actors._mailbox import Envelope, Mailbox
-from stoic.actors.testing import TestProbe
+from stoic.runtime._mailbox import Envelope, Mailbox
+from stoic.runtime.testing import TestProbe
 
 from .helpers import Boom, Hang, Ping, Seen, Worker, take, worker
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, assert_never
 
-from .. import Actor, ActorRef, Terminated
+from ..runtime import Actor, ActorRef, Terminated
+from ._health import EngineHealth
 
 __all__ = ["Guardian"]
 
@@ -16,9 +17,9 @@ class Guardian(Actor[Terminated]):
     A normal stop (shutdown) is not a failure.
     """
 
-    def __init__(self, refs: Sequence[ActorRef[Any]], on_crash: Callable[[str], None]) -> None:
+    def __init__(self, refs: Sequence[ActorRef[Any]], health: EngineHealth) -> None:
         self._refs = tuple(refs)
-        self._on_crash = on_crash
+        self._health = health
 
     async def on_start(self) -> None:
         for ref in self._refs:
@@ -31,6 +32,8 @@ class Guardian(Actor[Terminated]):
                     self.context.log.error(
                         "guardian.actor_crashed", crashed=ref.name, reason=repr(reason)
                     )
-                    self._on_crash(f"actor {ref.name!r} crashed: {type(reason).__name__}: {reason}")
+                    self._health.fail(
+                        f"actor {ref.name!r} crashed: {type(reason).__name__}: {reason}"
+                    )
             case _:
                 assert_never(message)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ActorCell"]
 
-_logger: FilteringBoundLogger = structlog.get_logger("stoic.actors")
+_logger: FilteringBoundLogger = structlog.get_logger("stoic.runtime")
 
 
 def _describe(reason: BaseException | None) -> str | None:

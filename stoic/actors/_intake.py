@@ -6,13 +6,13 @@ HTTP layer can answer with a proper 4xx/5xx status even for streaming requests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
-from ...errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
-from ...model._chat import apply_chat_template
-from .. import Actor, ActorRef, Reply
+from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
+from ..model import apply_chat_template
+from ..runtime import Actor, ActorRef, Reply
+from ._health import EngineHealth
 from ._messages import Abort, AddSequence, IntakeMsg, SchedulerMsg, Submit
 from ._stream import ResultStream
 
@@ -38,12 +38,12 @@ class Intake(Actor[IntakeMsg]):
         config: IntakeConfig,
         tokenizer: Any,
         scheduler: ActorRef[SchedulerMsg],
-        check_health: Callable[[], None],
+        health: EngineHealth,
     ) -> None:
         self.cfg = config
         self._tokenizer = tokenizer
         self._scheduler = scheduler
-        self._check_health = check_health
+        self._health = health
         self.outstanding = 0
         #: request ids admitted and not yet ended
         self._active: set[str] = set()
@@ -77,7 +77,7 @@ class Intake(Actor[IntakeMsg]):
                 assert_never(message)
 
     def _prepare(self, msg: Submit) -> AddSequence:
-        self._check_health()
+        self._health.check_accepting()
         if msg.request_id in self._active:
             raise InvalidRequest(
                 f"request id {msg.request_id!r} is already in use", param="request_id"
@@ -145,5 +145,6 @@ class Intake(Actor[IntakeMsg]):
 
 
 def _gone(reply: Reply[ResultStream]) -> bool:
-    """Whether the asker stopped waiting (a fresh read each call: awaits happen in between)."""
+    """Whether the asker stopped waiting: a fresh read after each await (a plain ``reply.done``
+    would be narrowed by the type checker from the first check on)."""
     return reply.done

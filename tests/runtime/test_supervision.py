@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from stoic.actors import (
+from stoic.runtime import (
     ActorSystem,
     Backoff,
     ChildSpec,
@@ -17,7 +17,7 @@ from stoic.actors import (
     SupervisorEscalation,
     Terminated,
 )
-from stoic.actors.testing import MockClock, TestProbe
+from stoic.runtime.testing import MockClock, TestProbe
 
 from .helpers import Boom, Ping, Worker, take, worker
 

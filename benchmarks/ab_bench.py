@@ -1,0 +1,117 @@
+"""A/B serving benchmark: this working tree against another revision, in one run.
+
+For a change that should not change speed (a refactor), the question is "within noise of
+before?". Both trees are served in turn by ``stoic serve`` (same flags, same interpreter and
+packages; the other revision is a ``git worktree`` put first on ``PYTHONPATH``), and driven by the
+serving benchmark's load generator with the same mixed prompts, ``max_tokens`` 64, EOS ignored,
+greedy. The order alternates every round (A B, B A, ...) so drift hits both alike; the table
+gives each pass and the ratio of medians.
+
+    python benchmarks/ab_bench.py --base HEAD~1 --concurrency 32 --rounds 3
+
+Needs nothing beyond the dev install (no ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_bench as eb
+from serving import MAX_BATCHED_TOKENS, MAX_NUM_SEQS, NUM_KV_BLOCKS
+from serving.load import Result, run_load
+from serving.systems import System, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _system(name: str, tree: Path | None, work: Path) -> System:
+    port = free_port()
+    argv = [sys.executable, "-m", "stoic", "serve", "--model", "default", "--dtype", "bfloat16"]
+    argv += ["--port", str(port), "--log-level", "warning"]
+    argv += ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
+    argv += ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
+    argv += ["--max-num-seqs", str(MAX_NUM_SEQS)]
+    if tree is not None:
+        # the other revision's package shadows the installed (editable) one
+        argv = ["env", f"PYTHONPATH={tree}", *argv]
+    extra = {"temperature": 0, "ignore_eos": True}
+    return System(name, argv, port, "default", extra, work / f"{name}.log")
+
+
+async def _pass(system: System, concurrency: int, requests: int, tag: str) -> Result:
+    await system.start()
+    try:
+        prompts = eb.tag_prompts(eb.mixed_prompts(requests), f"[{tag}] ")
+        bodies = [system.body(p, 64) for p in prompts]
+        url = system.url + "/v1/chat/completions"
+        # a short warm-up pass (first-step costs, allocator growth) that is not measured
+        await run_load(url, bodies[: max(2, concurrency // 4)], concurrency, budget=60.0)
+        records, seconds = await run_load(url, bodies, concurrency, budget=600.0)
+        return Result(system.name, concurrency, requests, records, seconds)
+    finally:
+        system.stop()
+
+
+async def compare(args: argparse.Namespace, base_tree: Path, work: Path) -> None:
+    systems = {"base": _system("base", base_tree, work), "head": _system("head", None, work)}
+    results: dict[str, list[Result]] = {"base": [], "head": []}
+    for r in range(args.rounds):
+        order = ["base", "head"] if r % 2 == 0 else ["head", "base"]
+        for name in order:
+            result = await _pass(systems[name], args.concurrency, args.requests, f"r{r}")
+            results[name].append(result)
+            print(
+                f"round {r} {name}: {result.tokens_per_s:.1f} tok/s, "
+                f"TTFT p50 {result.ttft(0.5) or 0:.3f} s, errors {result.errors}",
+                flush=True,
+            )
+    print()
+    print(
+        f"base = {args.base}, head = working tree; c={args.concurrency}, "
+        f"{args.requests} requests per pass, max_tokens 64, bf16"
+    )
+    print()
+    print("| tree | output tok/s per pass | median tok/s | median TTFT p50 (s) |")
+    print("| --- | --- | --- | --- |")
+    med: dict[str, float] = {}
+    for name in ("base", "head"):
+        tps = [x.tokens_per_s for x in results[name]]
+        ttft = [x.ttft(0.5) or 0.0 for x in results[name]]
+        med[name] = statistics.median(tps)
+        passes = ", ".join(f"{t:.1f}" for t in tps)
+        print(f"| {name} | {passes} | {med[name]:.1f} | {statistics.median(ttft):.3f} |")
+    print()
+    print(f"head / base (median tok/s): {med['head'] / med['base']:.3f}")
+
+
+def main(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="stoic-ab-"))
+    base_tree = work / "base"
+    git = ["git", "-C", str(ROOT), "worktree"]
+    subprocess.run([*git, "add", "--detach", str(base_tree), args.base], check=True)
+    try:
+        asyncio.run(compare(args, base_tree, work))
+    finally:
+        subprocess.run([*git, "remove", "--force", str(base_tree)], check=False)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="the revision to compare against")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=96, help="requests per pass")
+    parser.add_argument("--rounds", type=int, default=3)
+    main(parser.parse_args())

@@ -1,0 +1,164 @@
+"""Step planning: which tokens of which sequences the next step computes, under a token budget
+and the free KV blocks. Pure functions over the scheduler core's queues."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..model import SeqChunk
+from ._messages import BlockGrant, PrefixQuery
+from ._sequence import SeqStatus, Sequence
+
+__all__ = [
+    "Planned",
+    "StepPlan",
+    "blocks_for",
+    "chunks_of",
+    "plan_step",
+    "prefix_blocks",
+    "skip_cached",
+]
+
+
+@dataclass(slots=True)
+class Planned:
+    """One sequence's part of a planned step: ``n_tokens`` from ``seq.num_computed`` on."""
+
+    seq: Sequence
+    n_tokens: int
+    #: sample a token after the chunk (it reaches the end of what the sequence has)
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A planned step waiting for its blocks (see :meth:`SchedulerCore.allocated`)."""
+
+    planned: tuple[Planned, ...]
+    #: block tables that must grow
+    grants: tuple[BlockGrant, ...]
+    #: new sequences that may share cached prefix blocks
+    prefixes: tuple[PrefixQuery, ...]
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+def prefix_blocks(seq: Sequence, block_size: int) -> int:
+    """Full blocks of ``seq`` that may be shared from the prefix cache when it starts: every full
+    block but the one holding the last token (its logits give the first sample)."""
+    return (len(seq.all_ids) - 1) // block_size
+
+
+def _blocks_needed(seq: Sequence, n: int, block_size: int, prefix_caching: bool) -> int:
+    """New blocks ``seq`` may take from the free ones to compute ``n`` more tokens.
+
+    A sequence that starts (no blocks yet) with prefix caching may be given every cached block
+    of its prefix, more than its chunk needs when the chunk is short: a shared block that nobody
+    else holds comes out of the same pool of free (evictable) blocks, so count those too, or the
+    cache manager would refuse the plan.
+    """
+    need = blocks_for(seq.num_computed + n, block_size) - len(seq.block_table)
+    if prefix_caching and seq.num_computed == 0 and not seq.block_table:
+        need = max(need, prefix_blocks(seq, block_size))
+    return need
+
+
+def plan_step(
+    running: list[Sequence],
+    waiting: deque[Sequence],
+    *,
+    budget: int,
+    free_blocks: int,
+    max_num_seqs: int,
+    block_size: int,
+    prefix_caching: bool,
+    preempt: Callable[[Sequence], None],
+) -> list[Planned]:
+    """Choose the next step's chunks.
+
+    Running sequences come first, oldest first; when the free blocks run out, the youngest
+    running sequences are handed to ``preempt`` (which moves them from ``running`` to the front
+    of ``waiting``). Then waiting sequences are moved to ``running`` in order while blocks,
+    ``budget`` and ``max_num_seqs`` allow. Each chunk samples when it reaches the end of its
+    sequence's tokens.
+    """
+    free = free_blocks
+    planned: list[Planned] = []
+    i = 0
+    while i < len(running) and budget > 0:
+        seq = running[i]
+        n = min(seq.remaining, budget)
+        need = _blocks_needed(seq, n, block_size, prefix_caching)
+        while need > free and running[-1] is not seq:
+            victim = running[-1]
+            free += len(victim.block_table)
+            preempt(victim)
+        if need > free:
+            free += len(seq.block_table)
+            preempt(seq)
+            continue
+        free -= max(need, 0)
+        budget -= n
+        planned.append(Planned(seq, n, sample=n == seq.remaining))
+        i += 1
+    while waiting and budget > 0 and len(running) < max_num_seqs:
+        seq = waiting[0]
+        n = min(seq.remaining, budget)
+        need = _blocks_needed(seq, n, block_size, prefix_caching)
+        if need > free:
+            break
+        waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        running.append(seq)
+        free -= need
+        budget -= n
+        planned.append(Planned(seq, n, sample=n == seq.remaining))
+    return planned
+
+
+def skip_cached(
+    planned: list[Planned], cached: dict[int, int], block_size: int
+) -> tuple[list[Planned], int]:
+    """Start the sequences that share ``cached[seq_id]`` prefix blocks after them and drop the
+    chunks that emptied. Returns the chunks kept and the prompt tokens skipped."""
+    kept = []
+    skipped_total = 0
+    for p in planned:
+        blocks = cached.get(p.seq.seq_id, 0)
+        if blocks:
+            seq = p.seq
+            skipped = blocks * block_size
+            end = seq.num_computed + p.n_tokens
+            seq.num_computed = skipped
+            seq.committed_blocks = blocks
+            skipped_total += skipped
+            if seq.num_generated == 0 and not seq.stream.cached_tokens:
+                # what the client is told (usage.prompt_tokens_details.cached_tokens): the
+                # first admission's hit; a readmission after preemption is stoic's business
+                seq.stream.cached_tokens = min(skipped, seq.prompt_len)
+            p.n_tokens = max(0, end - skipped)
+            p.sample = p.n_tokens == seq.remaining
+        if p.n_tokens:
+            kept.append(p)
+    return kept, skipped_total
+
+
+def chunks_of(planned: list[Planned]) -> tuple[SeqChunk, ...]:
+    """The model's view of the planned chunks."""
+    return tuple(
+        SeqChunk(
+            seq_id=p.seq.seq_id,
+            token_ids=tuple(p.seq.all_ids[p.seq.num_computed : p.seq.num_computed + p.n_tokens]),
+            start_pos=p.seq.num_computed,
+            block_table=p.seq.block_table,
+            sample=p.sample,
+            params=p.seq.params,
+            num_generated=p.seq.num_generated,
+        )
+        for p in planned
+    )

@@ -1,0 +1,250 @@
+"""The scheduler actor: a thin shell around :class:`~stoic.actors._core.SchedulerCore`.
+
+It dispatches messages to the core and does the core's I/O: blocks from the cache manager, steps
+to the executor, the step watchdog and the drain deadline (both timers that message the actor
+itself). One step is in flight at a time. When its result arrives the shell (1) lets the core
+apply the sampled tokens, (2) plans and sends the next step, and only then (3) lets the core
+detokenise and push deltas, so that text work overlaps the next forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import assert_never
+
+from ..runtime import Actor, ActorRef, MailboxFull, Reply
+from ._allocator import OutOfBlocks
+from ._core import SchedulerCore, SchedulerStats
+from ._health import EngineHealth
+from ._messages import (
+    ASK_TIMEOUT,
+    Abort,
+    AddSequence,
+    AllocateBlocks,
+    Allocation,
+    CacheMsg,
+    CacheStats,
+    CommitBlocks,
+    Drain,
+    DrainDeadline,
+    EngineFailedNotice,
+    ExecutorDown,
+    ExecutorMsg,
+    ExecutorReady,
+    FreeBlocks,
+    GetCacheStats,
+    RunStep,
+    SchedulerMsg,
+    StepResult,
+    StepTimeout,
+    Wake,
+)
+from ._plan import StepPlan
+
+__all__ = ["Scheduler"]
+
+_PROGRESS_EVERY = 10.0
+#: plans per event: one may be refused (the free-block estimate drifted) and one may be served
+#: entirely from the prefix cache; the next always has tokens to compute
+_MAX_PLANS = 3
+
+
+class Scheduler(Actor[SchedulerMsg]):
+    """Forms one batch per step and routes results to each sequence's result stream.
+
+    Invariants: every admitted sequence ends with exactly one terminal outcome on its stream;
+    finished and aborted sequences' blocks are freed at once; results from a fenced executor
+    incarnation are discarded (and counted).
+    """
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        cache: ActorRef[CacheMsg],
+        health: EngineHealth,
+        *,
+        step_timeout: float,
+    ) -> None:
+        self.core = core
+        self._cache = cache
+        self._health = health
+        self._step_timeout = step_timeout
+        self._executor: ActorRef[ExecutorMsg] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._drain: tuple[Reply[int], asyncio.TimerHandle] | None = None
+        self._last_progress = time.monotonic()
+
+    def stats(self) -> SchedulerStats:
+        return self.core.stats()
+
+    # -- message handling -----------------------------------------------------------------------
+    async def receive(self, message: SchedulerMsg) -> None:
+        try:
+            await self._handle(message)
+        finally:
+            await self._flush_cache_updates()
+            self._check_drained()
+
+    async def _handle(self, message: SchedulerMsg) -> None:
+        core, log = self.core, self.context.log
+        match message:
+            case AddSequence(request_id, prompt_ids, params, max_tokens, stream):
+                core.add(request_id, prompt_ids, params, max_tokens, stream)
+                await self._step()
+            case Abort(request_id=request_id):
+                seq = core.abort(request_id)
+                if seq is not None:
+                    log.info("sequence.aborted", request_id=request_id, generated=seq.num_generated)
+            case StepResult(step_id=step_id, incarnation=incarnation, output=output):
+                touched = core.complete(step_id, incarnation, output)
+                if touched is None:
+                    log.info(
+                        "scheduler.result_fenced", step=step_id, executor_incarnation=incarnation
+                    )
+                    return
+                self._cancel_watchdog()
+                await self._step()  # keep the executor busy before the text work
+                core.emit(touched)
+                self._progress()
+            case StepTimeout(step_id=step_id):
+                if core.inflight_step == step_id:
+                    log.error("scheduler.watchdog_fired", step=step_id, timeout=self._step_timeout)
+                    reason = (
+                        f"step {step_id} exceeded the step timeout of {self._step_timeout}s "
+                        "(hung executor)"
+                    )
+                    self._health.fail(reason)
+                    self._fail_engine(reason)
+            case ExecutorDown(error=error, kind=kind, incarnation=incarnation, reply=reply):
+                self._cancel_watchdog()
+                count = core.executor_down(error, kind)
+                log.warning(
+                    "scheduler.sequences_failed",
+                    count=count,
+                    kind=kind,
+                    executor_incarnation=incarnation,
+                )
+                reply.send(count)
+            case ExecutorReady(incarnation=incarnation, executor=executor):
+                self._executor = executor
+                stats: CacheStats = await self._cache.ask(GetCacheStats, timeout=ASK_TIMEOUT)
+                core.executor_ready(incarnation, stats.blocks_total - stats.blocks_used)
+                log.info("scheduler.executor_ready", executor_incarnation=incarnation)
+                await self._step()
+            case EngineFailedNotice(reason=reason):
+                self._fail_engine(reason)
+            case Drain(timeout=timeout, reply=reply):
+                core.admitting = False
+                if not core.idle:
+                    log.info(
+                        "scheduler.draining",
+                        sequences=len(core.running) + len(core.waiting),
+                        timeout=timeout,
+                    )
+                    timer = asyncio.get_running_loop().call_later(
+                        timeout, self._tell_self, DrainDeadline()
+                    )
+                    self._drain = (reply, timer)
+                else:
+                    reply.send(0)
+            case DrainDeadline():
+                count = core.stop()
+                log.warning("scheduler.drain_deadline", sequences_stopped=count)
+            case Wake():
+                await self._step()
+            case _:
+                assert_never(message)
+
+    async def on_stop(self) -> None:
+        self._cancel_watchdog()
+        if self._drain is not None:
+            self._drain[1].cancel()
+        self.core.stop()
+
+    # -- the step loop --------------------------------------------------------------------------
+    async def _step(self) -> None:
+        """Plan and send the next step, if none is in flight and there is work (a bounded loop)."""
+        core = self.core
+        for _ in range(_MAX_PLANS):
+            plan = core.plan()
+            if plan is None:
+                return
+            await self._flush_cache_updates()
+            allocation: Allocation | None = None
+            if plan.grants:
+                try:
+                    allocation = await self._allocate(plan)
+                except OutOfBlocks:
+                    stats: CacheStats = await self._cache.ask(GetCacheStats, timeout=ASK_TIMEOUT)
+                    core.allocation_refused(stats.blocks_total - stats.blocks_used)
+                    self.context.log.warning(
+                        "scheduler.allocation_refused", free_blocks=core.stats().free_blocks
+                    )
+                    continue
+            started = core.allocated(plan, allocation)
+            if started is None:
+                continue  # all of it came from the prefix cache: plan the rest
+            step_id, incarnation, batch = started
+            self._arm_watchdog(step_id)
+            assert self._executor is not None
+            await self._executor.tell(RunStep(step_id, incarnation, batch))
+            return
+        if core.can_step and not core.idle:
+            self._tell_self(Wake())
+
+    async def _allocate(self, plan: StepPlan) -> Allocation:
+        """Ask the cache manager for ``plan``'s blocks. :raises OutOfBlocks: if refused."""
+        allocation: Allocation = await self._cache.ask(
+            lambda r: AllocateBlocks(plan.grants, r, plan.prefixes), timeout=ASK_TIMEOUT
+        )
+        return allocation
+
+    async def _flush_cache_updates(self) -> None:
+        """Send pending commits, then frees: a finished sequence's full blocks stay cached."""
+        commits, frees = self.core.take_cache_updates()
+        if commits:
+            await self._cache.tell(CommitBlocks(commits))
+        if frees:
+            await self._cache.tell(FreeBlocks(frees))
+
+    def _fail_engine(self, reason: str) -> None:
+        self._cancel_watchdog()
+        count = self.core.fail_engine(reason)
+        self.context.log.error("scheduler.engine_failed", reason=reason, sequences_failed=count)
+
+    # -- timers, drain, progress ----------------------------------------------------------------
+    def _tell_self(self, message: SchedulerMsg) -> None:
+        """Deliver a timer's message; if the mailbox is full, try again shortly."""
+        ref = self.context.ref
+        try:
+            ref.try_tell(message)
+        except MailboxFull:
+            asyncio.get_running_loop().call_later(0.05, self._tell_self, message)
+        except Exception:  # stopped: nothing left to tell
+            pass
+
+    def _arm_watchdog(self, step_id: int) -> None:
+        self._cancel_watchdog()
+        self._watchdog = asyncio.get_running_loop().call_later(
+            self._step_timeout, self._tell_self, StepTimeout(step_id)
+        )
+
+    def _cancel_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def _check_drained(self) -> None:
+        if self._drain is not None and self.core.idle:
+            reply, timer = self._drain
+            self._drain = None
+            timer.cancel()
+            if not reply.done:
+                reply.send(0)
+
+    def _progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress >= _PROGRESS_EVERY:
+            self._last_progress = now
+            self.context.log.info("scheduler.progress", **self.core.stats()._asdict())

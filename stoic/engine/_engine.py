@@ -1,0 +1,302 @@
+"""The :class:`Engine`: start and stop, the request API, health, stats, fault administration."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import anyio
+import structlog
+
+from ..actors import (
+    ASK_TIMEOUT,
+    Abort,
+    Delta,
+    Drain,
+    EngineHealth,
+    FaultInjector,
+    Health,
+    ResultStream,
+    StepWorker,
+    Submit,
+)
+from ..config import EngineConfig, FaultSpec
+from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
+from ..model import LoadedModel, SamplingParams, load_model
+from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
+from ._stats import EngineStats, collect_stats
+from ._stream import CompletionResult, RequestStream
+from ._wiring import EngineParts, wire
+
+__all__ = ["Engine"]
+
+_log = structlog.get_logger("stoic.engine")
+
+#: how a failure to reach the intake reaches the caller of :meth:`Engine.submit`
+_SUBMIT_ERRORS: tuple[tuple[type[Exception], Callable[[], StoicError]], ...] = (
+    (MailboxFull, lambda: Overloaded("the engine's intake is saturated; retry later")),
+    (AskTimeout, lambda: Overloaded("the engine's intake is saturated; retry later")),
+    (ActorStopped, lambda: EngineStopped("engine is not running")),
+)
+
+
+class Engine:
+    """The stoic engine: an actor system serving one model. Create it with :meth:`start`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        parts: EngineParts,
+        health: EngineHealth,
+        faults: FaultInjector,
+    ) -> None:
+        self.config = config
+        self.loaded = loaded
+        self._parts = parts
+        self._health = health
+        self._faults = faults
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+        """Load the model, start the actors, yield the engine; drain and stop on exit.
+
+        Leaving the block stops admitting, lets running requests finish for up to
+        ``drain_timeout`` seconds (then ends them with :class:`~stoic.errors.EngineStopped`) and
+        stops every actor. The stop is shielded from cancellation: a cancelled caller still
+        leaves no actor running.
+
+        :raises ModelUnavailable: if the model cannot be found or loaded locally.
+        """
+        cfg = config or EngineConfig()
+        loaded = await anyio.to_thread.run_sync(
+            functools.partial(
+                load_model,
+                cfg.model,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                cache_root=cfg.cache_dir,
+                served_name=cfg.served_model_name,
+            )
+        )
+        health = EngineHealth()
+        faults = FaultInjector(cfg.faults)
+        async with contextlib.AsyncExitStack() as stack:
+            # one worker thread for every executor incarnation: torch's OpenMP pool is per
+            # calling thread, so a thread per restart would leave idle pools competing for cores
+            worker = stack.enter_context(StepWorker("stoic-executor"))
+            system = await stack.enter_async_context(_actor_system())
+            parts = await wire(system, cfg, loaded, health, faults, worker)
+            engine = cls(cfg, loaded, parts, health, faults)
+            stack.push_async_callback(engine._drain)
+            engine._log_started()
+            yield engine
+        _log.info("engine.stopped")
+
+    async def _drain(self) -> None:
+        """Stop admitting and let running requests finish (up to ``drain_timeout``)."""
+        with anyio.CancelScope(shield=True):
+            self._health.stopping()
+            scheduler = self._parts.scheduler
+            if scheduler.is_alive:
+                with contextlib.suppress(Exception):
+                    await scheduler.ask(
+                        lambda r: Drain(self.config.drain_timeout, r),
+                        timeout=self.config.drain_timeout + 5.0,
+                    )
+
+    def _log_started(self) -> None:
+        loaded, spec = self.loaded, self._parts.kv_spec
+        _log.info(
+            "engine.started",
+            model=loaded.name,
+            device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            kv_blocks=spec.num_blocks,
+            block_size=spec.block_size,
+            kv_tokens=spec.capacity_tokens,
+            kv_mib=round(spec.bytes_per_block * spec.num_blocks / 2**20, 1),
+            max_model_len=self.max_model_len,
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._parts.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    async def submit(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """Validate and admit a request; return its stream.
+
+        Everything wrong with the request is raised here, before any output exists.
+
+        :raises InvalidRequest: bad parameters, messages, template error, bad token ids.
+        :raises ContextLengthExceeded: prompt plus ``max_tokens`` beyond the context.
+        :raises Overloaded: admission limits reached.
+        :raises EngineFailed: the engine is failed.
+        :raises EngineStopped: the engine is stopping.
+        """
+        self._health.check_accepting()
+        intake = self._parts.intake
+        mailbox = intake.statistics()
+        if mailbox.current_buffer_used >= mailbox.max_buffer_size:
+            raise Overloaded("the engine's intake queue is full; retry later")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        ptoks = prompt if isinstance(prompt, str) or prompt is None else tuple(prompt)
+        msgs = tuple(messages) if messages is not None else None
+        try:
+            stream: ResultStream = await intake.ask(
+                lambda r: Submit(
+                    rid, ptoks, msgs, params or SamplingParams(), chat_template_kwargs, r
+                ),
+                timeout=ASK_TIMEOUT,
+            )
+        except StoicError:
+            raise
+        except Exception as exc:
+            for kind, make in _SUBMIT_ERRORS:
+                if isinstance(exc, kind):
+                    raise make() from exc
+            raise
+        return RequestStream(stream, self.abort)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Stream a completion of ``prompt`` (text or token ids). Errors raise before any delta."""
+        stream = await self.submit(prompt, params, request_id=request_id)
+        async with stream:
+            async for delta in stream:
+                yield delta
+
+    async def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Stream a chat completion (the model's own chat template). Errors raise before any delta."""
+        stream = await self.submit(
+            None,
+            params,
+            messages=messages,
+            request_id=request_id,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        async with stream:
+            async for delta in stream:
+                yield delta
+
+    async def complete(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> CompletionResult:
+        """Generate to the end and return the whole result (non-streaming helper).
+
+        :raises StoicError: what :meth:`submit` raises, and what the stream raises if generation
+            fails (each carrying ``partial``).
+        """
+        stream = await self.submit(
+            prompt,
+            params,
+            messages=messages,
+            request_id=request_id,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return await stream.collect()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); its blocks are freed at once."""
+        ref = self._parts.scheduler
+        if not ref.is_alive:
+            return
+        try:
+            ref.try_tell(Abort(request_id))
+        except MailboxFull:
+            # wait for room even inside a cancelled scope: a lost abort would let the request
+            # run on to max_tokens holding its blocks
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await ref.tell(Abort(request_id))
+        except ActorStopped:
+            pass
+
+    # -- health, stats, faults ------------------------------------------------------------------
+    def health(self) -> Health:
+        return self._health.snapshot()
+
+    async def wait_failed(self) -> EngineFailed:
+        """Return the engine's failure once it happens (for ``--exit-on-fatal``)."""
+        return await self._health.wait_failed()
+
+    def stats(self) -> EngineStats:
+        parts = self._parts
+        return collect_stats(parts.scheduler_core, parts.cache_manager, self._health, self._faults)
+
+    async def inject_fault(self, spec: FaultSpec) -> None:
+        """Arm a fault in the executor's steps.
+
+        :raises InvalidRequest: if fault injection is not enabled in the config.
+        """
+        self._check_fault_injection()
+        self._faults.add(spec)
+        _log.warning(
+            "faults.armed",
+            kind=spec.kind,
+            after_steps=spec.after_steps,
+            probability=spec.probability,
+        )
+
+    async def clear_faults(self) -> None:
+        """Disarm every fault.
+
+        :raises InvalidRequest: if fault injection is not enabled in the config.
+        """
+        self._check_fault_injection()
+        self._faults.clear()
+        _log.info("faults.cleared")
+
+    def _check_fault_injection(self) -> None:
+        if not self.config.enable_fault_injection:
+            raise InvalidRequest(
+                "fault injection is disabled (EngineConfig.enable_fault_injection)"
+            )
+
+
+@contextlib.asynccontextmanager
+async def _actor_system() -> AsyncIterator[ActorSystem]:
+    # the supervisor's escalation was already reported through the engine's health (failed):
+    # leaving the engine must not raise it again
+    with contextlib.suppress(SupervisorEscalation):
+        async with ActorSystem("stoic") as system:
+            yield system

@@ -1,0 +1,79 @@
+"""The executor's recovery procedure, run by its supervisor before each restart, and what
+happens when the supervisor gives up."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from ..actors import (
+    ASK_TIMEOUT,
+    CacheMsg,
+    DropAll,
+    EngineFailedNotice,
+    EngineHealth,
+    ExecutorDown,
+    SchedulerMsg,
+    classify_failure,
+)
+from ..errors import EngineFailed
+from ..runtime import ActorRef, SupervisorEscalation
+
+__all__ = ["Recovery"]
+
+_log = structlog.get_logger("stoic.engine")
+
+
+class Recovery:
+    """Recovers from executor failures (the supervisor's ``on_failure`` hook) and fails the engine
+    when the supervisor escalates (its ``on_escalate`` hook).
+
+    The procedure: mark the engine recovering; fence the failed incarnation and end every
+    sequence with the error and its partial output (the scheduler); drop every KV block and the
+    KV tensors (the cache manager). The supervisor then restarts the executor, which marks the
+    engine serving again once it holds a fresh KV cache.
+    """
+
+    def __init__(
+        self, health: EngineHealth, scheduler: ActorRef[SchedulerMsg], cache: ActorRef[CacheMsg]
+    ) -> None:
+        self._health = health
+        self._scheduler = scheduler
+        self._cache = cache
+
+    async def on_failure(self, error: BaseException, incarnation: int) -> None:
+        """Run the recovery procedure for executor ``incarnation``, which failed with ``error``.
+
+        :raises EngineFailed: if the device is poisoned (``fatal``): restarting in this process
+            cannot help, so the supervisor escalates.
+        """
+        started = time.monotonic()
+        kind = classify_failure(error)
+        log = _log.bind(kind=kind, executor_incarnation=incarnation)
+        log.error("recovery.executor_failed", error=f"{type(error).__name__}: {error}")
+        self._health.recovering(kind)
+        failed: int = await self._scheduler.ask(
+            lambda r: ExecutorDown(error, kind, incarnation, r), timeout=ASK_TIMEOUT
+        )
+        log.info("recovery.fenced_and_streams_failed", sequences_failed=failed)
+        freed: int = await self._cache.ask(DropAll, timeout=ASK_TIMEOUT)
+        log.info(
+            "recovery.cache_dropped",
+            blocks_freed=freed,
+            seconds=round(time.monotonic() - started, 4),
+        )
+        if kind == "fatal":
+            raise EngineFailed(f"unrecoverable device error: {error}")
+
+    async def on_escalate(self, escalation: SupervisorEscalation) -> None:
+        """The supervisor gave up (restart intensity exceeded): the engine is failed."""
+        cause = escalation.__cause__
+        reason = (
+            f"executor failed {escalation} (last error: {type(cause).__name__}: {cause})"
+            if cause
+            else str(escalation)
+        )
+        self._health.fail(reason)
+        if self._scheduler.is_alive:
+            await self._scheduler.tell(EngineFailedNotice(reason))

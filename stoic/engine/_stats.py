@@ -1,0 +1,79 @@
+"""Engine statistics: one typed snapshot read on the event loop (no message round trip)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..actors import CacheManager, FaultInjector, SchedulerCore, State
+from ..actors import EngineHealth as _Health
+
+__all__ = ["EngineStats", "collect_stats"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's counters and gauges."""
+
+    #: sequences being generated
+    running: int
+    #: sequences admitted but not yet scheduled
+    waiting: int
+    #: KV blocks in use (held by a sequence) out of ``kv_blocks_total``
+    kv_blocks_used: int
+    kv_blocks_total: int
+    #: the executor's incarnation (0 at start, +1 per restart)
+    incarnation: int
+    #: executor restarts so far
+    restarts: int
+    #: sequences ended with an error (executor failure, engine failure, stop deadline)
+    failed_sequences: int
+    #: steps completed
+    steps: int
+    #: most sequences in one step so far
+    max_batch_size: int
+    #: running sequences preempted (their blocks taken back, recomputed later)
+    preemptions: int
+    #: late results from fenced executor incarnations, discarded
+    fenced_results: int
+    #: prompt tokens admitted
+    prompt_tokens: int
+    #: tokens generated
+    generated_tokens: int
+    #: faults injected so far
+    faults_injected: int
+    #: the engine's health state
+    state: State
+    #: prompt tokens whose keys/values came from the prefix cache (not computed)
+    prefix_cached_tokens: int
+    #: KV blocks held by the prefix cache (in use or evictable)
+    kv_blocks_cached: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV blocks in use (0 to 1)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def collect_stats(
+    core: SchedulerCore, cache: CacheManager, health: _Health, faults: FaultInjector
+) -> EngineStats:
+    sched, blocks, now = core.stats(), cache.stats(), health.snapshot()
+    return EngineStats(
+        running=sched.running,
+        waiting=sched.waiting,
+        kv_blocks_used=blocks.blocks_used,
+        kv_blocks_total=blocks.blocks_total,
+        incarnation=now.incarnation,
+        restarts=now.restarts,
+        failed_sequences=sched.failed_sequences,
+        steps=sched.steps,
+        max_batch_size=sched.max_batch_size,
+        preemptions=sched.preemptions,
+        fenced_results=sched.fenced_results,
+        prompt_tokens=sched.prompt_tokens,
+        generated_tokens=sched.generated_tokens,
+        faults_injected=faults.injected,
+        state=now.state,
+        prefix_cached_tokens=sched.prefix_cached_tokens,
+        kv_blocks_cached=blocks.cached_blocks,
+    )
