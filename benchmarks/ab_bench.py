@@ -7,9 +7,10 @@ serving benchmark's load generator with the same mixed prompts, ``max_tokens`` 6
 greedy. The order alternates every round (A B, B A, ...) so drift hits both alike; the table
 gives each pass and the ratio of medians.
 
-    python benchmarks/ab_bench.py --base HEAD~1 --concurrency 32 --rounds 3
+    python benchmarks/ab_bench.py --base HEAD~1 [--head HEAD] --concurrency 32 --rounds 3
 
-Needs nothing beyond the dev install (no ``bench`` extra).
+Two configurations of one tree compare the same way (``--base-flags``/``--head-flags``, e.g.
+``--head-flags "--executor process"``). Needs nothing beyond the dev install.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from serving.systems import System, free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _system(name: str, tree: Path | None, work: Path) -> System:
+def _system(name: str, tree: Path | None, work: Path, flags: list[str]) -> System:
     port = free_port()
-    argv = [sys.executable, "-m", "stoic", "serve", "--model", "default", "--dtype", "bfloat16"]
+    argv = [sys.executable, "-m", "stoic", "serve", "--model", "default", *flags]
     argv += ["--port", str(port), "--log-level", "warning"]
     argv += ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
     argv += ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
@@ -65,8 +66,13 @@ async def _pass(system: System, concurrency: int, requests: int, tag: str) -> Re
         system.stop()
 
 
-async def compare(args: argparse.Namespace, base_tree: Path, work: Path) -> None:
-    systems = {"base": _system("base", base_tree, work), "head": _system("head", None, work)}
+async def compare(
+    args: argparse.Namespace, base_tree: Path | None, head_tree: Path | None, work: Path
+) -> None:
+    systems = {
+        "base": _system("base", base_tree, work, args.base_flags.split()),
+        "head": _system("head", head_tree, work, args.head_flags.split()),
+    }
     results: dict[str, list[Result]] = {"base": [], "head": []}
     for r in range(args.rounds):
         order = ["base", "head"] if r % 2 == 0 else ["head", "base"]
@@ -80,8 +86,10 @@ async def compare(args: argparse.Namespace, base_tree: Path, work: Path) -> None
             )
     print()
     print(
-        f"base = {args.base}, head = working tree; c={args.concurrency}, "
-        f"{args.requests} requests per pass, max_tokens 64, bf16"
+        f"base = {args.base or 'working tree'}, head = {args.head or 'working tree'}; "
+        f"c={args.concurrency}, "
+        f"{args.requests} requests per pass, max_tokens 64; "
+        f"base flags {args.base_flags!r}, head flags {args.head_flags!r}"
     )
     print()
     print("| tree | output tok/s per pass | median tok/s | median TTFT p50 (s) |")
@@ -99,18 +107,25 @@ async def compare(args: argparse.Namespace, base_tree: Path, work: Path) -> None
 
 def main(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="stoic-ab-"))
-    base_tree = work / "base"
+    base_tree = work / "base" if args.base else None
+    head_tree = work / "head" if args.head else None
     git = ["git", "-C", str(ROOT), "worktree"]
-    subprocess.run([*git, "add", "--detach", str(base_tree), args.base], check=True)
+    trees = [(t, rev) for t, rev in ((base_tree, args.base), (head_tree, args.head)) if t and rev]
+    for tree, rev in trees:
+        subprocess.run([*git, "add", "--detach", str(tree), rev], check=True)
     try:
-        asyncio.run(compare(args, base_tree, work))
+        asyncio.run(compare(args, base_tree, head_tree, work))
     finally:
-        subprocess.run([*git, "remove", "--force", str(base_tree)], check=False)
+        for tree, _rev in trees:
+            subprocess.run([*git, "remove", "--force", str(tree)], check=False)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", default="HEAD", help="the revision to compare against")
+    parser.add_argument("--base", help="the revision to compare against (default: working tree)")
+    parser.add_argument("--head", help="a revision to compare (default: the working tree)")
+    parser.add_argument("--base-flags", default="", help="extra `stoic serve` flags for base")
+    parser.add_argument("--head-flags", default="", help="extra `stoic serve` flags for head")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=96, help="requests per pass")
     parser.add_argument("--rounds", type=int, default=3)

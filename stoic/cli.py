@@ -172,7 +172,23 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         type=_non_negative_float,
         default=d.step_timeout,
         metavar="S",
-        help="a step running longer is a hang (default %(default)s)",
+        help="a step running longer is a hang: with --executor process the worker is killed and "
+        "replaced, with thread the engine is failed (default %(default)s)",
+    )
+    g.add_argument(
+        "--executor",
+        choices=["process", "thread"],
+        default=d.executor,
+        help="where the model runs: a worker process, replaced when it dies, segfaults, hangs or "
+        "poisons its device; or a thread of the server (default %(default)s)",
+    )
+    g.add_argument(
+        "--executor-spares",
+        type=int,
+        default=d.executor_spares,
+        metavar="N",
+        help="with --executor process: N warm worker processes (weights loaded) that take over "
+        "at once when the worker must be replaced (default %(default)s)",
     )
     g.add_argument(
         "--exit-on-fatal",
@@ -228,6 +244,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         step_timeout=args.step_timeout,
         enable_fault_injection=args.enable_fault_injection,
         faults=tuple(args.fault),
+        executor=args.executor,
+        executor_spares=args.executor_spares,
         drain_timeout=args.drain_timeout,
         **extra,
     )

@@ -4,22 +4,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from .errors import InvalidRequest
 
-__all__ = ["EngineConfig", "FaultSpec"]
+__all__ = ["FAULT_KINDS", "PROCESS_ONLY_FAULTS", "EngineConfig", "FaultKind", "FaultSpec"]
+
+FaultKind = Literal["oom", "error", "hang", "fatal", "device_assert", "crash", "segfault", "abort"]
+FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
+#: faults that end the process that runs the model: only the process executor survives them
+PROCESS_ONLY_FAULTS = frozenset({"crash", "segfault", "abort"})
 
 
 @dataclass(frozen=True)
 class FaultSpec:
     """A fault to inject into executor steps (for tests and failure rehearsals).
 
+    Kinds: ``oom`` (out of memory), ``error`` (an exception), ``fatal`` (exactly the error a
+    poisoned CUDA context raises), ``device_assert`` (a real out-of-range index on the GPU, which
+    poisons the context; a plain error on a CPU), ``hang`` (the step blocks ``seconds``), and, with the process
+    executor only, ``crash`` (the worker SIGKILLs itself), ``segfault`` (a real SIGSEGV) and
+    ``abort`` (``os.abort()``).
+
     Exactly one trigger: ``after_steps=N`` (the Nth following step fails, once) or
     ``probability=p`` with ``seed`` (every step fails with probability p until cleared).
     """
 
-    kind: Literal["oom", "error", "hang"]
+    kind: FaultKind
     after_steps: int | None = None
     probability: float | None = None
     seed: int | None = None
@@ -27,8 +38,8 @@ class FaultSpec:
     seconds: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("oom", "error", "hang"):
-            raise InvalidRequest("kind must be 'oom', 'error' or 'hang'", param="kind")
+        if self.kind not in FAULT_KINDS:
+            raise InvalidRequest(f"kind must be one of {', '.join(FAULT_KINDS)}", param="kind")
         if (self.after_steps is None) == (self.probability is None):
             raise InvalidRequest(
                 "give exactly one of after_steps or probability", param="after_steps"
@@ -84,8 +95,14 @@ class EngineConfig:
     #: seconds marks the engine failed
     max_restarts: int = 5
     restart_window: float = 60.0
-    #: a step running longer than this is a hang: the engine is marked failed
+    #: a step running longer than this is a hang: with the process executor the worker is killed
+    #: and replaced; with the thread executor the engine is marked failed
     step_timeout: float = 120.0
+    #: where the model runs: ``"process"`` (a worker process the engine replaces when it dies,
+    #: crashes, hangs or poisons its device) or ``"thread"`` (a thread of this process)
+    executor: Literal["process", "thread"] = "thread"
+    #: with the process executor: warm worker processes (weights loaded) that take over at once
+    executor_spares: int = 0
     #: allow :meth:`stoic.Engine.inject_fault` (and ``POST /admin/faults``)
     enable_fault_injection: bool = False
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
@@ -95,6 +112,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.faults and not self.enable_fault_injection:
             raise ValueError("faults given at start need enable_fault_injection=True")
+        if self.executor not in ("process", "thread"):
+            raise ValueError(f"executor must be 'process' or 'thread', not {self.executor!r}")
+        for spec in self.faults:
+            self.check_fault(spec)
+        if self.executor_spares < 0 or (self.executor_spares and self.executor != "process"):
+            raise ValueError("executor_spares must be >= 0 and needs executor='process'")
         if (
             self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.max_num_seqs
@@ -104,6 +127,15 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs})"
+            )
+
+    def check_fault(self, spec: FaultSpec) -> None:
+        """:raises ValueError: if ``spec`` would kill the server (a process-ending fault with the
+        thread executor)."""
+        if spec.kind in PROCESS_ONLY_FAULTS and self.executor != "process":
+            raise ValueError(
+                f"fault kind {spec.kind!r} ends the process that runs the model: it needs "
+                "the process executor (executor='process', --executor process)"
             )
 
     def step_token_budget(self, device_type: str) -> int:

@@ -26,8 +26,9 @@ __all__ = [
 
 #: How an executor failure is classified: ``"oom"`` (out of device memory), ``"fatal"`` (the
 #: device context is poisoned: an illegal memory access, a device-side assert), ``"hang"`` (a
-#: step outlived the step timeout), ``"error"`` (any other exception in the step).
-FailureKind = Literal["error", "oom", "fatal", "hang"]
+#: step outlived the step timeout), ``"crash"`` (the executor's worker process died: killed,
+#: segfault, abort), ``"error"`` (any other exception in the step).
+FailureKind = Literal["error", "oom", "fatal", "hang", "crash"]
 
 
 @dataclass(frozen=True)

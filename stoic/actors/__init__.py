@@ -8,7 +8,8 @@ from ._allocator import BlockAllocator, OutOfBlocks
 from ._cache import CacheManager
 from ._core import SchedulerConfig, SchedulerCore, SchedulerStats
 from ._detok import Detokenizer
-from ._executor import Executor, StepWorker, classify_failure
+from ._executor import Executor, StepWorker
+from ._failures import ExecutorFault, classify_failure
 from ._faults import FaultInjector, InjectedFault
 from ._guardian import Guardian
 from ._health import STATES, EngineHealth, Health, State
@@ -28,6 +29,9 @@ from ._messages import (
     Submit,
 )
 from ._plan import Planned, StepPlan
+from ._proc_executor import ProcessExecutor
+from ._process import WorkerPool, WorkerProcess
+from ._procworker import WorkerSpec
 from ._scheduler import Scheduler
 from ._sequence import SeqStatus, Sequence, block_hashes
 from ._stream import Delta, FinishReason, ResultStream, TokenLogprob
@@ -48,6 +52,7 @@ __all__ = [
     "EngineHealth",
     "Executor",
     "ExecutorDown",
+    "ExecutorFault",
     "ExecutorMsg",
     "FaultInjector",
     "FinishReason",
@@ -59,6 +64,7 @@ __all__ = [
     "IntakeMsg",
     "OutOfBlocks",
     "Planned",
+    "ProcessExecutor",
     "ResultStream",
     "Scheduler",
     "SchedulerConfig",
@@ -72,6 +78,9 @@ __all__ = [
     "StepWorker",
     "Submit",
     "TokenLogprob",
+    "WorkerPool",
+    "WorkerProcess",
+    "WorkerSpec",
     "block_hashes",
     "classify_failure",
 ]

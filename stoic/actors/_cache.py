@@ -31,22 +31,30 @@ class CacheManager(Actor[CacheMsg]):
     """Owns the :class:`BlockAllocator` and the :class:`PagedKVCache` tensors.
 
     ``DropAll`` frees every block and releases the tensors (emptying the CUDA allocator's cache on
-    GPUs); the next ``AcquireKV`` (from a restarted executor) re-creates them.
+    GPUs); the next ``AcquireKV`` (from a restarted executor) re-creates them. With
+    ``make_cache=None`` (the process executor) the tensors live in the worker process: this actor
+    keeps the logical side only (allocator, block tables, prefix hashes, which blocks are not
+    yet zeroed) and ``AcquireKV`` answers ``None``.
     """
 
     def __init__(
-        self, spec: KVCacheSpec, *, make_cache: Callable[[KVCacheSpec], PagedKVCache] = PagedKVCache
+        self,
+        spec: KVCacheSpec,
+        *,
+        make_cache: Callable[[KVCacheSpec], PagedKVCache] | None = PagedKVCache,
     ) -> None:
         self.spec = spec
         self.allocator = BlockAllocator(spec.num_blocks)
         self._make_cache = make_cache
         self._kv: PagedKVCache | None = None
+        #: the pools are to be (re)created before the next use (at start, after a DropAll)
+        self._stale = True
         self._drops = 0
         #: blocks not yet zeroed since the tensors were created (see StepBatch.zero_blocks)
         self._unzeroed: set[int] = set()
 
     async def on_start(self) -> None:
-        self._kv = self._create()
+        self._recreate()
         self.context.log.info(
             "cache.started",
             blocks=self.spec.num_blocks,
@@ -70,12 +78,13 @@ class CacheManager(Actor[CacheMsg]):
             case DropAll(reply=reply):
                 freed = self.allocator.free_all()
                 self._release()
+                self._stale = True
                 self._drops += 1
                 self.context.log.info("cache.dropped_all", blocks_freed=freed)
                 reply.send(freed)
             case AcquireKV(reply=reply):
-                if self._kv is None or self._kv.released:
-                    self._kv = self._create()
+                if self._stale:
+                    self._recreate()
                     self.context.log.info("cache.recreated", blocks=self.spec.num_blocks)
                 reply.send(self._kv)
             case GetCacheStats(reply=reply):
@@ -110,10 +119,12 @@ class CacheManager(Actor[CacheMsg]):
             evictions=self.allocator.evictions,
         )
 
-    def _create(self) -> PagedKVCache:
+    def _recreate(self) -> None:
         # every block starts unzeroed: allocating the pools empty (not zeroed) keeps a restart fast
         self._unzeroed = set(range(self.spec.num_blocks))
-        return self._make_cache(self.spec)
+        if self._make_cache is not None:
+            self._kv = self._make_cache(self.spec)
+        self._stale = False
 
     def _release(self) -> None:
         if self._kv is not None:

@@ -391,16 +391,28 @@ class SchedulerCore:
         return len(ended)
 
     def executor_down(self, error: BaseException, kind: FailureKind) -> int:
-        """Fence the executor (its late results are dropped) and end every sequence with an
-        :class:`~stoic.errors.ExecutorFailed` carrying its partial output. Returns how many."""
+        """Fence the executor (its late results are dropped) and end every sequence that had
+        started with an :class:`~stoic.errors.ExecutorFailed` carrying its partial output.
+
+        Sequences still waiting for their first step lost nothing: they stay queued and run
+        once the executor is back. Returns how many sequences ended.
+        """
         prefilling: set[int] = set()
         if self._inflight is not None:
             prefilling = {p.seq.seq_id for p in self._inflight.planned if p.n_tokens > 1}
         self._incarnation = None
         self._inflight = None
-        return self.fail_all(
+        queued = [seq for seq in self._waiting if seq.num_generated == 0]
+        for seq in queued:
+            self._waiting.remove(seq)
+        count = self.fail_all(
             lambda seq: _executor_failed(seq, error, kind, seq.seq_id in prefilling)
         )
+        for seq in queued:  # their cached prefix blocks (if any) were dropped with the cache
+            self._release(seq)
+            seq.num_computed = 0
+        self._waiting.extend(queued)
+        return count
 
     def fail_engine(self, reason: str) -> int:
         """The engine is failed for good: fence, end every sequence, refuse new ones."""

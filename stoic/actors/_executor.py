@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, assert_never
 
-import torch
-
-from ..errors import FailureKind
 from ..model import ModelRunner, PagedKVCache, StepOutput
-from ..runtime import Actor, ActorRef
+from ..runtime import Actor, ActorContext, ActorRef
+from ._failures import classify_failure
 from ._faults import FaultInjector
 from ._health import EngineHealth
 from ._messages import (
@@ -27,29 +26,22 @@ from ._messages import (
     RunStep,
     SchedulerMsg,
     StepResult,
+    WorkerExited,
 )
 
-__all__ = ["Executor", "StepWorker", "classify_failure"]
+__all__ = ["Executor", "StepWorker", "classify_failure", "is_stale"]
 
 T = TypeVar("T")
 
-# errors after which the CUDA context cannot be trusted: recovery in-process is impossible
-_FATAL_MARKERS = (
-    "illegal memory access",
-    "device-side assert",
-    "unspecified launch failure",
-    "cuda error: misaligned",
-)
 
-
-def classify_failure(error: BaseException) -> FailureKind:
-    """``"oom"``, ``"fatal"`` (poisoned device context) or ``"error"``."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return "oom"
-    text = str(error).lower()
-    if any(marker in text for marker in _FATAL_MARKERS):
-        return "fatal"
-    return "error"
+def is_stale(context: ActorContext[ExecutorMsg], step: RunStep) -> bool:
+    """Whether ``step`` was meant for an earlier incarnation (it is dropped, and logged)."""
+    if step.incarnation == context.incarnation:
+        return False
+    context.log.info(
+        "executor.stale_step_dropped", step=step.step_id, for_incarnation=step.incarnation
+    )
+    return True
 
 
 class StepWorker:
@@ -119,9 +111,10 @@ class Executor(Actor[ExecutorMsg]):
 
     async def on_start(self) -> None:
         incarnation = self.context.incarnation
-        kv: PagedKVCache = await self._cache.ask(AcquireKV, timeout=ASK_TIMEOUT)
+        kv: PagedKVCache | None = await self._cache.ask(AcquireKV, timeout=ASK_TIMEOUT)
+        assert kv is not None, "the thread executor needs the KV tensors in this process"
         self._kv = kv
-        self._health.executor_ready(incarnation)
+        self._health.executor_ready(incarnation, pid=os.getpid())
         await self._scheduler.tell(ExecutorReady(incarnation, self.context.ref))
         self.context.log.info("executor.ready")
 
@@ -131,10 +124,7 @@ class Executor(Actor[ExecutorMsg]):
     async def receive(self, message: ExecutorMsg) -> None:
         match message:
             case RunStep(step_id=step_id, incarnation=incarnation, batch=batch):
-                if incarnation != self.context.incarnation:
-                    self.context.log.info(
-                        "executor.stale_step_dropped", step=step_id, for_incarnation=incarnation
-                    )
+                if is_stale(self.context, message):
                     return
                 assert self._kv is not None
                 kv, runner, faults = self._kv, self._runner, self._faults
@@ -145,5 +135,7 @@ class Executor(Actor[ExecutorMsg]):
 
                 output = await self._worker.run(step)
                 await self._scheduler.tell(StepResult(step_id, incarnation, output))
+            case WorkerExited():
+                pass  # the process executor's; this one runs in a thread
             case _:
                 assert_never(message)

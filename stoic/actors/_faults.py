@@ -1,25 +1,76 @@
-"""Fault injection into executor steps (off unless the engine enables it)."""
+"""Fault injection into executor steps (off unless the engine enables it).
+
+:class:`FaultInjector` decides, step by step, whether a step fails and how (on the event loop, or
+in the thread executor's worker thread); :func:`enact_fault` makes it happen where the model
+runs: in the worker thread, or in the worker process (:mod:`stoic.actors._procworker`).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import random
+import signal
 import threading
 import time
 
 import torch
 
-from ..config import FaultSpec
+from ..config import PROCESS_ONLY_FAULTS, FaultSpec
 
-__all__ = ["FaultInjector", "InjectedFault"]
+__all__ = ["FATAL_CUDA_MESSAGE", "FaultInjector", "InjectedFault", "enact_fault"]
+
+#: exactly what PyTorch raises once a kernel poisoned the CUDA context
+FATAL_CUDA_MESSAGE = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call"
+)
 
 
 class InjectedFault(RuntimeError):
     """The ``"error"`` kind: a plain RuntimeError raised inside the step."""
 
 
+def enact_fault(spec: FaultSpec) -> None:
+    """Make the step fail the way ``spec`` says, where the model runs.
+
+    ``oom``, ``error`` and ``fatal`` raise; ``device_assert`` indexes a CUDA tensor out of range
+    (a real device-side assert); ``hang`` blocks for ``spec.seconds``; ``crash``
+    (SIGKILL), ``segfault`` (a real SIGSEGV) and ``abort`` (``os.abort()``) end the process, so
+    they are only armed with the process executor.
+    """
+    match spec.kind:
+        case "oom":
+            raise torch.OutOfMemoryError("injected fault: CUDA out of memory (simulated)")
+        case "error":
+            raise InjectedFault("injected fault: executor error")
+        case "fatal":
+            raise RuntimeError(FATAL_CUDA_MESSAGE)
+        case "hang":
+            time.sleep(spec.seconds)
+        case "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        case "segfault":
+            ctypes.string_at(0)  # reads address 0: the kernel sends SIGSEGV
+        case "abort":
+            os.abort()
+        case "device_assert":
+            _device_assert()
+
+
+def _device_assert() -> None:
+    """Index a tensor out of range on the GPU: a real device-side assert, which poisons the
+    CUDA context (on a CPU the same index is a plain IndexError)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    values = torch.zeros(4, device=device)
+    values[torch.tensor([4], device=device)].sum().item()
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 class FaultInjector:
     """Decides, step by step, whether the step fails and how. Thread-safe: specs are set from the
-    event loop and consulted in the executor's worker thread.
+    event loop and consulted where steps are dispatched.
     """
 
     def __init__(self, specs: tuple[FaultSpec, ...] = ()) -> None:
@@ -38,10 +89,11 @@ class FaultInjector:
         with self._lock:
             self._armed.clear()
 
-    def before_step(self) -> None:
-        """Called in the worker thread before each forward pass; raises or blocks on a fault."""
+    def decide(self) -> FaultSpec | None:
+        """Called once per step: the fault this step gets, if any. An ``after_steps`` fault
+        fires once, then is disarmed; a ``probability`` fault stays armed until cleared."""
         if not self._armed:
-            return
+            return None
         fire: FaultSpec | None = None
         with self._lock:
             keep: list[tuple[FaultSpec, int, random.Random | None]] = []
@@ -51,18 +103,18 @@ class FaultInjector:
                         fire = spec
                     keep.append((spec, countdown, rng))
                 elif countdown <= 1 and fire is None:
-                    fire = spec  # after_steps: fires once, then disarmed
+                    fire = spec
                 else:
                     keep.append((spec, countdown - 1, rng))
             self._armed = keep
             if fire is not None:
                 self.injected += 1
-        if fire is None:
-            return
-        match fire.kind:
-            case "oom":
-                raise torch.OutOfMemoryError("injected fault: CUDA out of memory (simulated)")
-            case "error":
-                raise InjectedFault("injected fault: executor error")
-            case "hang":
-                time.sleep(fire.seconds)
+        return fire
+
+    def before_step(self) -> None:
+        """Decide and enact in one go (the thread executor, in its worker thread)."""
+        spec = self.decide()
+        if spec is not None:
+            if spec.kind in PROCESS_ONLY_FAULTS:  # refused when armed; never kill the server
+                raise InjectedFault(f"injected fault {spec.kind!r} needs the process executor")
+            enact_fault(spec)

@@ -30,6 +30,10 @@ class Health:
     incarnation: int = 0
     #: executor restarts so far (counted when the new executor is ready)
     restarts: int = 0
+    #: the process the model runs in (this one with the thread executor)
+    executor_pid: int | None = None
+    #: restarts by the kind of failure that caused them
+    restarts_by_kind: tuple[tuple[FailureKind, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -54,6 +58,9 @@ class EngineHealth:
         self._reason: str | None = "loading the model"
         self._incarnation = 0
         self._restarts = 0
+        self._by_kind: dict[FailureKind, int] = {}
+        self._last_kind: FailureKind = "error"
+        self._pid: int | None = None
         self._failure: EngineFailed | None = None
         self._failed = asyncio.Event()
 
@@ -67,7 +74,14 @@ class EngineHealth:
         return self._failure
 
     def snapshot(self) -> Health:
-        return Health(self._state, self._reason, self._incarnation, self._restarts)
+        return Health(
+            self._state,
+            self._reason,
+            self._incarnation,
+            self._restarts,
+            self._pid,
+            tuple(sorted(self._by_kind.items())),
+        )
 
     def check_accepting(self) -> None:
         """Raise unless new requests may be admitted (queued during recovery is fine).
@@ -81,16 +95,21 @@ class EngineHealth:
             raise EngineStopped()
 
     # -- transitions ----------------------------------------------------------------------------
-    def executor_ready(self, incarnation: int) -> None:
-        """An executor incarnation took its KV cache and serves steps."""
+    def executor_ready(self, incarnation: int, *, pid: int | None = None) -> None:
+        """An executor incarnation (running the model in process ``pid``) took its KV cache and
+        serves steps."""
         if incarnation > self._incarnation:
-            self._restarts += 1  # counted when the restart happened, not when it was decided
+            # counted when the restart happened, not when it was decided
+            self._restarts += 1
+            self._by_kind[self._last_kind] = self._by_kind.get(self._last_kind, 0) + 1
         self._incarnation = incarnation
+        self._pid = pid
         if self._state in ("starting", "recovering"):
             self._state, self._reason = "serving", None
 
     def recovering(self, kind: FailureKind) -> None:
         """An executor failure of ``kind`` is being recovered from."""
+        self._last_kind = kind
         if self._state == "serving":
             self._state, self._reason = "recovering", f"executor failed ({kind}); recovering"
 

@@ -45,6 +45,7 @@ __all__ = [
     "StepTimeout",
     "Submit",
     "Wake",
+    "WorkerExited",
 ]
 
 
@@ -224,9 +225,10 @@ class DropAll:
 
 @dataclass(frozen=True, slots=True)
 class AcquireKV:
-    """The executor asks for the KV tensors (re-created after a DropAll)."""
+    """The executor asks for the KV tensors (re-created after a DropAll); ``None`` when they
+    live in the executor's worker process."""
 
-    reply: Reply[PagedKVCache]
+    reply: Reply[PagedKVCache | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,4 +261,11 @@ class RunStep:
     batch: StepBatch
 
 
-ExecutorMsg = RunStep
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    """The executor's worker process ``pid`` is gone (the process executor)."""
+
+    pid: int
+
+
+ExecutorMsg = RunStep | WorkerExited

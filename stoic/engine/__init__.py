@@ -9,13 +9,20 @@ The names other layers (``stoic.http``, applications) use are all here, and repo
 module as theirs.
 """
 
+from typing import get_args
+
 from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
+from ..errors import FailureKind
 from ..model import SamplingParams
 from ._engine import Engine
 from ._stats import EngineStats
 from ._stream import CompletionResult, RequestStream
 
+#: every kind of executor failure (exported as metric labels)
+FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
+
 __all__ = [
+    "FAILURE_KINDS",
     "STATES",
     "CompletionResult",
     "Delta",

@@ -22,6 +22,7 @@ from ..actors import (
     ResultStream,
     StepWorker,
     Submit,
+    WorkerPool,
 )
 from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
@@ -29,7 +30,7 @@ from ..model import LoadedModel, SamplingParams, load_model
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
-from ._wiring import EngineParts, wire
+from ._wiring import EngineParts, kv_cache_spec, wire, worker_pool
 
 __all__ = ["Engine"]
 
@@ -74,6 +75,8 @@ class Engine:
         :raises ModelUnavailable: if the model cannot be found or loaded locally.
         """
         cfg = config or EngineConfig()
+        in_process = cfg.executor == "thread"
+        # with the process executor the weights live in the worker process only
         loaded = await anyio.to_thread.run_sync(
             functools.partial(
                 load_model,
@@ -82,16 +85,23 @@ class Engine:
                 dtype=cfg.dtype,
                 cache_root=cfg.cache_dir,
                 served_name=cfg.served_model_name,
+                weights=in_process,
             )
         )
+        spec = kv_cache_spec(cfg, loaded)
         health = EngineHealth()
         faults = FaultInjector(cfg.faults)
         async with contextlib.AsyncExitStack() as stack:
-            # one worker thread for every executor incarnation: torch's OpenMP pool is per
-            # calling thread, so a thread per restart would leave idle pools competing for cores
-            worker = stack.enter_context(StepWorker("stoic-executor"))
+            executor: StepWorker | WorkerPool
+            if in_process:
+                # one worker thread for every executor incarnation: torch's OpenMP pool is per
+                # calling thread, so a thread per restart would leave idle pools competing
+                executor = stack.enter_context(StepWorker("stoic-executor"))
+            else:
+                executor = worker_pool(cfg, loaded, spec)
+                stack.callback(executor.close)  # after the actors stopped: no orphan workers
             system = await stack.enter_async_context(_actor_system())
-            parts = await wire(system, cfg, loaded, health, faults, worker)
+            parts = await wire(system, cfg, loaded, spec, health, faults, executor)
             engine = cls(cfg, loaded, parts, health, faults)
             stack.push_async_callback(engine._drain)
             engine._log_started()
@@ -266,9 +276,15 @@ class Engine:
     async def inject_fault(self, spec: FaultSpec) -> None:
         """Arm a fault in the executor's steps.
 
-        :raises InvalidRequest: if fault injection is not enabled in the config.
+        :raises InvalidRequest: if fault injection is not enabled in the config, or the fault
+            would end the server's own process (``crash``, ``segfault``, ``abort`` with the thread
+            executor).
         """
         self._check_fault_injection()
+        try:
+            self.config.check_fault(spec)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="kind") from None
         self._faults.add(spec)
         _log.warning(
             "faults.armed",

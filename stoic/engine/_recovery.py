@@ -36,17 +36,25 @@ class Recovery:
     """
 
     def __init__(
-        self, health: EngineHealth, scheduler: ActorRef[SchedulerMsg], cache: ActorRef[CacheMsg]
+        self,
+        health: EngineHealth,
+        scheduler: ActorRef[SchedulerMsg],
+        cache: ActorRef[CacheMsg],
+        *,
+        replaces_worker: bool,
     ) -> None:
         self._health = health
         self._scheduler = scheduler
         self._cache = cache
+        #: the executor runs the model in a worker process it replaces when the device is
+        #: poisoned; otherwise a poisoned device is the server's own and cannot be recovered
+        self._replaces_worker = replaces_worker
 
     async def on_failure(self, error: BaseException, incarnation: int) -> None:
         """Run the recovery procedure for executor ``incarnation``, which failed with ``error``.
 
-        :raises EngineFailed: if the device is poisoned (``fatal``): restarting in this process
-            cannot help, so the supervisor escalates.
+        :raises EngineFailed: if the device is poisoned (``fatal``) and the model runs in this
+            process (the thread executor): restarting cannot help, so the supervisor escalates.
         """
         started = time.monotonic()
         kind = classify_failure(error)
@@ -63,7 +71,7 @@ class Recovery:
             blocks_freed=freed,
             seconds=round(time.monotonic() - started, 4),
         )
-        if kind == "fatal":
+        if kind == "fatal" and not self._replaces_worker:
             raise EngineFailed(f"unrecoverable device error: {error}")
 
     async def on_escalate(self, escalation: SupervisorEscalation) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..actors import CacheManager, FaultInjector, SchedulerCore, State
 from ..actors import EngineHealth as _Health
+from ..errors import FailureKind
 
 __all__ = ["EngineStats", "collect_stats"]
 
@@ -47,6 +48,10 @@ class EngineStats:
     prefix_cached_tokens: int
     #: KV blocks held by the prefix cache (in use or evictable)
     kv_blocks_cached: int
+    #: the process the model runs in (the server's own with the thread executor)
+    executor_pid: int | None
+    #: executor restarts by the kind of failure that caused them
+    restarts_by_kind: tuple[tuple[FailureKind, int], ...]
 
     @property
     def kv_cache_usage(self) -> float:
@@ -76,4 +81,6 @@ def collect_stats(
         state=now.state,
         prefix_cached_tokens=sched.prefix_cached_tokens,
         kv_blocks_cached=blocks.cached_blocks,
+        executor_pid=now.executor_pid,
+        restarts_by_kind=now.restarts_by_kind,
     )

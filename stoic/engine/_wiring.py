@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..actors import (
     CacheManager,
     CacheMsg,
@@ -15,18 +17,25 @@ from ..actors import (
     Intake,
     IntakeConfig,
     IntakeMsg,
+    ProcessExecutor,
     Scheduler,
     SchedulerConfig,
     SchedulerCore,
     SchedulerMsg,
     StepWorker,
+    WorkerPool,
+    WorkerSpec,
 )
 from ..config import EngineConfig
-from ..model import KVCacheSpec, LoadedModel, ModelRunner
+from ..model import KVCacheSpec, LoadedModel, ModelRunner, PagedKVCache
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ._recovery import Recovery
 
-__all__ = ["EngineParts", "wire"]
+__all__ = ["EngineParts", "kv_cache_spec", "wire", "worker_pool"]
+
+#: with the process executor, the executor kills a hung worker after the step timeout; the
+#: scheduler's watchdog waits this much longer, as a backstop
+_WATCHDOG_MARGIN = 10.0
 
 
 @dataclass(frozen=True)
@@ -44,30 +53,66 @@ class EngineParts:
     max_model_len: int
 
 
+def kv_cache_spec(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
+    """The KV cache's shape: ``num_kv_blocks``, or as many blocks as the memory budget holds (a
+    fraction of free GPU memory, or ``kv_cache_memory_gib`` on a CPU)."""
+
+    def spec(num_blocks: int) -> KVCacheSpec:
+        return KVCacheSpec.for_model(
+            loaded.config,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=loaded.dtype,
+            device=loaded.device,
+        )
+
+    if config.num_kv_blocks:
+        return spec(config.num_kv_blocks)
+    if loaded.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(loaded.device)
+        budget = int(free * config.gpu_memory_utilization)
+    else:
+        budget = int(config.kv_cache_memory_gib * 2**30)
+    return spec(max(1, budget // spec(1).bytes_per_block))
+
+
+def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec) -> WorkerPool:
+    """The worker processes of the process executor (none is started yet)."""
+    spec = WorkerSpec(
+        model=str(loaded.path),
+        device=str(loaded.device),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        cache_dir=config.cache_dir,
+        num_blocks=kv_spec.num_blocks,
+        block_size=kv_spec.block_size,
+        threads=torch.get_num_threads(),
+    )
+    return WorkerPool(spec, spares=config.executor_spares)
+
+
 async def wire(
     system: ActorSystem,
     config: EngineConfig,
     loaded: LoadedModel,
+    spec: KVCacheSpec,
     health: EngineHealth,
     faults: FaultInjector,
-    worker: StepWorker,
+    executor: StepWorker | WorkerPool,
 ) -> EngineParts:
     """Spawn cache, scheduler, the executor's supervisor (which starts the executor), intake and
-    guardian into ``system``; shutdown goes in reverse order.
+    guardian into ``system``; shutdown goes in reverse order. ``executor`` is the thread the
+    thread executor runs steps in, or the pool of the process executor's workers.
 
     :raises Exception: what an actor's start raised (the system stops what was started).
     """
-    runner = ModelRunner(loaded)
-    num_blocks = config.num_kv_blocks or _size_kv_cache(config, runner)
-    spec = runner.kv_spec(num_blocks, config.block_size)
     max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-
-    cache_manager = CacheManager(spec)
+    in_process = isinstance(executor, StepWorker)
+    cache_manager = CacheManager(spec, make_cache=PagedKVCache if in_process else None)
     cache = await system.spawn(cache_manager, name="cache", mailbox_size=1024)
     core = SchedulerCore(
         SchedulerConfig(
             block_size=config.block_size,
-            num_blocks=num_blocks,
+            num_blocks=spec.num_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.step_token_budget(loaded.device.type),
             eos_token_ids=loaded.eos_token_ids,
@@ -75,30 +120,46 @@ async def wire(
         ),
         loaded.tokenizer.backend_tokenizer,
     )
+    watchdog = config.step_timeout + (0.0 if in_process else _WATCHDOG_MARGIN)
     scheduler = await system.spawn(
-        Scheduler(core, cache, health, step_timeout=config.step_timeout),
+        Scheduler(core, cache, health, step_timeout=watchdog),
         name="scheduler",
         mailbox_size=4096,
     )
-    recovery = Recovery(health, scheduler, cache)
-    executor: ChildSpec[Any] = ChildSpec(
-        name="executor",
-        factory=lambda: Executor(runner, cache, scheduler, faults, health, worker),
-        restart=Restart.PERMANENT,
-        shutdown_timeout=2.0,
-        mailbox_size=8,
-        on_failure=recovery.on_failure,
-    )
+    if isinstance(executor, StepWorker):
+        runner = ModelRunner(loaded)
+        thread = executor
+
+        def factory() -> Any:
+            return Executor(runner, cache, scheduler, faults, health, thread)
+
+    else:
+        pool = executor
+
+        def factory() -> Any:
+            return ProcessExecutor(
+                pool, cache, scheduler, faults, health, step_timeout=config.step_timeout
+            )
+
+    recovery = Recovery(health, scheduler, cache, replaces_worker=not in_process)
     await system.spawn_supervisor(
         "executor-supervisor",
-        [executor],
+        [
+            ChildSpec(
+                name="executor",
+                factory=factory,
+                restart=Restart.PERMANENT,
+                shutdown_timeout=2.0,
+                mailbox_size=8,
+                on_failure=recovery.on_failure,
+            )
+        ],
         max_restarts=config.max_restarts,
         within=config.restart_window,
         backoff=Backoff(initial=0.0, factor=2.0, maximum=1.0, jitter=0.0),
         on_escalate=recovery.on_escalate,
     )
-    text_config = loaded.model.config.get_text_config()
-    vocab = int(getattr(text_config, "vocab_size", 0) or len(loaded.tokenizer))
+    vocab = int(getattr(loaded.config, "vocab_size", 0) or len(loaded.tokenizer))
     intake = await system.spawn(
         Intake(
             IntakeConfig(
@@ -120,17 +181,3 @@ async def wire(
         Guardian([cache, scheduler, intake], health), name="guardian", mailbox_size=16
     )
     return EngineParts(intake, scheduler, cache, core, cache_manager, spec, max_len)
-
-
-def _size_kv_cache(cfg: EngineConfig, runner: ModelRunner) -> int:
-    """Blocks from the memory budget: a fraction of free GPU memory, or ``kv_cache_memory_gib``."""
-    per_block = runner.kv_spec(1, cfg.block_size).bytes_per_block
-    device = runner.loaded.device
-    if device.type == "cuda":
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * cfg.gpu_memory_utilization)
-    else:
-        budget = int(cfg.kv_cache_memory_gib * 2**30)
-    return max(1, budget // per_block)

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine import STATES
+from ..engine import FAILURE_KINDS, STATES
 from ..errors import EngineFailed, EngineStopped, Overloaded, StoicError
 from ._engine import EngineLike
 from ._errors import status_of
@@ -82,9 +82,17 @@ class _EngineCollector:
             stats.kv_cache_usage,
         )
         yield gauge("stoic_executor_incarnation", "Executor incarnation number.", stats.incarnation)
-        yield counter(
-            "stoic_executor_restarts", "Executor restarts after failures.", stats.restarts
+        restarts = CounterMetricFamily(
+            "stoic_executor_restarts",
+            "Executor restarts after failures, by the kind of failure.",
+            labels=["kind"],
         )
+        by_kind = dict(stats.restarts_by_kind)
+        for kind in FAILURE_KINDS:
+            restarts.add_metric([kind], by_kind.get(kind, 0))
+        yield restarts
+        if stats.executor_pid is not None:
+            yield gauge("stoic_executor_pid", "The process the model runs in.", stats.executor_pid)
         yield counter(
             "stoic_failed_sequences",
             "Sequences ended by an executor failure.",

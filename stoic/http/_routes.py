@@ -139,9 +139,17 @@ async def _health(request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "stopping", "reason": "the server is shutting down"}, status=503
         )
+    stats = state.engine.stats()
+    executor = {
+        "pid": stats.executor_pid,
+        "incarnation": stats.incarnation,
+        "restarts": stats.restarts,
+    }
     if health.ok:
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": health.state, "reason": health.reason}, status=503)
+        return web.json_response({"status": "ok", "executor": executor})
+    return web.json_response(
+        {"status": health.state, "reason": health.reason, "executor": executor}, status=503
+    )
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..config import FaultKind
 from ..engine import SamplingParams
 from ..errors import InvalidRequest
 
@@ -310,7 +311,7 @@ class FaultRequest(_Model):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    kind: Literal["oom", "error", "hang"]
+    kind: FaultKind
     after_steps: int | None = None
     probability: float | None = None
     seed: int | None = None

@@ -61,6 +61,8 @@ class LoadedModel:
     max_model_len: int
     #: token ids that end generation unless ``ignore_eos``
     eos_token_ids: frozenset[int]
+    #: the model's (text) configuration: layers, heads, vocabulary
+    config: Any = None
 
 
 def default_gguf_path() -> Path:
@@ -197,12 +199,16 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     cache_root: Path | None = None,
     served_name: str | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load weights and tokenizer from local files (converting a GGUF file once).
 
+    With ``weights=False`` only the tokenizer and the configuration are loaded (``model`` is
+    None): what the server needs when the model runs in a worker process.
+
     :raises ModelUnavailable: if ``model`` cannot be found locally.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     name, path = resolve_model_path(model, cache_root)
     dev = resolve_device(device)
@@ -216,14 +222,25 @@ def load_model(
         dtype=str(dt).removeprefix("torch."),
     )
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, local_files_only=True)
-    lm = lm.to(dev)  # type: ignore[arg-type]
-    lm.eval()
-    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    lm: Any = None
+    if weights:
+        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, local_files_only=True)
+        lm = lm.to(dev)
+        lm.eval()
+        full_config, generation = lm.config, lm.generation_config
+    else:
+        full_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        try:
+            generation = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+        except OSError:  # no generation_config.json: the model config's own token ids
+            generation = GenerationConfig.from_model_config(full_config)
+    config = (
+        full_config.get_text_config() if hasattr(full_config, "get_text_config") else full_config
+    )
     max_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
     eos: set[int] = set()
     for source in (
-        lm.generation_config.eos_token_id if lm.generation_config else None,
+        generation.eos_token_id if generation is not None else None,
         tokenizer.eos_token_id,
     ):
         if isinstance(source, int):
@@ -245,4 +262,5 @@ def load_model(
         dtype=dt,
         max_model_len=max_len,
         eos_token_ids=frozenset(eos),
+        config=config,
     )

@@ -60,6 +60,28 @@ class KVCacheSpec:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @classmethod
+    def for_model(
+        cls,
+        config: Any,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCacheSpec:
+        """The cache of a model with (text) configuration ``config``: no weights needed."""
+        heads = int(config.num_attention_heads)
+        return cls(
+            num_layers=int(config.num_hidden_layers),
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=dtype,
+            device=device,
+        )
+
 
 class PagedKVCache:
     """The KV tensors: one key and one value pool per layer.

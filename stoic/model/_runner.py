@@ -50,21 +50,13 @@ class ModelRunner:
             else model.config
         )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
-        self.num_layers = int(config.num_hidden_layers)
-        self.num_kv_heads = int(
-            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        )
-        self.head_dim = int(
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
+        self._config = config
 
     def kv_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_size=block_size,
+        return KVCacheSpec.for_model(
+            self._config,
             num_blocks=num_blocks,
+            block_size=block_size,
             dtype=self.loaded.dtype,
             device=self.loaded.device,
         )

@@ -162,6 +162,23 @@ def test_an_oom_while_prefilling_is_not_retryable_for_that_request() -> None:
     assert [e.retryable for e in errors if isinstance(e, ExecutorFailed)] == [True, False]
 
 
+def test_an_executor_failure_keeps_requests_that_had_not_started() -> None:
+    """Sequences that had started fail with their partial; those still waiting for their first
+    step lost nothing: they stay queued and run to completion once the executor is back."""
+    h = create_scheduler(max_num_seqs=1)
+    started = h.add("hello", max_tokens=4)
+    queued = h.add("world", max_tokens=4)
+    h.step()
+    assert [s.request_id for s in h.core.waiting] == ["req-1"]
+    assert h.executor_down(RuntimeError("boom")) == 1
+    h.check()
+    assert isinstance(_drain(started)[2], ExecutorFailed)
+    assert not queued.done
+    h.run_until_idle()
+    h.check()
+    assert _drain(queued) == ("fghi", "length", None)
+
+
 def test_a_failed_engine_ends_everything_and_admits_nothing() -> None:
     """``fail_engine`` ends every sequence with EngineFailed and its partial, frees its blocks,
     refuses new sequences at once and stops stepping."""

@@ -71,10 +71,13 @@ def test_supervised_counter_crashes_restarts_and_escalates() -> None:
     assert "leaving the system re-raised it: SupervisorEscalation" in out
 
 
-def test_stream_chat_streams_at_most_max_tokens() -> None:
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_stream_chat_streams_at_most_max_tokens(executor: str) -> None:
     """stream_chat.py prints the streamed reply, then its finish reason and token counts; it
-    never generates more than --max-tokens."""
-    done = _run("examples/stream_chat.py", "--max-tokens", "4", "Say hello.")
+    never generates more than --max-tokens (with the model in a thread or a worker process)."""
+    done = _run(
+        "examples/stream_chat.py", "--max-tokens", "4", "--executor", executor, "Say hello."
+    )
     assert done.returncode == 0, done.stderr
     summary = done.stdout.strip().splitlines()[-1]
     match = re.fullmatch(

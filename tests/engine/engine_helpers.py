@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import stoic
 
@@ -24,3 +25,14 @@ async def wait_idle(engine: stoic.Engine, limit: float = 5.0) -> stoic.EngineSta
         if loop.time() > deadline:
             raise AssertionError(f"engine not idle after {limit}s: {stats}")
         await asyncio.sleep(0.005)
+
+
+async def collect(stream: Any) -> tuple[str, BaseException | None]:
+    """Read a request stream to its end: the text received, and the error that ended it."""
+    text = ""
+    try:
+        async for delta in stream:
+            text += delta.text
+    except stoic.errors.StoicError as exc:
+        return text, exc
+    return text, None

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import wait_idle
+from engine_helpers import collect, wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed
@@ -49,16 +49,6 @@ async def _wait_healthy(engine: Any, limit: float) -> float:
     return time.monotonic() - start
 
 
-async def _collect(stream: Any) -> tuple[str, BaseException | None]:
-    text = ""
-    try:
-        async for delta in stream:
-            text += delta.text
-    except stoic.errors.StoicError as exc:
-        return text, exc
-    return text, None
-
-
 async def test_one_oom_fails_every_stream_with_its_prefix_and_the_engine_recovers(
     default_model_dir: Path,
 ) -> None:
@@ -73,7 +63,7 @@ async def test_one_oom_fails_every_stream_with_its_prefix_and_the_engine_recover
         await asyncio.gather(*(s.__anext__() for s in streams))  # all are generating
         await engine.inject_fault(stoic.FaultSpec(kind="oom", after_steps=2))
         started = time.monotonic()
-        outcomes = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 10)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 10)
         elapsed = time.monotonic() - started
         assert elapsed < 1.0 + 0.5, f"streams took {elapsed:.2f}s to end"
         for (_text, error), want in zip(outcomes, expected, strict=True):
@@ -111,7 +101,7 @@ async def test_chaos_every_request_has_exactly_one_outcome(default_model_dir: Pa
                 except stoic.errors.StoicError as exc:  # pragma: no cover - not expected
                     outcomes.append((prompt, "", exc))
                     return
-                text, error = await _collect(stream)
+                text, error = await collect(stream)
                 outcomes.append((prompt, text, error))
 
         await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 300)
@@ -145,7 +135,7 @@ async def test_persistent_failure_marks_the_engine_failed(default_model_dir: Pat
                 stream = await engine.submit("hello", GREEDY)
             except EngineFailed:
                 break
-            _text, error = await asyncio.wait_for(_collect(stream), 10)
+            _text, error = await asyncio.wait_for(collect(stream), 10)
             assert isinstance(error, ExecutorFailed | EngineFailed)
         failure = await asyncio.wait_for(engine.wait_failed(), 5)
         assert "executor" in str(failure)
@@ -167,7 +157,7 @@ async def test_a_hung_step_fires_the_watchdog_and_fails_the_engine(default_model
         streams = [await engine.submit(p, long) for p in _prompts(4)]
         await asyncio.gather(*(s.__anext__() for s in streams))
         await engine.inject_fault(stoic.FaultSpec(kind="hang", after_steps=1, seconds=3.0))
-        outcomes = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 10)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 10)
         for _text, error in outcomes:
             assert isinstance(error, EngineFailed)
             assert error.partial is not None
@@ -204,7 +194,7 @@ async def test_a_crashed_scheduler_fails_the_engine_and_ends_every_stream(
             raise RuntimeError("bug in the scheduler")
 
         monkeypatch.setattr(SchedulerCore, "complete", boom)
-        _text, error = await asyncio.wait_for(_collect(stream), 5)
+        _text, error = await asyncio.wait_for(collect(stream), 5)
         assert isinstance(error, stoic.errors.StoicError)
         failure = await asyncio.wait_for(engine.wait_failed(), 5)
         assert "scheduler" in str(failure)

@@ -26,6 +26,8 @@ class FakeStats:
     steps: int = 0
     prefix_cached_tokens: int = 0
     kv_blocks_cached: int = 0
+    executor_pid: int | None = None
+    restarts_by_kind: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -25,9 +25,12 @@ def test_cli_arguments_map_to_config() -> None:
             "--fault", '{"kind": "error", "after_steps": 2}',
             "--fault", '{"kind": "oom", "probability": 0.5, "seed": 1}',
             "--drain-timeout", "3",
+            "--executor", "process",
+            "--executor-spares", "1",
         ]
     )  # fmt: skip
     config = config_from_args(args)
+    assert (config.executor, config.executor_spares) == ("process", 1)
     assert config.model == "/models/x.gguf" and config.served_model_name == "x"
     assert config.num_kv_blocks == 64 and config.max_num_seqs == 8
     assert (config.max_restarts, config.restart_window, config.step_timeout) == (2, 10.0, 5.0)
@@ -67,6 +70,25 @@ def test_faults_at_start_need_the_switch(capsys: pytest.CaptureFixture[str]) -> 
     assert "--enable-fault-injection" in capsys.readouterr().err
     with pytest.raises(ValueError, match="enable_fault_injection"):
         stoic.EngineConfig(faults=(FaultSpec(kind="oom", after_steps=1),))
+
+
+@pytest.mark.parametrize("kind", ["crash", "segfault", "abort"])
+def test_process_ending_faults_need_the_process_executor(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fault that ends the model's process is a usage error with --executor thread (it would
+    kill the server) and accepted with --executor process."""
+    from stoic.cli import main
+
+    fault = f'{{"kind": "{kind}", "after_steps": 1}}'
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--executor", "thread", "--enable-fault-injection", "--fault", fault])
+    assert exited.value.code == 2
+    assert "needs the process executor" in capsys.readouterr().err
+    args = build_parser().parse_args(
+        ["serve", "--executor", "process", "--enable-fault-injection", "--fault", fault]
+    )
+    assert config_from_args(args).faults[0].kind == kind
 
 
 def test_step_budget_below_the_sequence_limit_is_a_usage_error(

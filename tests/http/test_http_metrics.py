@@ -68,15 +68,33 @@ async def test_metrics_parse_and_count(
     assert after[("stoic_kv_cache_blocks_total", "")] == stats.kv_blocks_total
     assert after[("stoic_prefix_cache_hit_tokens_total", "")] == stats.prefix_cached_tokens
     assert after[("stoic_kv_cache_blocks_cached", "")] == stats.kv_blocks_cached
-    assert after[("stoic_executor_restarts_total", "")] == stats.restarts
+    by_kind = {
+        labels.removeprefix("kind="): value
+        for (name, labels), value in after.items()
+        if name == "stoic_executor_restarts_total"
+    }
+    assert set(by_kind) == {"error", "oom", "fatal", "hang", "crash"}
+    assert sum(by_kind.values()) == stats.restarts
+    assert by_kind == {kind: dict(stats.restarts_by_kind).get(kind, 0) for kind in by_kind}
+    assert after[("stoic_executor_pid", "")] == stats.executor_pid
     assert after[("stoic_engine_state", "state=serving")] == 1.0
 
 
-async def test_health_ok(server: Server, http: aiohttp.ClientSession) -> None:
-    """/health is 200 {"status": "ok"} while the engine serves."""
+async def test_health_ok(server: Server, http: aiohttp.ClientSession, engine: stoic.Engine) -> None:
+    """/health is 200 {"status": "ok"} while the engine serves, with the executor's process,
+    incarnation and restarts."""
     async with http.get(f"{server.url}/health") as r:
         assert r.status == 200
-        assert await r.json() == {"status": "ok"}
+        body = await r.json()
+    stats = engine.stats()
+    assert body == {
+        "status": "ok",
+        "executor": {
+            "pid": stats.executor_pid,
+            "incarnation": stats.incarnation,
+            "restarts": stats.restarts,
+        },
+    }
 
 
 async def test_mounted_under_prefix(engine: stoic.Engine) -> None:

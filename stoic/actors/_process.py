@@ -1,0 +1,300 @@
+"""The server's side of the executor's worker process: start it, feed it steps, see it die.
+
+A :class:`WorkerProcess` is one child interpreter running :mod:`stoic.actors._procworker`. A reader thread per child turns the pipe into an
+asyncio queue; when the child dies the pipe's end reaches that thread at once (no polling), which
+posts the exit ("killed by SIGKILL", "exited with status 1") and calls ``on_exit``.
+
+A :class:`WorkerPool` outlives executor incarnations: it keeps the current worker (reused, with
+fresh KV pools, after a failure that left it healthy), ``spares`` warm workers with the weights
+already loaded, which take over at once when the current one must be replaced, and one
+pre-started interpreter that has imported torch and the model code but loaded nothing, so that
+a cold replacement pays only for loading the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+
+from ..config import FaultSpec
+from ..model import StepBatch, StepOutput
+from ._failures import ExecutorFault
+from ._procworker import WorkerSpec
+
+__all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
+
+_log = structlog.get_logger("stoic.executor")
+#: how long a hung worker gets between SIGTERM and SIGKILL
+_KILL_GRACE = 1.0
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``"killed by SIGKILL"``, ``"exited with status 1"``..."""
+    if exitcode is None:
+        return "exited (status unknown)"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+class WorkerProcess:
+    """One worker process and its pipe."""
+
+    def __init__(self) -> None:
+        self._inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        # a fresh interpreter (what multiprocessing calls "spawn": nothing inherited from this
+        # process's state, CUDA-safe), started without multiprocessing, so the embedding
+        # application's __main__ is never imported again in the child. Started from the event
+        # loop's thread: the child's parent-death signal is tied to the thread that forked it.
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "stoic.actors._procmain",
+                str(theirs.fileno()),
+                str(os.getpid()),
+            ],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()  # only the child holds its end now: its death is EOF here
+        self._conn = Connection(ours.detach())
+        self.pid: int = self._proc.pid
+        self.started = time.monotonic()
+        self.ready = False
+        self.exited: str | None = None
+        #: killed (or being killed) by us: never handed out again
+        self._doomed = False
+        #: called on the event loop when the process is gone (with :attr:`exited` set)
+        self.on_exit: Callable[[WorkerProcess], None] | None = None
+        #: the model it loads; None while it only waits, imports done (see :meth:`load`)
+        self.spec: WorkerSpec | None = None
+        threading.Thread(target=self._read, name=f"stoic-worker-{self.pid}", daemon=True).start()
+
+    def load(self, spec: WorkerSpec) -> None:
+        """Tell the worker what to load; it answers ``ready`` once it has (:meth:`wait_ready`).
+
+        :raises ExecutorFault: if the worker is gone.
+        """
+        self.spec = spec
+        self._send(("spec", spec))
+
+    @property
+    def alive(self) -> bool:
+        """Neither gone nor being killed (its exit may not have been reported yet)."""
+        return self.exited is None and not self._doomed and self._proc.poll() is None
+
+    def _read(self) -> None:
+        """The reader thread: every message into the inbox; at the pipe's end, the exit."""
+        while True:
+            try:
+                message = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            try:
+                self._loop.call_soon_threadsafe(self._inbox.put_nowait, message)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                break
+        try:
+            code: int | None = self._proc.wait(5.0)
+        except subprocess.TimeoutExpired:  # the pipe closed but the process lingers: end it
+            self._proc.kill()
+            code = self._proc.wait()
+        why = describe_exit(code)
+        self._conn.close()  # one socket per worker: never kept past its process
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self._gone, why)
+
+    def _gone(self, why: str) -> None:
+        self.exited = why
+        self._inbox.put_nowait(("exit", why))
+        if self.on_exit is not None:
+            self.on_exit(self)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except (OSError, ValueError) as exc:  # the pipe broke: the child is dying
+            raise self._died() from exc
+
+    def _died(self) -> ExecutorFault:
+        return ExecutorFault(f"executor process {self.exited or 'died'}", "crash")
+
+    async def _receive(self, limit: float | None) -> tuple[Any, ...]:
+        message = await asyncio.wait_for(self._inbox.get(), limit)
+        if message[0] == "exit":
+            self._inbox.put_nowait(message)  # every later receive sees it too
+            raise self._died()
+        return message
+
+    async def wait_ready(self, limit: float) -> None:
+        """Wait until the model is loaded. :raises ExecutorFault: if the worker died first."""
+        if self.ready:
+            return
+        try:
+            message = await self._receive(limit)
+        except TimeoutError:
+            self.kill()
+            raise ExecutorFault(f"executor process not ready after {limit:.0f}s", "hang") from None
+        assert message[0] == "ready", message
+        self.ready = True
+        _log.info(
+            "executor.worker_ready", pid=self.pid, seconds=round(time.monotonic() - self.started, 2)
+        )
+
+    async def step(
+        self, step_id: int, batch: StepBatch, fault: FaultSpec | None, limit: float
+    ) -> StepOutput:
+        """Run one step in the worker.
+
+        :raises ExecutorFault: the step raised there (its kind), the worker died (``crash``), or
+            it outlived ``limit`` seconds (``hang``: the worker is then killed).
+        """
+        self._send(("step", step_id, batch, fault))
+        try:
+            message = await self._receive(limit)
+        except TimeoutError:
+            await self.terminate()
+            raise ExecutorFault(
+                f"step {step_id} exceeded the step timeout of {limit}s; executor process killed",
+                "hang",
+            ) from None
+        match message:
+            case ("result", int(done), output) if done == step_id:
+                assert isinstance(output, StepOutput)
+                return output
+            case ("error", _, kind, type_name, text):
+                raise ExecutorFault(f"{type_name}: {text}", kind)
+            case _:
+                raise ExecutorFault(
+                    f"unexpected answer from the executor process: {message!r}", "error"
+                )
+
+    async def reset(self, limit: float) -> None:
+        """Drop and recreate the worker's KV pools (after a failure the worker survived)."""
+        self._send(("reset",))
+        message = await self._receive(limit)
+        assert message[0] == "reset", message
+
+    def kill(self) -> None:
+        """SIGKILL the worker (idempotent); its exit is reported as usual."""
+        self._doomed = True
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
+    async def terminate(self) -> None:
+        """SIGTERM, then SIGKILL after a short grace (a step hung in native code ignores the
+        first); returns once the process is gone."""
+        self._doomed = True
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(self._proc.wait, _KILL_GRACE)
+            self.kill()
+
+    def stop(self) -> None:
+        """Ask the worker to exit, then make sure it does (kill after a short wait)."""
+        with contextlib.suppress(Exception):
+            self._send(("stop",))
+        try:
+            self._proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self._proc.wait(2.0)
+        self._conn.close()
+
+
+class WorkerPool:
+    """The current worker process, ``spares`` warm ones, and one pre-started interpreter, across
+    executor incarnations."""
+
+    def __init__(self, spec: WorkerSpec, *, spares: int = 0, ready_timeout: float = 600.0) -> None:
+        self._spec = spec
+        self._spares_wanted = spares
+        self._ready_timeout = ready_timeout
+        self.current: WorkerProcess | None = None
+        self._spares: list[WorkerProcess] = []
+        #: imports done, nothing loaded: the next worker to load the model
+        self._prestarted: WorkerProcess | None = None
+        #: every worker started and not yet stopped (close() stops them all)
+        self._started: list[WorkerProcess] = []
+
+    def _new(self) -> WorkerProcess:
+        self._started = [w for w in self._started if w.exited is None]
+        worker = WorkerProcess()
+        self._started.append(worker)
+        return worker
+
+    def _start(self) -> WorkerProcess:
+        """A worker that loads the model: the pre-started interpreter when it is alive."""
+        worker, self._prestarted = self._prestarted, None
+        if worker is None or not worker.alive:
+            worker = self._new()
+        worker.load(self._spec)
+        return worker
+
+    def _replenish(self) -> None:
+        """Top the spares up to the configured number (they load in the background), and keep
+        one pre-started interpreter."""
+        self._spares = [w for w in self._spares if w.alive]
+        while len(self._spares) < self._spares_wanted:
+            self._spares.append(self._start())
+        if self._prestarted is None or not self._prestarted.alive:
+            self._prestarted = self._new()
+
+    async def acquire(self) -> tuple[WorkerProcess, bool]:
+        """A ready worker for a new executor incarnation, and whether it is a new process.
+
+        The current worker is kept if it is alive (its KV pools are recreated); otherwise a
+        spare takes over (at once if it has loaded), or the pre-started interpreter loads the
+        weights (a cold start), or a new process is started.
+
+        :raises ExecutorFault: if the new worker dies or does not get ready in time.
+        """
+        current = self.current
+        if current is not None and current.alive:
+            await current.reset(self._ready_timeout)
+            return current, False
+        self.current = None
+        spares = [w for w in self._spares if w.alive]
+        source = "spare" if spares else "cold"
+        worker = spares.pop(0) if spares else self._start()
+        self._spares = spares
+        _log.info("executor.worker_starting", pid=worker.pid, source=source)
+        try:
+            await worker.wait_ready(self._ready_timeout)
+        except BaseException:  # died, timed out, or we were cancelled (a stop): never orphaned
+            worker.kill()
+            raise
+        self.current = worker
+        self._replenish()
+        return worker, True
+
+    def close(self) -> None:
+        """Stop every worker started (current, spares, pre-started, any still loading)."""
+        for worker in self._started:
+            worker.stop()
+        self.current = None
+        self._spares = []
+        self._prestarted = None
+        self._started = []

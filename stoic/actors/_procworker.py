@@ -1,0 +1,137 @@
+"""The executor's worker process: the model, its weights and the KV pools, one step at a time.
+
+This module is the child's side of the process boundary: ``python -m stoic.actors._procmain
+FD PARENT_PID`` runs :func:`worker_main` (see :mod:`stoic.actors._process`), ``FD`` its end of a socket pair. The protocol,
+each message one ``send_bytes`` of a pickled tuple of plain values and frozen dataclasses (token
+ids, positions, block tables and sampling parameters in; sampled ids and logprobs out; never a
+tensor):
+
+* parent -> child ``("spec", WorkerSpec)`` first: what to load (a worker may be started, and
+  import what it needs, before it is told);
+* child -> parent ``("ready", pid)`` once the model is loaded and the KV pools exist;
+* parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
+  output)`` or ``("error", step_id, kind, type_name, message)``;
+* parent -> child ``("reset",)``: drop and recreate the KV pools; child -> parent ``("reset",)``;
+* parent -> child ``("stop",)``, or the pipe's end: the child exits.
+
+The child never outlives the server: it asks the kernel for SIGKILL when its parent dies
+(``PR_SET_PDEATHSIG``), and a read that finds the pipe closed ends it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from ..config import FaultSpec
+from ._faults import enact_fault
+
+__all__ = ["WorkerSpec", "worker_main"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process needs to load the model and size its KV pools."""
+
+    model: str
+    device: str
+    dtype: str
+    cache_dir: Path | None
+    num_blocks: int
+    block_size: int
+    #: torch intra-op threads (None: torch's default)
+    threads: int | None = None
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _quiet_logs() -> None:
+    """The worker's log lines go to stderr (the server's stdout stays the server's)."""
+    import logging
+
+    import structlog
+
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def _send(conn: Connection, message: tuple[Any, ...]) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def worker_main(conn: Connection, parent: int) -> None:
+    """The worker process's entry point: load, report ready, serve steps until told to stop."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
+    _quiet_logs()
+    # the imports first: a pre-started worker has paid for them before it is needed
+    import torch
+    import transformers  # noqa: F401  (the model classes load lazily from here)
+
+    from ..model import ModelRunner, PagedKVCache, load_model
+    from ._failures import classify_failure
+
+    try:
+        first = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    assert first[0] == "spec", first
+    spec: WorkerSpec = first[1]
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    limit = os.environ.get("STOIC_WORKER_CUDA_MEMORY_LIMIT_MIB")  # a test hook (gpu_check.py)
+    if limit and spec.device.startswith("cuda"):
+        device = torch.device(spec.device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(int(limit) * 2**20 / total, device)
+    loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, cache_root=spec.cache_dir)
+    runner = ModelRunner(loaded)
+    kv_spec = runner.kv_spec(spec.num_blocks, spec.block_size)
+    kv = PagedKVCache(kv_spec)
+    _send(conn, ("ready", os.getpid()))
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the server is gone
+        match message:
+            case ("step", step_id, batch, fault):
+                try:
+                    if isinstance(fault, FaultSpec):
+                        enact_fault(fault)
+                    output = runner.execute(batch, kv)
+                except Exception as exc:
+                    kind = classify_failure(exc)
+                    _send(conn, ("error", step_id, kind, type(exc).__name__, str(exc)))
+                    if kind == "oom" and kv_spec.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                _send(conn, ("result", step_id, output))
+            case ("reset",):
+                kv.release()
+                if kv_spec.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                kv = PagedKVCache(kv_spec)
+                _send(conn, ("reset",))
+            case ("stop",):
+                return
+            case _:
+                raise RuntimeError(f"unknown message to the worker: {message!r}")

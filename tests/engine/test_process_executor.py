@@ -1,0 +1,236 @@
+"""The process executor: real worker processes killed, crashed, poisoned and hung, replaced
+while the engine keeps serving (no mock of the process boundary)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import collect, wait_idle
+
+import stoic
+from stoic.errors import EngineFailed, ExecutorFailed, InvalidRequest
+
+pytestmark = [pytest.mark.model]
+
+PARAMS = stoic.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def _config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
+    base: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "num_kv_blocks": 256,
+        "executor": "process",
+        "enable_fault_injection": True,
+    }
+    base.update(overrides)
+    return stoic.EngineConfig(**base)
+
+
+def _prompts(n: int) -> list[str]:
+    topics = ["the sea", "a cat", "winter", "bread", "a robot", "the moon", "tea", "trains"]
+    return [f"Write about {topics[i % len(topics)]} (#{i})." for i in range(n)]
+
+
+async def _wait_serving(
+    engine: stoic.Engine, old_pid: int | None, *, restarts: int = 0, limit: float = 60.0
+) -> None:
+    """Until the engine serves from a worker other than ``old_pid`` after ``restarts``."""
+
+    def serving() -> bool:
+        stats = engine.stats()
+        return (
+            engine.health().ok
+            and stats.executor_pid not in (None, old_pid)
+            and stats.restarts >= restarts
+        )
+
+    deadline = time.monotonic() + limit
+    while not serving():
+        assert time.monotonic() < deadline, f"not serving again: {engine.health()}"
+        await asyncio.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers signal 0: look at its state
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+@pytest.mark.asyncio
+async def test_the_model_runs_in_a_worker_process_and_matches_the_thread_executor(
+    tiny_model_dir: Path,
+) -> None:
+    """The worker is another process; greedy outputs equal the thread executor's."""
+    prompts = _prompts(4)
+    async with stoic.Engine.start(_config(tiny_model_dir, executor="thread")) as engine:
+        expected = [(await engine.complete(p, PARAMS)).text for p in prompts]
+    async with stoic.Engine.start(_config(tiny_model_dir)) as engine:
+        pid = engine.stats().executor_pid
+        assert pid is not None and pid != os.getpid()
+        assert engine.loaded.model is None  # no weights in the server process
+        got = await asyncio.gather(*(engine.complete(p, PARAMS) for p in prompts))
+        assert [r.text for r in got] == expected
+
+
+@pytest.mark.asyncio
+async def test_kill_9_of_the_worker_fails_every_stream_with_its_prefix_and_a_new_worker_serves(
+    tiny_model_dir: Path,
+) -> None:
+    """kill -9 of the worker while 16 streams run: each ends with ExecutorFailed (kind crash,
+    the message names SIGKILL) whose partial is a prefix of its fault-free text; a new worker
+    process serves, no KV block stays used, and the next greedy answer equals the one before."""
+    prompts = _prompts(16)
+    async with stoic.Engine.start(_config(tiny_model_dir)) as engine:
+        reference = [(await engine.complete(p, PARAMS)).text for p in prompts]
+        streams = [await engine.submit(p, PARAMS) for p in prompts]
+        await streams[0].__anext__()  # generation is under way
+        pid = engine.stats().executor_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 30)
+        for (text, error), ref in zip(outcomes, reference, strict=True):
+            if error is None:  # it finished before the kill landed
+                assert text == ref
+                continue
+            assert isinstance(error, ExecutorFailed) and error.kind == "crash"
+            assert "SIGKILL" in error.message
+            assert error.partial is not None and ref.startswith(error.partial.text)
+        assert any(error is not None for _, error in outcomes)
+        await _wait_serving(engine, pid)
+        stats = await wait_idle(engine)
+        assert stats.kv_blocks_used == 0
+        assert dict(stats.restarts_by_kind) == {"crash": 1}
+        assert (await engine.complete(prompts[0], PARAMS)).text == reference[0]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["segfault", "abort", "fatal", "hang"])
+async def test_each_process_fault_is_survived(tiny_model_dir: Path, kind: str) -> None:
+    """A real SIGSEGV, an abort, a poisoned-device error and a hung step (short step timeout)
+    each fail the running streams with their prefix, the worker is replaced (a new pid), and
+    the next request is served correctly."""
+    prompts = _prompts(4)
+    config = _config(tiny_model_dir, step_timeout=2.0)
+    async with stoic.Engine.start(config) as engine:
+        reference = [(await engine.complete(p, PARAMS)).text for p in prompts]
+        pid = engine.stats().executor_pid
+        await engine.inject_fault(stoic.FaultSpec(kind=kind, after_steps=3, seconds=60))  # type: ignore[arg-type]
+        streams = [await engine.submit(p, PARAMS) for p in prompts]
+        outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+        expected_kind = {"segfault": "crash", "abort": "crash"}.get(kind, kind)
+        for (_text, error), ref in zip(outcomes, reference, strict=True):
+            assert isinstance(error, ExecutorFailed), error
+            assert error.kind == expected_kind
+            assert error.partial is not None and ref.startswith(error.partial.text)
+        await _wait_serving(engine, pid)
+        assert pid is not None and _gone(pid)
+        assert (await wait_idle(engine)).kv_blocks_used == 0
+        assert (await engine.complete(prompts[1], PARAMS)).text == reference[1]
+
+
+@pytest.mark.asyncio
+async def test_an_error_keeps_the_worker_process(tiny_model_dir: Path) -> None:
+    """A step that raises (the worker survives) restarts the executor on the same process with
+    fresh KV pools: no cold start."""
+    async with stoic.Engine.start(_config(tiny_model_dir)) as engine:
+        pid = engine.stats().executor_pid
+        await engine.inject_fault(stoic.FaultSpec(kind="error", after_steps=1))
+        _text, error = await collect(await engine.submit("hello", PARAMS))
+        assert isinstance(error, ExecutorFailed) and error.kind == "error"
+        await _wait_serving(engine, None, restarts=1)
+        assert engine.stats().executor_pid == pid
+        assert (await engine.complete("hello", PARAMS)).completion_tokens == 40
+
+
+@pytest.mark.asyncio
+async def test_a_spare_takes_over_and_restart_intensity_still_fails_the_engine(
+    tiny_model_dir: Path,
+) -> None:
+    """With a warm spare, a killed worker is replaced by the spare; more than ``max_restarts``
+    failures within the window still fail the engine (503 for new requests, nothing hangs)."""
+    config = _config(tiny_model_dir, executor_spares=1, max_restarts=1, restart_window=60.0)
+    async with stoic.Engine.start(config) as engine:
+        first = engine.stats().executor_pid
+        assert first is not None
+        await asyncio.sleep(0.5)  # the spare starts loading once the first worker is ready
+        os.kill(first, signal.SIGKILL)
+        await _wait_serving(engine, first)
+        second = engine.stats().executor_pid
+        assert second is not None and second != first
+        os.kill(second, signal.SIGKILL)
+        failure = await asyncio.wait_for(engine.wait_failed(), 30)
+        assert "exited 2 times" in str(failure)
+        with pytest.raises(EngineFailed):
+            await engine.submit("hello", PARAMS)
+
+
+@pytest.mark.asyncio
+async def test_process_ending_faults_are_refused_with_the_thread_executor(
+    tiny_model_dir: Path,
+) -> None:
+    """crash, segfault and abort would kill the server itself: refused when armed (and at start)."""
+    for kind in ("crash", "segfault", "abort"):
+        spec = stoic.FaultSpec(kind=kind, after_steps=1)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="process executor"):
+            _config(tiny_model_dir, executor="thread", faults=(spec,))
+    async with stoic.Engine.start(_config(tiny_model_dir, executor="thread")) as engine:
+        with pytest.raises(InvalidRequest, match="process executor"):
+            await engine.inject_fault(stoic.FaultSpec(kind="crash", after_steps=1))
+
+
+def test_the_worker_dies_with_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """kill -9 of the server process: its worker process is gone within 5 seconds."""
+    script = tmp_path / "server.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, sys
+            import stoic
+
+            async def main():
+                config = stoic.EngineConfig(model={str(tiny_model_dir)!r}, executor="process",
+                                            num_kv_blocks=64)
+                async with stoic.Engine.start(config) as engine:
+                    print("worker", engine.stats().executor_pid, flush=True)
+                    await asyncio.sleep(120)
+
+            asyncio.run(main())
+            """
+        )
+    )
+    server = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert server.stdout is not None
+        line = ""
+        while not line.startswith("worker "):  # stoic's own log lines come first
+            line = server.stdout.readline()
+            assert line, "the server ended before it started"
+        worker = int(line.split()[1])
+        assert not _gone(worker)
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 5.0
+        while not _gone(worker):
+            assert time.monotonic() < deadline, "the worker outlived its server"
+            time.sleep(0.05)
+    finally:
+        server.kill()
+        server.wait(10)
+        if server.stdout is not None:
+            server.stdout.close()
