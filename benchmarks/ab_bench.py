@@ -52,9 +52,12 @@ def _system(name: str, tree: Path | None, work: Path, flags: list[str]) -> Syste
     return System(name, argv, port, "default", extra, work / f"{name}.log")
 
 
-async def _pass(system: System, concurrency: int, requests: int, tag: str) -> Result:
+async def _pass(system: System, concurrency: int, requests: int, tag: str, settle: float) -> Result:
     await system.start()
     try:
+        # what a server does right after start (a worker process's spare interpreter importing
+        # torch, say) is not what is measured
+        await asyncio.sleep(settle)
         prompts = eb.tag_prompts(eb.mixed_prompts(requests), f"[{tag}] ")
         bodies = [system.body(p, 64) for p in prompts]
         url = system.url + "/v1/chat/completions"
@@ -77,7 +80,9 @@ async def compare(
     for r in range(args.rounds):
         order = ["base", "head"] if r % 2 == 0 else ["head", "base"]
         for name in order:
-            result = await _pass(systems[name], args.concurrency, args.requests, f"r{r}")
+            result = await _pass(
+                systems[name], args.concurrency, args.requests, f"r{r}", args.settle
+            )
             results[name].append(result)
             print(
                 f"round {r} {name}: {result.tokens_per_s:.1f} tok/s, "
@@ -129,4 +134,7 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=96, help="requests per pass")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--settle", type=float, default=15.0, help="seconds between a server's start and its pass"
+    )
     main(parser.parse_args())

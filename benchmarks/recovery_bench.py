@@ -13,6 +13,7 @@ Usage::
 
     python benchmarks/recovery_bench.py [--rounds 50] [--dtype auto]
     python benchmarks/recovery_bench.py --executor process --failure kill --rounds 10 [--spares 1]
+        [--settle 15]
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ async def main() -> None:
     parser.add_argument("--spares", type=int, default=0, help="--executor-spares")
     parser.add_argument("--failure", choices=["oom", "kill"], default="oom")
     parser.add_argument(
-        "--spare-wait", type=float, default=15.0, help="with --spares: seconds between rounds"
+        "--settle",
+        type=float,
+        default=15.0,
+        help="with --executor process: seconds between rounds (0: back-to-back failures)",
     )
     args = parser.parse_args()
     # as `stoic serve` does: one line per event, plain tracebacks (rich ones take ~0.1 s to render)
@@ -89,8 +93,10 @@ async def main() -> None:
     rows: list[tuple[float, float]] = []
     async with stoic.Engine.start(config) as engine:
         for _ in range(args.rounds):
-            if args.spares:  # a fair round: the spare replaced last time is loaded again
-                await asyncio.sleep(args.spare_wait)
+            if args.executor == "process":
+                # a fair round: the spare (or the pre-started interpreter) used last time has
+                # been replaced and is ready again, as after any failure that is not back to back
+                await asyncio.sleep(args.settle)
             rows.append(await one_round(engine, args.failure))
         await asyncio.sleep(0.1)  # block frees are one message hop behind the last stream
         stats = engine.stats()

@@ -178,7 +178,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--executor",
         choices=["process", "thread"],
-        default=d.executor,
+        # a server runs the model in a worker process it can replace (docs/benchmarks.md: no
+        # measurable throughput cost); EngineConfig's own default stays "thread", so that an
+        # embedding application gets no child process unless it asks for one
+        default="process",
         help="where the model runs: a worker process, replaced when it dies, segfaults, hangs or "
         "poisons its device; or a thread of the server (default %(default)s)",
     )

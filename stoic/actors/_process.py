@@ -39,6 +39,9 @@ __all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
 _log = structlog.get_logger("stoic.executor")
 #: how long a hung worker gets between SIGTERM and SIGKILL
 _KILL_GRACE = 1.0
+#: after a worker was replaced, how long before the spares and the pre-started interpreter are
+#: topped up again
+_REPLENISH_DELAY = 5.0
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -74,6 +77,10 @@ class WorkerProcess:
             ],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
+            # whatever the worker prints (a native crash report, a library's warning) becomes a
+            # log event of the server's: in JSON mode every line on stderr stays JSON
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         theirs.close()  # only the child holds its end now: its death is EOF here
         self._conn = Connection(ours.detach())
@@ -88,6 +95,9 @@ class WorkerProcess:
         #: the model it loads; None while it only waits, imports done (see :meth:`load`)
         self.spec: WorkerSpec | None = None
         threading.Thread(target=self._read, name=f"stoic-worker-{self.pid}", daemon=True).start()
+        threading.Thread(
+            target=self._relay, name=f"stoic-worker-out-{self.pid}", daemon=True
+        ).start()
 
     def load(self, spec: WorkerSpec) -> None:
         """Tell the worker what to load; it answers ``ready`` once it has (:meth:`wait_ready`).
@@ -122,6 +132,15 @@ class WorkerProcess:
         self._conn.close()  # one socket per worker: never kept past its process
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
             self._loop.call_soon_threadsafe(self._gone, why)
+
+    def _relay(self) -> None:
+        """The output thread: each line the worker prints, as one ``executor.worker_output``."""
+        assert self._proc.stdout is not None
+        with self._proc.stdout:
+            for raw in self._proc.stdout:
+                line = raw.decode(errors="replace").rstrip()
+                if line:
+                    _log.warning("executor.worker_output", pid=self.pid, line=line)
 
     def _gone(self, why: str) -> None:
         self.exited = why
@@ -238,6 +257,9 @@ class WorkerPool:
         self._prestarted: WorkerProcess | None = None
         #: every worker started and not yet stopped (close() stops them all)
         self._started: list[WorkerProcess] = []
+        self._closed = False
+        #: a worker has been handed out before (later acquisitions are replacements)
+        self._taken_over = False
 
     def _new(self) -> WorkerProcess:
         self._started = [w for w in self._started if w.exited is None]
@@ -256,6 +278,8 @@ class WorkerPool:
     def _replenish(self) -> None:
         """Top the spares up to the configured number (they load in the background), and keep
         one pre-started interpreter."""
+        if self._closed:
+            return
         self._spares = [w for w in self._spares if w.alive]
         while len(self._spares) < self._spares_wanted:
             self._spares.append(self._start())
@@ -286,12 +310,20 @@ class WorkerPool:
         except BaseException:  # died, timed out, or we were cancelled (a stop): never orphaned
             worker.kill()
             raise
+        first = self.current is None and not self._taken_over
         self.current = worker
-        self._replenish()
+        self._taken_over = True
+        if first:
+            self._replenish()
+        else:
+            # after a replacement the new spare and interpreter load in the background; started
+            # at once they would compete for the CPU with the first steps of the new worker
+            asyncio.get_running_loop().call_later(_REPLENISH_DELAY, self._replenish)
         return worker, True
 
     def close(self) -> None:
         """Stop every worker started (current, spares, pre-started, any still loading)."""
+        self._closed = True
         for worker in self._started:
             worker.stop()
         self.current = None

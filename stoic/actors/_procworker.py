@@ -21,6 +21,7 @@ The child never outlives the server: it asks the kernel for SIGKILL when its par
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import pickle
 import signal
@@ -48,6 +49,8 @@ class WorkerSpec:
     cache_dir: Path | None
     num_blocks: int
     block_size: int
+    #: the token ids that end generation (the server's, from the tokenizer too)
+    eos_token_ids: frozenset[int] = frozenset()
     #: torch intra-op threads (None: torch's default)
     threads: int | None = None
 
@@ -72,6 +75,16 @@ def _quiet_logs() -> None:
     )
 
 
+def _warm_up(runner: Any, kv: Any) -> None:
+    """One forward pass of one token before reporting ready, so that the first real step after
+    a replacement does not pay for lazy initialisation (kernels, allocator growth). It writes
+    block 0, which the cache manager zeroes before its first use anyway."""
+    from ..model import SamplingParams, SeqChunk, StepBatch
+
+    chunk = SeqChunk(0, (0,), 0, (0,), True, SamplingParams(max_tokens=1, temperature=0.0))
+    runner.execute(StepBatch((chunk,), zero_blocks=(0,)), kv)
+
+
 def _send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -80,6 +93,7 @@ def worker_main(conn: Connection, parent: int) -> None:
     """The worker process's entry point: load, report ready, serve steps until told to stop."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # its output is relayed line by line
     _quiet_logs()
     # the imports first: a pre-started worker has paid for them before it is needed
     import torch
@@ -102,10 +116,18 @@ def worker_main(conn: Connection, parent: int) -> None:
         device = torch.device(spec.device)
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(int(limit) * 2**20 / total, device)
-    loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, cache_root=spec.cache_dir)
+    loaded = load_model(
+        spec.model,
+        device=spec.device,
+        dtype=spec.dtype,
+        cache_root=spec.cache_dir,
+        tokenizer=False,  # the server detokenises; the stop ids come with the spec
+    )
+    loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids)
     runner = ModelRunner(loaded)
     kv_spec = runner.kv_spec(spec.num_blocks, spec.block_size)
     kv = PagedKVCache(kv_spec)
+    _warm_up(runner, kv)
     _send(conn, ("ready", os.getpid()))
     while True:
         try:

@@ -85,6 +85,7 @@ def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec)
         cache_dir=config.cache_dir,
         num_blocks=kv_spec.num_blocks,
         block_size=kv_spec.block_size,
+        eos_token_ids=loaded.eos_token_ids,
         threads=torch.get_num_threads(),
     )
     return WorkerPool(spec, spares=config.executor_spares)

@@ -200,11 +200,14 @@ def load_model(
     cache_root: Path | None = None,
     served_name: str | None = None,
     weights: bool = True,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Load weights and tokenizer from local files (converting a GGUF file once).
 
     With ``weights=False`` only the tokenizer and the configuration are loaded (``model`` is
-    None): what the server needs when the model runs in a worker process.
+    None): what the server needs when the model runs in a worker process. With
+    ``tokenizer=False`` the tokenizer is not loaded (``tokenizer`` is None): what that worker
+    needs (``eos_token_ids`` then come from the generation config alone).
 
     :raises ModelUnavailable: if ``model`` cannot be found locally.
     """
@@ -221,7 +224,9 @@ def load_model(
         device=str(dev),
         dtype=str(dt).removeprefix("torch."),
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok: Any = (
+        AutoTokenizer.from_pretrained(str(path), local_files_only=True) if tokenizer else None
+    )
     lm: Any = None
     if weights:
         lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, local_files_only=True)
@@ -241,7 +246,7 @@ def load_model(
     eos: set[int] = set()
     for source in (
         generation.eos_token_id if generation is not None else None,
-        tokenizer.eos_token_id,
+        tok.eos_token_id if tok is not None else None,
     ):
         if isinstance(source, int):
             eos.add(source)
@@ -255,7 +260,7 @@ def load_model(
     )
     return LoadedModel(
         model=lm,
-        tokenizer=tokenizer,
+        tokenizer=tok,
         name=served_name or name,
         path=path,
         device=dev,

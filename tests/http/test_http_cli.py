@@ -39,7 +39,9 @@ def test_cli_arguments_map_to_config() -> None:
         FaultSpec(kind="error", after_steps=2),
         FaultSpec(kind="oom", probability=0.5, seed=1),
     )
-    assert config_from_args(build_parser().parse_args(["serve"])) == stoic.EngineConfig()
+    # `stoic serve` runs the model in a worker process by default; the library in a thread
+    default = config_from_args(build_parser().parse_args(["serve"]))
+    assert default == stoic.EngineConfig(executor="process")
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,9 @@ async def test_exit_on_fatal_end_to_end() -> None:
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--dtype", "float32"],
         *["--num-kv-blocks", "64", "--log-format", "json", "--exit-on-fatal"],
+        # the thread executor: this is about the HTTP server's exit; tests/http/test_http_process.py
+        # covers --exit-on-fatal with the (default) process executor
+        *["--executor", "thread"],
         "--enable-fault-injection",
         *["--max-restarts", "0", "--fault", '{"kind": "error", "after_steps": 1}'],
         stderr=asyncio.subprocess.PIPE,
