@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from stoic.model._loader import resolve_model_path
+
+# Property tests: the default profile is derandomized, so a commit that passed keeps passing
+# (CI must not turn red on an example nobody has seen); ``HYPOTHESIS_PROFILE=thorough`` searches
+# fresh random examples, many more of them (run it after changing the scheduler or allocator).
+settings.register_profile("default", max_examples=300, derandomize=True, deadline=None)
+settings.register_profile("thorough", max_examples=20_000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")

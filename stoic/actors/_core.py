@@ -21,7 +21,7 @@ Block frees and prefix-cache commits are queued and taken by the shell
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -117,6 +117,9 @@ class SchedulerCore:
         #: set by a drain: nothing new is admitted
         self.admitting = True
         self._to_free: list[int] = []
+        # how many of this core's sequences hold each block: a block shared from the prefix
+        # cache is free again only when its last holder lets go (keeps ``_free_blocks`` exact)
+        self._holders: Counter[int] = Counter()
         self._to_commit: list[BlockCommit] = []
         # statistics
         self._steps = 0
@@ -216,22 +219,44 @@ class SchedulerCore:
         self._by_request.pop(seq.request_id, None)
         self._release(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        """The one way blocks go back: forget ``seq``'s table and queue its blocks' release."""
-        if seq.block_table:
-            self._free_blocks += len(seq.block_table)
-            seq.block_table = ()
-            seq.committed_blocks = 0
-            self._to_free.append(seq.seq_id)
+    def _release(self, seq: Sequence) -> int:
+        """The one way blocks go back: forget ``seq``'s table and queue its blocks' release.
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Give a running sequence's blocks back; it is recomputed when readmitted (queue front)."""
+        Returns how many blocks became free (a block another sequence shares stays in use).
+        """
+        if not seq.block_table:
+            return 0
+        freed = self._set_table(seq, ())
+        seq.committed_blocks = 0
+        self._to_free.append(seq.seq_id)
+        return freed
+
+    def _set_table(self, seq: Sequence, table: tuple[int, ...]) -> int:
+        """Give ``seq`` a new block table, keeping the holder counts; returns how many blocks
+        of its old table nobody holds any more (they count as free again)."""
+        holders = self._holders
+        for block in table:
+            holders[block] += 1
+        freed = 0
+        for block in seq.block_table:
+            holders[block] -= 1
+            if holders[block] == 0:
+                del holders[block]
+                freed += 1
+        seq.block_table = table
+        self._free_blocks += freed
+        return freed
+
+    def _preempt(self, seq: Sequence) -> int:
+        """Give a running sequence's blocks back; it is recomputed when readmitted (queue front).
+        Returns how many blocks became free."""
         self._running.remove(seq)
-        self._release(seq)
+        freed = self._release(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self._waiting.appendleft(seq)
         self._preemptions += 1
+        return freed
 
     def take_cache_updates(self) -> tuple[tuple[BlockCommit, ...], tuple[int, ...]]:
         """The prefix-cache commits and block frees queued since the last call, to be sent in
@@ -292,12 +317,12 @@ class SchedulerCore:
         planned = list(plan.planned)
         fresh: tuple[int, ...] = ()
         if allocation is not None:
-            self._free_blocks = allocation.free_blocks
             fresh = allocation.fresh_blocks
             for p in planned:
                 table = allocation.tables.get(p.seq.seq_id)
                 if table is not None:
-                    p.seq.block_table = table
+                    self._set_table(p.seq, table)
+            self._free_blocks = allocation.free_blocks
             if allocation.cached_blocks:
                 planned, skipped = skip_cached(
                     planned, allocation.cached_blocks, self.cfg.block_size

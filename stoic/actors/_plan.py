@@ -77,13 +77,14 @@ def plan_step(
     max_num_seqs: int,
     block_size: int,
     prefix_caching: bool,
-    preempt: Callable[[Sequence], None],
+    preempt: Callable[[Sequence], int],
 ) -> list[Planned]:
     """Choose the next step's chunks.
 
     Running sequences come first, oldest first; when the free blocks run out, the youngest
     running sequences are handed to ``preempt`` (which moves them from ``running`` to the front
-    of ``waiting``). Then waiting sequences are moved to ``running`` in order while blocks,
+    of ``waiting`` and returns how many blocks that freed: a block another sequence shares
+    stays in use). Then waiting sequences are moved to ``running`` in order while blocks,
     ``budget`` and ``max_num_seqs`` allow. Each chunk samples when it reaches the end of its
     sequence's tokens.
     """
@@ -95,12 +96,9 @@ def plan_step(
         n = min(seq.remaining, budget)
         need = _blocks_needed(seq, n, block_size, prefix_caching)
         while need > free and running[-1] is not seq:
-            victim = running[-1]
-            free += len(victim.block_table)
-            preempt(victim)
+            free += preempt(running[-1])
         if need > free:
-            free += len(seq.block_table)
-            preempt(seq)
+            free += preempt(seq)
             continue
         free -= max(need, 0)
         budget -= n

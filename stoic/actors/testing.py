@@ -197,6 +197,10 @@ class SchedulerHarness:
         assert self.allocator.used_blocks == len(held), (
             f"allocator uses {self.allocator.used_blocks} blocks, tables hold {len(held)}"
         )
+        estimate = self.core.stats().free_blocks
+        assert estimate == self.allocator.free_blocks, (
+            f"the core counts {estimate} free blocks, the allocator has {self.allocator.free_blocks}"
+        )
         known = {s.request_id for s in (*self.core.running, *self.core.waiting)}
         for stream in self.streams:
             assert stream.done != (stream.request_id in known), (

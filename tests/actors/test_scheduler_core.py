@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stoic.actors import ResultStream
@@ -294,13 +294,21 @@ def _apply(h: SchedulerHarness, op: tuple[object, ...], prompts: list[str]) -> N
                 assert h.core.complete(step_id, incarnation + 1, h.output_for(batch)) is None
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=_OPS,
     # the longest request (30 + 12 tokens) needs 11 blocks; the intake refuses longer ones
     num_blocks=st.integers(11, 24),
     budget=st.integers(8, 24),
     prefix_caching=st.booleans(),
+)
+# found by a CI run: a preempted sequence readmitted sharing a finished one's cached blocks; the
+# core counted those blocks free when the finished one let go (they were still held)
+@example(
+    ops=[("add", 16, 6, 0), ("add", 21, 5, 0), ("add", 21, 1, 1)],
+    num_blocks=12,
+    budget=22,
+    prefix_caching=True,
 )
 def test_random_operations_keep_every_invariant(
     ops: list[tuple[object, ...]], num_blocks: int, budget: int, prefix_caching: bool
