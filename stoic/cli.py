@@ -94,6 +94,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -194,6 +201,22 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "at once when the worker must be replaced (default %(default)s)",
     )
     g.add_argument(
+        "--recovery",
+        choices=["fail", "resume"],
+        default=d.recovery,
+        help="on an executor failure, end every started request with the error and its partial "
+        "output (fail), or re-admit them to continue where they stopped, invisibly to clients "
+        "(resume) (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-resumes",
+        type=_non_negative_int,
+        default=d.max_resumes,
+        metavar="N",
+        help="with --recovery resume: times one request may be resumed; then it fails as under "
+        "fail (default %(default)s)",
+    )
+    g.add_argument(
         "--exit-on-fatal",
         action="store_true",
         help="exit with status 70 when the engine is failed (for an orchestrator to replace it)",
@@ -209,7 +232,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="JSON",
-        help='a fault armed at start, e.g. \'{"kind": "error", "after_steps": 5}\' (repeatable)',
+        help='a fault armed at start, e.g. \'{"kind": "error", "after_steps": 5}\', or a poison '
+        'request: \'{"kind": "error", "match": "XYZZY"}\' (repeatable)',
     )
 
 
@@ -250,6 +274,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         executor=args.executor,
         executor_spares=args.executor_spares,
         drain_timeout=args.drain_timeout,
+        recovery=args.recovery,
+        max_resumes=args.max_resumes,
         **extra,
     )
 

@@ -26,24 +26,30 @@ class FaultSpec:
     executor only, ``crash`` (the worker SIGKILLs itself), ``segfault`` (a real SIGSEGV) and
     ``abort`` (``os.abort()``).
 
-    Exactly one trigger: ``after_steps=N`` (the Nth following step fails, once) or
-    ``probability=p`` with ``seed`` (every step fails with probability p until cleared).
+    Exactly one trigger: ``after_steps=N`` (the Nth following step fails, once),
+    ``probability=p`` with ``seed`` (every step fails with probability p until cleared), or
+    ``match="text"`` (every step whose batch holds a sequence whose prompt contains ``text``
+    fails, until cleared: a poison request).
     """
 
     kind: FaultKind
     after_steps: int | None = None
     probability: float | None = None
     seed: int | None = None
+    match: str | None = None
     #: how long a ``"hang"`` blocks the step
     seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise InvalidRequest(f"kind must be one of {', '.join(FAULT_KINDS)}", param="kind")
-        if (self.after_steps is None) == (self.probability is None):
+        triggers = (self.after_steps, self.probability, self.match)
+        if sum(t is not None for t in triggers) != 1:
             raise InvalidRequest(
-                "give exactly one of after_steps or probability", param="after_steps"
+                "give exactly one of after_steps, probability or match", param="after_steps"
             )
+        if self.match is not None and (not isinstance(self.match, str) or not self.match):
+            raise InvalidRequest("match must be a non-empty string", param="match")
         if self.after_steps is not None and (
             not isinstance(self.after_steps, int) or self.after_steps < 1
         ):
@@ -108,6 +114,12 @@ class EngineConfig:
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
     #: how long a graceful stop lets running requests finish
     drain_timeout: float = 30.0
+    #: on an executor failure: ``"fail"`` ends every sequence that started with the error and its
+    #: partial output; ``"resume"`` re-admits them to continue where they stopped
+    recovery: Literal["fail", "resume"] = "fail"
+    #: with ``recovery="resume"``: times one request may be resumed; then it fails as under
+    #: ``"fail"``
+    max_resumes: int = 3
 
     def __post_init__(self) -> None:
         if self.faults and not self.enable_fault_injection:
@@ -116,6 +128,10 @@ class EngineConfig:
             raise ValueError(f"executor must be 'process' or 'thread', not {self.executor!r}")
         for spec in self.faults:
             self.check_fault(spec)
+        if self.recovery not in ("fail", "resume"):
+            raise ValueError(f"recovery must be 'fail' or 'resume', not {self.recovery!r}")
+        if self.max_resumes < 0:
+            raise ValueError("max_resumes must be >= 0")
         if self.executor_spares < 0 or (self.executor_spares and self.executor != "process"):
             raise ValueError("executor_spares must be >= 0 and needs executor='process'")
         if (

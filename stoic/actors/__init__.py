@@ -25,6 +25,7 @@ from ._messages import (
     ExecutorDown,
     ExecutorMsg,
     IntakeMsg,
+    Recovered,
     SchedulerMsg,
     Submit,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "OutOfBlocks",
     "Planned",
     "ProcessExecutor",
+    "Recovered",
     "ResultStream",
     "Scheduler",
     "SchedulerConfig",

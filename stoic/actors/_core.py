@@ -24,11 +24,13 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..errors import EngineFailed, EngineStopped, ExecutorFailed, FailureKind, StoicError
+from ..errors import EngineFailed, EngineStopped, FailureKind, StoicError
 from ..model import SamplingParams, StepBatch, StepOutput
-from ._messages import Allocation, BlockCommit, BlockGrant, PrefixQuery
+from ._budget import StepBudget
+from ._messages import Allocation, BlockCommit, BlockGrant, PrefixQuery, Recovered
+from ._outcomes import exhausted_error, failed_error, isolated_error
 from ._plan import (
     Planned,
     StepPlan,
@@ -38,50 +40,11 @@ from ._plan import (
     prefix_blocks,
     skip_cached,
 )
+from ._records import SchedulerConfig, SchedulerStats
 from ._sequence import SeqStatus, Sequence, block_hashes
 from ._stream import ResultStream
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats"]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    block_size: int
-    num_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    eos_token_ids: frozenset[int]
-    #: share the KV blocks of equal prompt prefixes between sequences
-    prefix_caching: bool = True
-
-
-class SchedulerStats(NamedTuple):
-    """Counters read on the event loop (no message round trip)."""
-
-    #: sequences being generated
-    running: int
-    #: sequences admitted but not yet scheduled (or preempted)
-    waiting: int
-    #: steps completed
-    steps: int
-    #: running sequences whose blocks were taken back (recomputed later)
-    preemptions: int
-    #: late results from a fenced step or executor incarnation, discarded
-    fenced_results: int
-    #: sequences ended by an executor failure, the engine failing or a drain deadline
-    failed_sequences: int
-    #: sequences in the last step
-    last_batch_size: int
-    #: most sequences seen in one step so far
-    max_batch_size: int
-    #: prompt tokens admitted
-    prompt_tokens: int
-    #: tokens sampled
-    generated_tokens: int
-    #: prompt tokens whose keys/values came from the prefix cache instead of being computed
-    prefix_cached_tokens: int
-    #: the scheduler's estimate of the cache manager's free blocks
-    free_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +84,14 @@ class SchedulerCore:
         # cache is free again only when its last holder lets go (keeps ``_free_blocks`` exact)
         self._holders: Counter[int] = Counter()
         self._to_commit: list[BlockCommit] = []
+        #: the step limits in force (backed off after an out-of-memory failure)
+        self.budget = StepBudget(
+            config.max_num_batched_tokens, config.max_num_seqs, config.block_size
+        )
+        # poison isolation (``"resume"``): while a suspect exists, the one under test runs alone
+        # and every other sequence is held back here, in admission order
+        self._held: list[Sequence] = []
+        self._probe: Sequence | None = None
         # statistics
         self._steps = 0
         self._preemptions = 0
@@ -131,12 +102,15 @@ class SchedulerCore:
         self._prompt_tokens = 0
         self._generated = 0
         self._prefix_cached_tokens = 0
+        self._resumed = 0
+        self._exhausted = 0
+        self._isolated = 0
 
     # -- reading --------------------------------------------------------------------------------
     @property
     def idle(self) -> bool:
         """No sequence is waiting or running."""
-        return not self._running and not self._waiting
+        return not self._running and not self._waiting and not self._held
 
     @property
     def can_step(self) -> bool:
@@ -158,12 +132,20 @@ class SchedulerCore:
 
     @property
     def waiting(self) -> tuple[Sequence, ...]:
-        return tuple(self._waiting)
+        """Sequences admitted and not running (those held back by an isolation included)."""
+        return (*self._waiting, *self._held)
+
+    def prompt_text(self, seq_id: int) -> str:
+        """The prompt of a running sequence, as text (fault rehearsals match on it)."""
+        for seq in self._running:
+            if seq.seq_id == seq_id:
+                return seq.prompt_text
+        return ""
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             running=len(self._running),
-            waiting=len(self._waiting),
+            waiting=len(self._waiting) + len(self._held),
             steps=self._steps,
             preemptions=self._preemptions,
             fenced_results=self._fenced,
@@ -174,6 +156,11 @@ class SchedulerCore:
             generated_tokens=self._generated,
             prefix_cached_tokens=self._prefix_cached_tokens,
             free_blocks=self._free_blocks,
+            resumed=self._resumed,
+            resume_exhausted=self._exhausted,
+            isolated=self._isolated,
+            token_budget=self.budget.tokens,
+            seq_budget=self.budget.seqs,
         )
 
     # -- admission and removal ------------------------------------------------------------------
@@ -197,7 +184,7 @@ class SchedulerCore:
         )
         self._next_seq_id += 1
         self._by_request[request_id] = seq
-        self._waiting.append(seq)
+        (self._held if self._probe is not None else self._waiting).append(seq)
         self._prompt_tokens += seq.prompt_len
         return seq
 
@@ -214,10 +201,12 @@ class SchedulerCore:
         if seq.status is SeqStatus.RUNNING:
             self._running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
-            self._waiting.remove(seq)
+            (self._held if seq in self._held else self._waiting).remove(seq)
         seq.status = SeqStatus.FINISHED
         self._by_request.pop(seq.request_id, None)
         self._release(seq)
+        if seq is self._probe:
+            self._next_probe()
 
     def _release(self, seq: Sequence) -> int:
         """The one way blocks go back: forget ``seq``'s table and queue its blocks' release.
@@ -279,9 +268,9 @@ class SchedulerCore:
         planned = plan_step(
             self._running,
             self._waiting,
-            budget=cfg.max_num_batched_tokens,
+            budget=self.budget.tokens,
             free_blocks=self._free_blocks,
-            max_num_seqs=cfg.max_num_seqs,
+            max_num_seqs=self.budget.seqs,
             block_size=cfg.block_size,
             prefix_caching=cfg.prefix_caching,
             preempt=self._preempt,
@@ -362,6 +351,7 @@ class SchedulerCore:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted, preempted or stopped while the step ran
             seq.num_computed += p.n_tokens
+            seq.strikes = seq.solo_failures = 0  # a clean step: not a suspect
             if self.cfg.prefix_caching:
                 self._commit_full_blocks(seq)
             token = output.sampled.get(seq.seq_id)
@@ -376,6 +366,10 @@ class SchedulerCore:
                 self._running.remove(seq)
                 seq.status = SeqStatus.FINISHED
                 self._release(seq)
+        self.budget.clean_step()
+        probe = self._probe
+        if probe is not None and (probe.strikes == 0 or probe.status is SeqStatus.FINISHED):
+            self._next_probe()
         return touched
 
     def emit(self, touched: list[Sequence]) -> list[Sequence]:
@@ -408,36 +402,112 @@ class SchedulerCore:
     def fail_all(self, error: Callable[[Sequence], StoicError]) -> int:
         """The one exit path for errors: end every waiting and running sequence with
         ``error(seq)`` and give its blocks back. Returns how many ended."""
-        ended = [*self._running, *self._waiting]
+        ended = [*self._running, *self._waiting, *self._held]
         for seq in ended:
-            seq.stream.fail(error(seq))
-            self._remove(seq)
-        self._failed_sequences += len(ended)
+            self._fail(seq, error(seq))
         return len(ended)
 
-    def executor_down(self, error: BaseException, kind: FailureKind) -> int:
-        """Fence the executor (its late results are dropped) and end every sequence that had
-        started with an :class:`~stoic.errors.ExecutorFailed` carrying its partial output.
+    def _fail(self, seq: Sequence, error: StoicError) -> None:
+        seq.stream.fail(error)
+        self._remove(seq)
+        self._failed_sequences += 1
 
+    def executor_down(self, error: BaseException, kind: FailureKind) -> Recovered:
+        """The executor failed: fence it (its late results are dropped), back the step budget
+        off after an out-of-memory failure, and settle every sequence that had started.
+
+        Under ``"fail"`` they end with an :class:`~stoic.errors.ExecutorFailed` carrying their
+        partial output; under ``"resume"`` they are re-admitted (see :meth:`_resume`).
         Sequences still waiting for their first step lost nothing: they stay queued and run
-        once the executor is back. Returns how many sequences ended.
+        once the executor is back.
         """
+        batch: list[Sequence] = []
         prefilling: set[int] = set()
         if self._inflight is not None:
+            batch = [p.seq for p in self._inflight.planned if p.seq.status is SeqStatus.RUNNING]
             prefilling = {p.seq.seq_id for p in self._inflight.planned if p.n_tokens > 1}
         self._incarnation = None
         self._inflight = None
+        if kind == "oom":
+            self.budget.out_of_memory()
+        if self.cfg.recovery == "resume":
+            return self._resume(batch, error, kind)
         queued = [seq for seq in self._waiting if seq.num_generated == 0]
         for seq in queued:
             self._waiting.remove(seq)
-        count = self.fail_all(
-            lambda seq: _executor_failed(seq, error, kind, seq.seq_id in prefilling)
-        )
+        count = self.fail_all(lambda seq: failed_error(seq, error, kind, seq.seq_id in prefilling))
         for seq in queued:  # their cached prefix blocks (if any) were dropped with the cache
             self._release(seq)
             seq.num_computed = 0
         self._waiting.extend(queued)
-        return count
+        return Recovered(count, 0, 0, 0)
+
+    def _resume(self, batch: list[Sequence], error: BaseException, kind: FailureKind) -> Recovered:
+        """Re-admit every running sequence with its prompt and generated tokens as context (its
+        detokeniser, stop-string and sampling state are its own and carry on), unless it was
+        resumed ``max_resumes`` times already or is found to cause the failures.
+
+        **Isolation.** Each sequence counts the failed steps it was in since its last clean step.
+        One that failed twice in a row is a suspect: while suspects exist, they run one at a time,
+        alone, everything else held back. A suspect whose step completes is cleared; one that
+        fails alone twice in a row is the cause and ends with the error. (Twice, so that a
+        random failure while an innocent suspect runs alone does not end it.)
+        """
+        previous, self._probe = self._probe, None
+        for seq in batch:
+            seq.strikes += 1
+        if len(batch) == 1 and batch[0].strikes >= 2:
+            batch[0].solo_failures += 1
+        resumed: list[Sequence] = []
+        exhausted = isolated = 0
+        for seq in list(self._running):
+            if seq.solo_failures >= 2:
+                isolated += 1
+                self._fail(seq, isolated_error(seq, error, kind))
+            elif seq.resumes >= self.cfg.max_resumes:
+                exhausted += 1
+                self._fail(seq, exhausted_error(seq, error, kind))
+            else:
+                self._running.remove(seq)
+                seq.resumes += 1
+                resumed.append(seq)
+        everyone = sorted([*resumed, *self._waiting, *self._held], key=lambda q: q.seq_id)
+        for seq in everyone:  # their blocks were dropped with the cache
+            self._release(seq)
+            seq.num_computed = 0
+            seq.status = SeqStatus.WAITING
+        self._resumed += len(resumed)
+        self._isolated += isolated
+        self._exhausted += exhausted
+        self._waiting, self._held = deque(everyone), []
+        suspects = [seq for seq in everyone if seq.strikes >= 2]
+        if suspects:
+            self._hold_all_but(previous if previous in suspects else suspects[0])
+        return Recovered(isolated + exhausted, len(resumed), exhausted, isolated)
+
+    def _hold_all_but(self, probe: Sequence) -> None:
+        """Run ``probe`` alone (it waits): hold back every other waiting sequence."""
+        self._probe = probe
+        self._held = sorted([*self._held, *self._waiting], key=lambda q: q.seq_id)
+        self._held.remove(probe)
+        self._waiting = deque([probe])
+
+    def _next_probe(self) -> None:
+        """The probe was cleared (or ended): test the next suspect, or end the isolation."""
+        probe, self._probe = self._probe, None
+        suspects = [seq for seq in self._held if seq.strikes >= 2]
+        if not suspects:  # the isolation is over: the held sequences queue again, in order
+            self._waiting.extend(self._held)
+            self._held = []
+            return
+        if probe is not None and probe.status is SeqStatus.RUNNING:
+            # cleared: it steps aside (its full blocks stay in the prefix cache for its return)
+            self._running.remove(probe)
+            self._release(probe)
+            probe.num_computed = 0
+            probe.status = SeqStatus.WAITING
+            self._waiting.append(probe)
+        self._hold_all_but(suspects[0])
 
     def fail_engine(self, reason: str) -> int:
         """The engine is failed for good: fence, end every sequence, refuse new ones."""
@@ -459,15 +529,3 @@ class SchedulerCore:
                 "engine stopped before the request finished", partial=seq.partial()
             )
         )
-
-
-def _executor_failed(
-    seq: Sequence, error: BaseException, kind: FailureKind, prefilling: bool
-) -> ExecutorFailed:
-    # an OOM while this very sequence was prefilling will likely recur: no retry
-    return ExecutorFailed(
-        f"the model executor failed ({kind}): {error}; the engine recovered",
-        partial=seq.partial(),
-        kind=kind,
-        retryable=not (kind == "oom" and prefilling),
-    )

@@ -38,6 +38,11 @@ class Detokenizer:
         text: str = self._backend.decode([token_id], skip_special_tokens=False)
         return text
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Any token ids as text (independent of the stream's state)."""
+        text: str = self._backend.decode(token_ids, skip_special_tokens=False)
+        return text
+
     def add(self, token_ids: list[int], *, stops_allowed: bool = True) -> str | None:
         """Decode ``token_ids`` after the text so far.
 

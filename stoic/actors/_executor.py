@@ -123,14 +123,15 @@ class Executor(Actor[ExecutorMsg]):
 
     async def receive(self, message: ExecutorMsg) -> None:
         match message:
-            case RunStep(step_id=step_id, incarnation=incarnation, batch=batch):
+            case RunStep(step_id=step_id, incarnation=incarnation, batch=batch, fault=fault):
                 if is_stale(self.context, message):
                     return
                 assert self._kv is not None
-                kv, runner, faults = self._kv, self._runner, self._faults
+                kv, runner = self._kv, self._runner
+                fault = fault or self._faults.decide()
 
                 def step() -> StepOutput:
-                    faults.before_step()
+                    FaultInjector.in_thread(fault)
                     return runner.execute(batch, kv)
 
                 output = await self._worker.run(step)

@@ -13,6 +13,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -76,18 +77,44 @@ class FaultInjector:
     def __init__(self, specs: tuple[FaultSpec, ...] = ()) -> None:
         self._lock = threading.Lock()
         self._armed: list[tuple[FaultSpec, int, random.Random | None]] = []
+        #: ``match`` specs: they fire on the prompts of a batch (:meth:`match`)
+        self._matching: tuple[FaultSpec, ...] = ()
         self.injected = 0
         for spec in specs:
             self.add(spec)
 
     def add(self, spec: FaultSpec) -> None:
         with self._lock:
+            if spec.match is not None:
+                self._matching = (*self._matching, spec)
+                return
             rng = random.Random(spec.seed) if spec.probability is not None else None
             self._armed.append((spec, spec.after_steps or 0, rng))
 
     def clear(self) -> None:
         with self._lock:
             self._armed.clear()
+            self._matching = ()
+
+    @property
+    def matching(self) -> bool:
+        """A ``match`` spec is armed (the scheduler then checks each batch's prompts)."""
+        return bool(self._matching)
+
+    def match(self, prompts: Iterable[str]) -> FaultSpec | None:
+        """The first armed ``match`` spec whose text is in one of ``prompts`` (a step's batch):
+        that step gets it. ``match`` specs stay armed until cleared."""
+        specs = self._matching
+        if not specs:
+            return None
+        texts = tuple(prompts)
+        for spec in specs:
+            assert spec.match is not None
+            if any(spec.match in text for text in texts):
+                with self._lock:
+                    self.injected += 1
+                return spec
+        return None
 
     def decide(self) -> FaultSpec | None:
         """Called once per step: the fault this step gets, if any. An ``after_steps`` fault
@@ -111,9 +138,9 @@ class FaultInjector:
                 self.injected += 1
         return fire
 
-    def before_step(self) -> None:
-        """Decide and enact in one go (the thread executor, in its worker thread)."""
-        spec = self.decide()
+    @staticmethod
+    def in_thread(spec: FaultSpec | None) -> None:
+        """Enact ``spec`` (if any) in the thread executor's worker thread."""
         if spec is not None:
             if spec.kind in PROCESS_ONLY_FAULTS:  # refused when armed; never kill the server
                 raise InjectedFault(f"injected fault {spec.kind!r} needs the process executor")

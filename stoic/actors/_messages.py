@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..config import FaultSpec
 from ..errors import FailureKind
 from ..model import SamplingParams, StepBatch, StepOutput
 from ..runtime import ActorRef, Reply
@@ -39,6 +40,7 @@ __all__ = [
     "GetCacheStats",
     "IntakeMsg",
     "PrefixQuery",
+    "Recovered",
     "RunStep",
     "SchedulerMsg",
     "StepResult",
@@ -96,15 +98,28 @@ class StepTimeout:
 
 @dataclass(frozen=True, slots=True)
 class ExecutorDown:
-    """Recovery step: fence ``incarnation`` and end every sequence with ``error``.
+    """Recovery step: fence ``incarnation`` and end (or resume) every sequence that started.
 
-    Replies with the number of sequences failed.
+    Replies with what happened to them.
     """
 
     error: BaseException
     kind: FailureKind
     incarnation: int
-    reply: Reply[int]
+    reply: Reply[Recovered]
+
+
+class Recovered(NamedTuple):
+    """What an executor failure did to the sequences (``SchedulerCore.executor_down``)."""
+
+    #: ended with the error (under ``"fail"``: every one that started)
+    failed: int
+    #: re-admitted to continue where they stopped (``"resume"``)
+    resumed: int
+    #: of ``failed``: their resumes were spent
+    exhausted: int
+    #: of ``failed``: found to cause the failures
+    isolated: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +274,9 @@ class RunStep:
     step_id: int
     incarnation: int
     batch: StepBatch
+    #: a fault rehearsal's ``match`` spec that fires on this step (decided by the scheduler,
+    #: which knows the prompts); other faults the executor decides itself
+    fault: FaultSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,12 +83,12 @@ class ProcessExecutor(Actor[ExecutorMsg]):
         worker = self._worker
         assert worker is not None
         match message:
-            case RunStep(step_id=step_id, incarnation=incarnation, batch=batch):
+            case RunStep(step_id=step_id, incarnation=incarnation, batch=batch, fault=fault):
                 if is_stale(self.context, message):
                     return
                 try:
                     output = await worker.step(
-                        step_id, batch, self._faults.decide(), self._step_timeout
+                        step_id, batch, fault or self._faults.decide(), self._step_timeout
                     )
                 except ExecutorFault as exc:
                     if exc.kind == "fatal":

@@ -16,6 +16,7 @@ from typing import assert_never
 from ..runtime import Actor, ActorRef, MailboxFull, Reply
 from ._allocator import OutOfBlocks
 from ._core import SchedulerCore, SchedulerStats
+from ._faults import FaultInjector
 from ._health import EngineHealth
 from ._messages import (
     ASK_TIMEOUT,
@@ -65,8 +66,10 @@ class Scheduler(Actor[SchedulerMsg]):
         health: EngineHealth,
         *,
         step_timeout: float,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.core = core
+        self._faults = faults
         self._cache = cache
         self._health = health
         self._step_timeout = step_timeout
@@ -97,6 +100,7 @@ class Scheduler(Actor[SchedulerMsg]):
                 if seq is not None:
                     log.info("sequence.aborted", request_id=request_id, generated=seq.num_generated)
             case StepResult(step_id=step_id, incarnation=incarnation, output=output):
+                budget = core.budget.tokens
                 touched = core.complete(step_id, incarnation, output)
                 if touched is None:
                     log.info(
@@ -104,6 +108,8 @@ class Scheduler(Actor[SchedulerMsg]):
                     )
                     return
                 self._cancel_watchdog()
+                if core.budget.tokens != budget:
+                    self._log_budget("clean_steps")
                 await self._step()  # keep the executor busy before the text work
                 core.emit(touched)
                 self._progress()
@@ -118,14 +124,17 @@ class Scheduler(Actor[SchedulerMsg]):
                     self._fail_engine(reason)
             case ExecutorDown(error=error, kind=kind, incarnation=incarnation, reply=reply):
                 self._cancel_watchdog()
-                count = core.executor_down(error, kind)
+                budget = core.budget.tokens
+                outcome = core.executor_down(error, kind)
                 log.warning(
-                    "scheduler.sequences_failed",
-                    count=count,
+                    "scheduler.executor_down",
                     kind=kind,
                     executor_incarnation=incarnation,
+                    **outcome._asdict(),
                 )
-                reply.send(count)
+                if core.budget.tokens != budget:
+                    self._log_budget("out_of_memory")
+                reply.send(outcome)
             case ExecutorReady(incarnation=incarnation, executor=executor):
                 self._executor = executor
                 stats: CacheStats = await self._cache.ask(GetCacheStats, timeout=ASK_TIMEOUT)
@@ -188,7 +197,10 @@ class Scheduler(Actor[SchedulerMsg]):
             step_id, incarnation, batch = started
             self._arm_watchdog(step_id)
             assert self._executor is not None
-            await self._executor.tell(RunStep(step_id, incarnation, batch))
+            fault = None
+            if self._faults is not None and self._faults.matching:
+                fault = self._faults.match(core.prompt_text(c.seq_id) for c in batch.chunks)
+            await self._executor.tell(RunStep(step_id, incarnation, batch, fault))
             return
         if core.can_step and not core.idle:
             self._tell_self(Wake())
@@ -207,6 +219,17 @@ class Scheduler(Actor[SchedulerMsg]):
             await self._cache.tell(CommitBlocks(commits))
         if frees:
             await self._cache.tell(FreeBlocks(frees))
+
+    def _log_budget(self, reason: str) -> None:
+        budget = self.core.budget
+        self.context.log.warning(
+            "scheduler.step_budget",
+            reason=reason,
+            tokens=budget.tokens,
+            seqs=budget.seqs,
+            configured_tokens=budget.max_tokens,
+            configured_seqs=budget.max_seqs,
+        )
 
     def _fail_engine(self, reason: str) -> None:
         self._cancel_watchdog()

@@ -51,6 +51,7 @@ class Sequence:
         "_detok",
         "_pending_ids",
         "_pending_logprobs",
+        "_prompt_text",
         "all_ids",
         "block_table",
         "committed_blocks",
@@ -61,10 +62,13 @@ class Sequence:
         "params",
         "prompt_len",
         "request_id",
+        "resumes",
         "seq_id",
+        "solo_failures",
         "status",
         "stop_reason",
         "stream",
+        "strikes",
     )
 
     def __init__(
@@ -98,6 +102,13 @@ class Sequence:
         )
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[TokenLogprob] = []
+        self._prompt_text: str | None = None
+        #: times this sequence was resumed after an executor failure (``--recovery resume``)
+        self.resumes = 0
+        #: failed steps it was in since its last clean step (two or more: a suspect)
+        self.strikes = 0
+        #: failed steps it ran in alone, in a row (two: the cause of the failures)
+        self.solo_failures = 0
 
     @property
     def num_generated(self) -> int:
@@ -111,6 +122,13 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens not yet in the cache."""
         return len(self.all_ids) - self.num_computed
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as text (decoded on first use; for fault rehearsals that match on it)."""
+        if self._prompt_text is None:
+            self._prompt_text = self._detok.decode(self.all_ids[: self.prompt_len])
+        return self._prompt_text
 
     @property
     def text(self) -> str:

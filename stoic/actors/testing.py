@@ -14,18 +14,27 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from ..errors import StoicError
 from ..model import SampledToken, SamplingParams, SeqChunk, StepBatch, StepOutput
 from ._allocator import BlockAllocator, OutOfBlocks
 from ._core import SchedulerConfig, SchedulerCore
-from ._messages import Allocation
+from ._messages import Allocation, Recovered
 from ._stream import ResultStream
 
-__all__ = ["EOS_ID", "SchedulerHarness", "byte_tokenizer", "create_scheduler", "next_letter"]
+__all__ = [
+    "EOS_ID",
+    "SchedulerHarness",
+    "byte_tokenizer",
+    "create_scheduler",
+    "drain",
+    "next_letter",
+]
 
 #: the ``<eos>`` token of :func:`byte_tokenizer`
 EOS_ID = 256
@@ -52,6 +61,23 @@ def _bytes_to_unicode() -> dict[int, str]:
     ]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def drain(stream: ResultStream) -> tuple[str, str | None, BaseException | None]:
+    """Everything a finished stream delivered: its text, finish reason and error (outside an
+    event loop: the core's streams are read synchronously in its tests)."""
+
+    async def read() -> tuple[str, str | None, BaseException | None]:
+        text, finish = "", None
+        try:
+            async for delta in stream:
+                text += delta.text
+                finish = delta.finish_reason or finish
+        except StoicError as exc:
+            return text, finish, exc
+        return text, finish, None
+
+    return asyncio.run(read())
 
 
 def next_letter(chunk: SeqChunk) -> int:
@@ -171,8 +197,9 @@ class SchedulerHarness:
             assert self.step(sample) is not None, "work remains but no step could start"
         raise AssertionError(f"not idle after {max_steps} steps")
 
-    def executor_down(self, error: BaseException | None = None, kind: Any = "error") -> int:
-        """What recovery does: fence and fail every sequence, drop the cache, restart."""
+    def executor_down(self, error: BaseException | None = None, kind: Any = "error") -> Recovered:
+        """What recovery does: fence, fail (or resume) every sequence, drop the cache, restart.
+        Call it while a step is in flight (:meth:`start_step`) to fail that step."""
         count = self.core.executor_down(error or RuntimeError("injected"), kind)
         self.flush()
         self.inflight = None
@@ -216,6 +243,8 @@ def create_scheduler(
     max_num_batched_tokens: int = 32,
     prefix_caching: bool = True,
     eos_token_ids: frozenset[int] = frozenset({EOS_ID}),
+    recovery: Literal["fail", "resume"] = "fail",
+    max_resumes: int = 3,
 ) -> SchedulerHarness:
     """A :class:`SchedulerHarness` over a fresh core and allocator with the byte tokenizer."""
     tokenizer = byte_tokenizer()
@@ -227,6 +256,8 @@ def create_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_token_ids,
             prefix_caching=prefix_caching,
+            recovery=recovery,
+            max_resumes=max_resumes,
         ),
         tokenizer,
     )

@@ -14,6 +14,7 @@ from ..actors import (
     EngineFailedNotice,
     EngineHealth,
     ExecutorDown,
+    Recovered,
     SchedulerMsg,
     classify_failure,
 )
@@ -61,10 +62,16 @@ class Recovery:
         log = _log.bind(kind=kind, executor_incarnation=incarnation)
         log.error("recovery.executor_failed", error=f"{type(error).__name__}: {error}")
         self._health.recovering(kind)
-        failed: int = await self._scheduler.ask(
+        outcome: Recovered = await self._scheduler.ask(
             lambda r: ExecutorDown(error, kind, incarnation, r), timeout=ASK_TIMEOUT
         )
-        log.info("recovery.fenced_and_streams_failed", sequences_failed=failed)
+        log.info(
+            "recovery.fenced",
+            sequences_failed=outcome.failed,
+            sequences_resumed=outcome.resumed,
+            resumes_exhausted=outcome.exhausted,
+            isolated=outcome.isolated,
+        )
         freed: int = await self._cache.ask(DropAll, timeout=ASK_TIMEOUT)
         log.info(
             "recovery.cache_dropped",

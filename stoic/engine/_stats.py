@@ -52,6 +52,14 @@ class EngineStats:
     executor_pid: int | None
     #: executor restarts by the kind of failure that caused them
     restarts_by_kind: tuple[tuple[FailureKind, int], ...]
+    #: resumes after executor failures (``recovery="resume"``), one per request per failure
+    requests_resumed: int
+    #: requests that failed because their resumes were spent
+    resumes_exhausted: int
+    #: requests found to cause repeated executor failures, ended alone
+    requests_isolated: int
+    #: tokens per step in force (halved after an out-of-memory failure, then restored)
+    token_budget: int
 
     @property
     def kv_cache_usage(self) -> float:
@@ -83,4 +91,8 @@ def collect_stats(
         kv_blocks_cached=blocks.cached_blocks,
         executor_pid=now.executor_pid,
         restarts_by_kind=now.restarts_by_kind,
+        requests_resumed=sched.resumed,
+        resumes_exhausted=sched.resume_exhausted,
+        requests_isolated=sched.isolated,
+        token_budget=sched.token_budget,
     )

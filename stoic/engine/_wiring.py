@@ -118,12 +118,14 @@ async def wire(
             max_num_batched_tokens=config.step_token_budget(loaded.device.type),
             eos_token_ids=loaded.eos_token_ids,
             prefix_caching=config.enable_prefix_caching,
+            recovery=config.recovery,
+            max_resumes=config.max_resumes,
         ),
         loaded.tokenizer.backend_tokenizer,
     )
     watchdog = config.step_timeout + (0.0 if in_process else _WATCHDOG_MARGIN)
     scheduler = await system.spawn(
-        Scheduler(core, cache, health, step_timeout=watchdog),
+        Scheduler(core, cache, health, step_timeout=watchdog, faults=faults),
         name="scheduler",
         mailbox_size=4096,
     )

@@ -62,6 +62,18 @@ class StatsLike(Protocol):
     @property
     def restarts_by_kind(self) -> tuple[tuple[str, int], ...]: ...
 
+    @property
+    def requests_resumed(self) -> int: ...
+
+    @property
+    def resumes_exhausted(self) -> int: ...
+
+    @property
+    def requests_isolated(self) -> int: ...
+
+    @property
+    def token_budget(self) -> int: ...
+
 
 class HealthLike(Protocol):
     @property

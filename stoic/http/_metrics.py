@@ -98,6 +98,26 @@ class _EngineCollector:
             "Sequences ended by an executor failure.",
             stats.failed_sequences,
         )
+        yield counter(
+            "stoic_requests_resumed",
+            "Requests resumed after an executor failure (one per request per failure).",
+            stats.requests_resumed,
+        )
+        yield counter(
+            "stoic_requests_resume_exhausted",
+            "Requests that failed because their resumes were spent (--max-resumes).",
+            stats.resumes_exhausted,
+        )
+        yield counter(
+            "stoic_requests_isolated",
+            "Requests found to cause repeated executor failures and ended alone.",
+            stats.requests_isolated,
+        )
+        yield gauge(
+            "stoic_scheduler_token_budget",
+            "Tokens per step in force (halved after an out-of-memory failure, then restored).",
+            stats.token_budget,
+        )
         yield counter("stoic_engine_steps", "Engine steps run.", stats.steps)
         state = GaugeMetricFamily(
             "stoic_engine_state", "1 for the engine's current state.", labels=["state"]

@@ -315,4 +315,5 @@ class FaultRequest(_Model):
     after_steps: int | None = None
     probability: float | None = None
     seed: int | None = None
+    match: str | None = None
     seconds: float = 30.0

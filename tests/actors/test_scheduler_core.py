@@ -7,32 +7,13 @@ fabricated step outputs. They run in seconds.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from stoic.actors import ResultStream
-from stoic.actors.testing import EOS_ID, SchedulerHarness, create_scheduler
-from stoic.errors import EngineFailed, EngineStopped, ExecutorFailed, StoicError
+from stoic.actors.testing import EOS_ID, SchedulerHarness, create_scheduler, drain
+from stoic.errors import EngineFailed, EngineStopped, ExecutorFailed
 from stoic.model import SamplingParams, StepOutput
-
-
-def _drain(stream: ResultStream) -> tuple[str, str | None, BaseException | None]:
-    """Everything the stream delivered: text, finish reason, error."""
-
-    async def read() -> tuple[str, str | None, BaseException | None]:
-        text, finish = "", None
-        try:
-            async for delta in stream:
-                text += delta.text
-                finish = delta.finish_reason or finish
-        except StoicError as exc:
-            return text, finish, exc
-        return text, finish, None
-
-    return asyncio.run(read())
 
 
 def test_a_request_runs_to_max_tokens_and_frees_its_blocks() -> None:
@@ -44,7 +25,7 @@ def test_a_request_runs_to_max_tokens_and_frees_its_blocks() -> None:
     h.check()
     assert steps == 5  # one prefill step (which samples) and four decodes
     assert h.allocator.used_blocks == 0
-    text, finish, error = _drain(stream)
+    text, finish, error = drain(stream)
     assert (text, finish, error) == ("fghij", "length", None)
 
 
@@ -78,9 +59,9 @@ def test_the_youngest_running_sequence_is_preempted_first() -> None:
     assert h.core.stats().preemptions == 1
     h.run_until_idle()
     h.check()
-    assert _drain(old)[1] == "length"
+    assert drain(old)[1] == "length"
     # the preempted sequence was recomputed and still produced its whole output
-    text, finish, _ = _drain(young)
+    text, finish, _ = drain(young)
     assert (len(text), finish) == (9, "length")
 
 
@@ -99,7 +80,7 @@ def test_a_shared_prefix_is_served_from_the_cache() -> None:
     assert second.cached_tokens == 20
     h.run_until_idle()
     h.check()
-    assert _drain(first)[0] == _drain(second)[0]
+    assert drain(first)[0] == drain(second)[0]
 
 
 def test_the_last_prompt_token_is_always_computed() -> None:
@@ -124,13 +105,13 @@ def test_a_result_from_a_fenced_incarnation_changes_nothing() -> None:
     batch = h.start_step()
     assert batch is not None and h.inflight is not None
     step_id, incarnation, _ = h.inflight
-    assert h.executor_down(RuntimeError("boom")) == 1
+    assert h.executor_down(RuntimeError("boom")).failed == 1
     before = h.core.stats()
     assert h.core.complete(step_id, incarnation, h.output_for(batch)) is None
     after = h.core.stats()
     assert after.fenced_results == before.fenced_results + 1
     assert after._replace(fenced_results=0) == before._replace(fenced_results=0)
-    _, _, error = _drain(stream)
+    _, _, error = drain(stream)
     assert isinstance(error, ExecutorFailed)
     assert error.partial is not None and error.partial.token_ids == (ord("f"),)
     h.check()
@@ -157,7 +138,7 @@ def test_an_oom_while_prefilling_is_not_retryable_for_that_request() -> None:
     prefilling = h.add("a much longer prompt", max_tokens=8)
     h.start_step()
     h.executor_down(RuntimeError("CUDA out of memory"), "oom")
-    errors = [_drain(s)[2] for s in (decoding, prefilling)]
+    errors = [drain(s)[2] for s in (decoding, prefilling)]
     assert all(isinstance(e, ExecutorFailed) for e in errors)
     assert [e.retryable for e in errors if isinstance(e, ExecutorFailed)] == [True, False]
 
@@ -170,13 +151,13 @@ def test_an_executor_failure_keeps_requests_that_had_not_started() -> None:
     queued = h.add("world", max_tokens=4)
     h.step()
     assert [s.request_id for s in h.core.waiting] == ["req-1"]
-    assert h.executor_down(RuntimeError("boom")) == 1
+    assert h.executor_down(RuntimeError("boom")).failed == 1
     h.check()
-    assert isinstance(_drain(started)[2], ExecutorFailed)
+    assert isinstance(drain(started)[2], ExecutorFailed)
     assert not queued.done
     h.run_until_idle()
     h.check()
-    assert _drain(queued) == ("fghi", "length", None)
+    assert drain(queued) == ("fghi", "length", None)
 
 
 def test_a_failed_engine_ends_everything_and_admits_nothing() -> None:
@@ -192,7 +173,7 @@ def test_a_failed_engine_ends_everything_and_admits_nothing() -> None:
     late = h.add("late", max_tokens=2)
     assert h.core.plan() is None
     for stream in (running, late):
-        assert isinstance(_drain(stream)[2], EngineFailed)
+        assert isinstance(drain(stream)[2], EngineFailed)
 
 
 def test_stop_ends_everything_with_engine_stopped() -> None:
@@ -203,8 +184,8 @@ def test_stop_ends_everything_with_engine_stopped() -> None:
     assert h.core.stop() == 1
     h.flush()
     h.check()
-    assert isinstance(_drain(stream)[2], EngineStopped)
-    assert isinstance(_drain(h.add("x"))[2], EngineStopped)
+    assert isinstance(drain(stream)[2], EngineStopped)
+    assert isinstance(drain(h.add("x"))[2], EngineStopped)
 
 
 def test_abort_while_a_step_runs_discards_its_token() -> None:
@@ -220,8 +201,8 @@ def test_abort_while_a_step_runs_discards_its_token() -> None:
     h.finish_step()
     h.run_until_idle()
     h.check()
-    assert _drain(stream) == ("", "abort", None)
-    assert _drain(other)[1] == "length"
+    assert drain(stream) == ("", "abort", None)
+    assert drain(other)[1] == "length"
 
 
 def test_eos_and_stop_strings_end_a_sequence() -> None:
@@ -229,10 +210,10 @@ def test_eos_and_stop_strings_end_a_sequence() -> None:
     h = create_scheduler()
     eos = h.add("hi", max_tokens=8)
     h.run_until_idle(sample=lambda c: EOS_ID)
-    assert _drain(eos) == ("", "stop", None)
+    assert drain(eos) == ("", "stop", None)
     stopped = h.add("hi", params=SamplingParams(max_tokens=8, stop=("de",)), max_tokens=8)
     h.run_until_idle()  # samples c, d, e, ...: "cde" -> cut at "de"
-    assert _drain(stopped) == ("c", "stop", None)
+    assert drain(stopped) == ("c", "stop", None)
     h.check()
 
 
@@ -249,7 +230,7 @@ def test_a_readmitted_sequence_sharing_its_own_cached_prefix_does_not_stall() ->
     h.check()
     assert h.core.stats().preemptions >= 1
     assert h.refusals == 0
-    assert [_drain(s)[1] for s in (long, short)] == ["length", "length"]
+    assert [drain(s)[1] for s in (long, short)] == ["length", "length"]
 
 
 _OPS = st.lists(
@@ -301,6 +282,7 @@ def _apply(h: SchedulerHarness, op: tuple[object, ...], prompts: list[str]) -> N
     num_blocks=st.integers(11, 24),
     budget=st.integers(8, 24),
     prefix_caching=st.booleans(),
+    resume=st.booleans(),
 )
 # found by a CI run: a preempted sequence readmitted sharing a finished one's cached blocks; the
 # core counted those blocks free when the finished one let go (they were still held)
@@ -309,21 +291,25 @@ def _apply(h: SchedulerHarness, op: tuple[object, ...], prompts: list[str]) -> N
     num_blocks=12,
     budget=22,
     prefix_caching=True,
+    resume=False,
 )
 def test_random_operations_keep_every_invariant(
-    ops: list[tuple[object, ...]], num_blocks: int, budget: int, prefix_caching: bool
+    ops: list[tuple[object, ...]], num_blocks: int, budget: int, prefix_caching: bool, resume: bool
 ) -> None:
-    """Over any sequence of add / step / abort / executor failure / stale result: the allocator's
+    """Over any sequence of add / step / abort / executor failure / stale result, failing or
+    resuming on executor failures: the allocator's
     invariant holds, blocks in use equal the blocks in the core's tables, no step exceeds the
     token budget or ``max_num_seqs``, a stream is open exactly while its sequence is known, no
     allocation is refused, and once everything ran to completion every block is free and every
-    stream has ended."""
+    stream has ended (under resume, with an error only if its resumes were spent or it was
+    isolated)."""
     h = create_scheduler(
         num_blocks=num_blocks,
         block_size=4,
         max_num_seqs=4,
         max_num_batched_tokens=budget,
         prefix_caching=prefix_caching,
+        recovery="resume" if resume else "fail",
     )
     prompts = ["abcd", "abce", "zyxw", "the quick brown fox "]
     for op in ops:
@@ -340,6 +326,9 @@ def test_random_operations_keep_every_invariant(
     assert all(s.done for s in h.streams)
     # the core's free-block estimate is exact, so no plan asks for blocks that are not free
     assert h.refusals == 0
+    if resume:
+        stats = h.core.stats()
+        assert stats.failed_sequences == stats.resume_exhausted + stats.isolated
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -358,7 +347,7 @@ def test_outputs_do_not_depend_on_the_token_budget(prefix_caching: bool) -> None
         streams = [h.add(f"prompt number {i}!" * (i + 1), max_tokens=6 + i) for i in range(6)]
         h.run_until_idle()
         h.check()
-        return [_drain(s)[0] for s in streams]
+        return [drain(s)[0] for s in streams]
 
     # the longest request needs 29 blocks: 32 leave room for little else
     assert run(budget=8, num_blocks=32) == run(budget=512, num_blocks=256)

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import stoic
+
+
+def engine_config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
+    """float32 (exact outputs), 256 KV blocks, fault injection on; ``overrides`` on top."""
+    base: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "num_kv_blocks": 256,
+        "enable_fault_injection": True,
+    }
+    base.update(overrides)
+    return stoic.EngineConfig(**base)
 
 
 async def wait_idle(engine: stoic.Engine, limit: float = 5.0) -> stoic.EngineStats:

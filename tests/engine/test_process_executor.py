@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, wait_idle
+from engine_helpers import collect, engine_config, wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed, InvalidRequest
@@ -25,15 +25,7 @@ PARAMS = stoic.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
 def _config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
-    base: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "num_kv_blocks": 256,
-        "executor": "process",
-        "enable_fault_injection": True,
-    }
-    base.update(overrides)
-    return stoic.EngineConfig(**base)
+    return engine_config(model_dir, **{"executor": "process", **overrides})
 
 
 def _prompts(n: int) -> list[str]:

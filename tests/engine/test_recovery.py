@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, wait_idle
+from engine_helpers import collect, engine_config, wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed
@@ -21,14 +21,7 @@ GREEDY = stoic.SamplingParams(max_tokens=24, temperature=0)
 
 
 def _config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
-    base: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "num_kv_blocks": 256,
-        "enable_fault_injection": True,
-    }
-    base.update(overrides)
-    return stoic.EngineConfig(**base)
+    return engine_config(model_dir, **overrides)
 
 
 def _prompts(n: int) -> list[str]:

@@ -1,0 +1,62 @@
+"""The scheduler core's configuration and statistics records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+__all__ = ["SchedulerConfig", "SchedulerStats"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    eos_token_ids: frozenset[int]
+    #: share the KV blocks of equal prompt prefixes between sequences
+    prefix_caching: bool = True
+    #: on an executor failure: ``"fail"`` every sequence that started, or ``"resume"`` them
+    recovery: Literal["fail", "resume"] = "fail"
+    #: with ``"resume"``: times one sequence may be resumed before it fails as under ``"fail"``
+    max_resumes: int = 3
+
+
+class SchedulerStats(NamedTuple):
+    """Counters read on the event loop (no message round trip)."""
+
+    #: sequences being generated
+    running: int
+    #: sequences admitted but not yet scheduled (or preempted)
+    waiting: int
+    #: steps completed
+    steps: int
+    #: running sequences whose blocks were taken back (recomputed later)
+    preemptions: int
+    #: late results from a fenced step or executor incarnation, discarded
+    fenced_results: int
+    #: sequences ended by an executor failure, the engine failing or a drain deadline
+    failed_sequences: int
+    #: sequences in the last step
+    last_batch_size: int
+    #: most sequences seen in one step so far
+    max_batch_size: int
+    #: prompt tokens admitted
+    prompt_tokens: int
+    #: tokens sampled
+    generated_tokens: int
+    #: prompt tokens whose keys/values came from the prefix cache instead of being computed
+    prefix_cached_tokens: int
+    #: the scheduler's estimate of the cache manager's free blocks
+    free_blocks: int
+    #: resumes after executor failures (``--recovery resume``), one per sequence per failure
+    resumed: int
+    #: sequences that failed because they had been resumed ``max_resumes`` times
+    resume_exhausted: int
+    #: sequences found to cause repeated executor failures and ended alone
+    isolated: int
+    #: tokens per step in force (below the configured budget after an out-of-memory failure)
+    token_budget: int
+    #: sequences running at once in force
+    seq_budget: int
