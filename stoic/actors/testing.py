@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -64,8 +63,13 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def drain(stream: ResultStream) -> tuple[str, str | None, BaseException | None]:
-    """Everything a finished stream delivered: its text, finish reason and error (outside an
-    event loop: the core's streams are read synchronously in its tests)."""
+    """Everything an ended stream delivered: its text, finish reason and error.
+
+    Synchronous, without an event loop (the core's tests have none): reading an ended stream
+    never waits.
+
+    :raises AssertionError: if the stream has not ended (reading it would wait).
+    """
 
     async def read() -> tuple[str, str | None, BaseException | None]:
         text, finish = "", None
@@ -77,7 +81,14 @@ def drain(stream: ResultStream) -> tuple[str, str | None, BaseException | None]:
             return text, finish, exc
         return text, finish, None
 
-    return asyncio.run(read())
+    coro = read()
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        result: tuple[str, str | None, BaseException | None] = done.value
+        return result
+    coro.close()
+    raise AssertionError(f"{stream.request_id}: the stream has not ended")
 
 
 def next_letter(chunk: SeqChunk) -> int:

@@ -169,3 +169,77 @@ async def test_exit_on_fatal_after_worker_crashes(tiny_model_dir: Path) -> None:
         assert await asyncio.wait_for(proc.wait(), 60) == EXIT_ENGINE_FAILED
     finally:
         await _stop(proc)
+
+
+async def _killer(http: aiohttp.ClientSession, url: str, pid: int, running: int) -> None:
+    """kill -9 ``pid`` from outside once ``running`` sequences decode."""
+    while True:
+        async with http.get(f"{url}/metrics") as r:
+            text = await r.text()
+        now = re.search(r"^stoic_sequences_running (\S+)", text, re.M)
+        if now and float(now[1]) >= running:
+            os.kill(pid, signal.SIGKILL)
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _complete(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    async with http.post(f"{url}/v1/completions", json={**body, "stream": False}) as r:
+        return r.status, r.headers.get("x-should-retry"), await r.json()
+
+
+async def test_resume_kill_9_and_a_poison_request_clients_do_not_notice(
+    default_model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """``stoic serve --recovery resume``: kill -9 of the worker under 6 streams and 2
+    non-streamed requests: every one completes with exactly its fault-free text (float32), no
+    error event, usage unchanged. A poison request (``--fault '{"match": ...}'``) gets a 500
+    that says not to retry, while the request batched with it completes. /metrics counts the
+    resumes and the isolation; every KV block is free after."""
+    poison = '{"kind": "error", "match": "XYZZY"}'
+    proc, url = await _serve(
+        default_model_dir, "--recovery", "resume", "--enable-fault-injection", "--fault", poison
+    )
+    try:
+        bodies = [{**_body(i), "max_tokens": 32} for i in range(8)]
+        reference = [await _complete(http, url, b) for b in bodies]
+        assert all(status == 200 for status, _, _ in reference)
+        status, health = await _health(http, url)
+        pid = health["executor"]["pid"]
+        killer = asyncio.ensure_future(_killer(http, url, pid, 6))
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(_stream(http, url, b) for b in bodies[:6]),
+                *(_complete(http, url, b) for b in bodies[6:]),
+            ),
+            180,
+        )
+        assert killer.done(), "the requests finished before the worker was killed"
+        killer.cancel()
+        await asyncio.gather(killer, return_exceptions=True)
+        for events, (_, _, ref) in zip(results[:6], reference, strict=False):
+            assert events[-1] == "[DONE]"
+            assert not [e for e in events if isinstance(e, dict) and "error" in e]
+            assert _text(events) == ref["choices"][0]["text"]
+        for (status, _, body), (_, _, ref) in zip(results[6:], reference[6:], strict=True):
+            assert status == 200
+            assert body["choices"][0]["text"] == ref["choices"][0]["text"]
+            assert body["usage"] == ref["usage"]
+
+        bad = {**_body(0), "prompt": "Once upon a time XYZZY", "max_tokens": 8}
+        (status, retry, error), (ok_status, _, ok) = await asyncio.gather(
+            _complete(http, url, bad), _complete(http, url, bodies[0])
+        )
+        assert (status, retry) == (500, "false") and "isolated" in error["error"]["message"]
+        assert ok_status == 200
+        assert ok["choices"][0]["text"] == reference[0][2]["choices"][0]["text"]
+        async with http.get(f"{url}/metrics") as r:
+            metrics = await r.text()
+        resumed = re.search(r"^stoic_requests_resumed_total (\S+)$", metrics, re.M)
+        assert resumed and float(resumed[1]) >= 8
+        assert re.search(r"^stoic_requests_isolated_total 1\.0$", metrics, re.M)
+        assert re.search(r"^stoic_requests_resume_exhausted_total 0\.0$", metrics, re.M)
+        assert re.search(r"^stoic_scheduler_token_budget 256\.0$", metrics, re.M)
+        assert re.search(r"^stoic_kv_cache_blocks_used 0\.0$", metrics, re.M)
+    finally:
+        await _stop(proc)
