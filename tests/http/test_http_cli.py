@@ -27,6 +27,9 @@ def test_cli_arguments_map_to_config() -> None:
             "--drain-timeout", "3",
             "--executor", "process",
             "--executor-spares", "1",
+            "--recovery", "resume",
+            "--max-resumes", "5",
+            "--fault", '{"kind": "error", "match": "XYZZY"}',
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -35,9 +38,11 @@ def test_cli_arguments_map_to_config() -> None:
     assert config.num_kv_blocks == 64 and config.max_num_seqs == 8
     assert (config.max_restarts, config.restart_window, config.step_timeout) == (2, 10.0, 5.0)
     assert config.enable_fault_injection and config.drain_timeout == 3.0
+    assert (config.recovery, config.max_resumes) == ("resume", 5)
     assert config.faults == (
         FaultSpec(kind="error", after_steps=2),
         FaultSpec(kind="oom", probability=0.5, seed=1),
+        FaultSpec(kind="error", match="XYZZY"),
     )
     # `stoic serve` runs the model in a worker process by default; the library in a thread
     default = config_from_args(build_parser().parse_args(["serve"]))
@@ -52,6 +57,10 @@ def test_cli_arguments_map_to_config() -> None:
         ["serve", "--num-kv-blocks", "8", "--kv-cache-memory", "1"],
         ["serve", "--port", "70000"],
         ["serve", "--max-num-seqs", "0"],
+        ["serve", "--recovery", "retry"],
+        ["serve", "--max-resumes", "-1"],
+        ["serve", "--fault", '{"kind": "error", "match": ""}'],
+        ["serve", "--fault", '{"kind": "error", "match": "x", "after_steps": 1}'],
     ],
 )
 def test_cli_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
