@@ -1,29 +1,36 @@
 """``stoic serve``: the OpenAI-compatible server from the command line.
 
-Exit status: 0 after a clean shutdown (SIGINT/SIGTERM), 1 when the engine cannot start,
-2 for a usage error, 70 when the engine fails and ``--exit-on-fatal`` is set.
+Exit status: 0 after a clean shutdown (SIGINT/SIGTERM), 1 when the engine cannot start for
+another reason (the port is taken, the device fails), 2 for a usage or configuration error (bad
+arguments; a model that is missing or unusable, reported on one line), 70 when the engine fails
+and ``--exit-on-fatal`` is set. ``stoic cache`` lists and prunes converted models
+(:mod:`stoic._cache_cli`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
 
+from ._cache_cli import add_cache_parser, run_cache
+from ._logging import PROCESSORS, get_logger
 from .config import EngineConfig, FaultSpec
-from .errors import StoicError
+from .errors import ModelUnavailable, StoicError
 
 __all__ = ["build_parser", "config_from_args", "configure_logging", "main"]
 
-_log = structlog.get_logger("stoic.cli")
+_log = get_logger("stoic.cli")
 _DEFAULTS = EngineConfig()
 
 
@@ -31,11 +38,14 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     """Route structlog and stdlib logging to stderr, one event per line in JSON mode.
 
     Every event carries a timestamp, level, logger name and the context variables bound for
-    the current request (``request_id``).
+    the current request (``request_id``). This is the ``stoic`` command's (an application's)
+    choice: it replaces the root logger's handlers and structlog's configuration. The library
+    itself configures neither (:mod:`stoic._logging`).
     """
     level_no = logging.getLevelNamesMapping()[level.upper()]
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
+    # structlog's own events (stoic's and the application's) arrive as event dictionaries and
+    # skip foreign_pre_chain; other libraries' records arrive as text and go through it
+    enrich: list[Any] = [
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -43,22 +53,26 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     ]
     renderer: Any
     if fmt == "json":
-        shared.append(structlog.processors.dict_tracebacks)
+        enrich.append(structlog.processors.dict_tracebacks)
         renderer = structlog.processors.JSONRenderer()
         _quiet_progress_bars()
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=list(PROCESSORS),
         logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=shared,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[structlog.contextvars.merge_contextvars],
+            processors=[
+                *enrich,
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                renderer,
+            ],
         )
     )
     root = logging.getLogger()
@@ -118,13 +132,36 @@ def _port(text: str) -> int:
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, help="'default', a .gguf file or a model directory")
+    g.add_argument(
+        "--model",
+        default=d.model,
+        help="a model directory, a .gguf file, or 'default': SmolLM2-135M-Instruct, shipped "
+        "with stoic (default '%(default)s')",
+    )
     g.add_argument("--served-model-name", help="the name clients use (default: the model's)")
     g.add_argument(
-        "--device", default=d.device, help="auto, cpu, cuda, cuda:N (default %(default)s)"
+        "--device",
+        default=d.device,
+        help="auto (cuda when present, else cpu), cpu, cuda, cuda:N (default %(default)s)",
     )
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=_positive_int, help="context length override")
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on a GPU (float16 where bfloat16 is unsupported) and on CPUs with "
+        "bfloat16 matrix units (AMX, AVX512-BF16), float32 on other CPUs (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        help="context length, prompt plus generated tokens (default: the model's)",
+    )
+    g.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="where converted GGUF models are cached (default: $STOIC_CACHE_DIR, else "
+        "~/.cache/stoic; see `stoic cache`)",
+    )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="(default %(default)s)")
     g.add_argument("--port", type=_port, default=8000, help="(default %(default)s)")
@@ -134,26 +171,57 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=d.drain_timeout,
         help="seconds running requests get to finish on SIGINT/SIGTERM (default %(default)s)",
     )
-    g.add_argument("--log-format", choices=["console", "json"], default="console")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    g.add_argument(
+        "--log-format",
+        choices=["console", "json"],
+        default="console",
+        help="log lines on stderr: readable, or one JSON object per line (default %(default)s)",
+    )
+    g.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="(default %(default)s)",
+    )
     g = p.add_argument_group("scheduling and KV cache")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
+    g.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=d.max_num_seqs,
+        help="sequences decoding at once (default %(default)s)",
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
         default=d.max_num_batched_tokens,
         help="tokens per step (default: 256 on a CPU, 2048 on a GPU, at least --max-num-seqs)",
     )
-    g.add_argument("--max-waiting", type=_positive_int, default=d.max_waiting)
+    g.add_argument(
+        "--max-waiting",
+        type=_positive_int,
+        default=d.max_waiting,
+        help="requests admitted and not yet finished; more are refused with 429 "
+        "(default %(default)s)",
+    )
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
         help="reuse the KV blocks of prompt prefixes already computed (default: on)",
     )
-    g.add_argument("--block-size", type=_positive_int, default=d.block_size)
+    g.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=d.block_size,
+        help="tokens per KV block (default %(default)s)",
+    )
     kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=_positive_int, help="KV cache size in blocks")
+    kv.add_argument(
+        "--num-kv-blocks",
+        type=_positive_int,
+        help="KV cache size in blocks (default: sized by --kv-cache-memory on a CPU, "
+        "--gpu-memory-utilization on a GPU)",
+    )
     kv.add_argument(
         "--kv-cache-memory",
         type=_non_negative_float,
@@ -166,13 +234,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help=f"fraction of free GPU memory for the KV cache (default {d.gpu_memory_utilization})",
     )
     g = p.add_argument_group("failure handling")
-    g.add_argument("--max-restarts", type=int, default=d.max_restarts, metavar="R")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d.max_restarts,
+        metavar="R",
+        help="executor restarts allowed within --restart-window (default %(default)s)",
+    )
     g.add_argument(
         "--restart-window",
         type=_non_negative_float,
         default=d.restart_window,
         metavar="T",
-        help="more than R executor failures within T seconds fail the engine",
+        help="more than R executor failures within T seconds fail the engine (default %(default)s)",
     )
     g.add_argument(
         "--step-timeout",
@@ -219,12 +293,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--exit-on-fatal",
         action="store_true",
-        help="exit with status 70 when the engine is failed (for an orchestrator to replace it)",
+        help="exit with status 70 when the engine is failed (for an orchestrator to replace it) "
+        "(default: off)",
     )
     g.add_argument(
         "--enable-fault-injection",
         action="store_true",
-        help="allow injected faults and the POST/DELETE /admin/faults routes",
+        help="allow injected faults and the POST/DELETE /admin/faults routes (default: off)",
     )
     g.add_argument(
         "--fault",
@@ -233,17 +308,29 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="JSON",
         help='a fault armed at start, e.g. \'{"kind": "error", "after_steps": 5}\', or a poison '
-        'request: \'{"kind": "error", "match": "XYZZY"}\' (repeatable)',
+        'request: \'{"kind": "error", "match": "XYZZY"}\' (repeatable; default: none)',
     )
+
+
+def _version() -> str:
+    """The installed distribution's version (``stoic.__version__`` when run from a bare tree)."""
+    try:
+        return importlib.metadata.version("stoic")
+    except importlib.metadata.PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stoic", description="An LLM inference server that keeps serving through failures."
     )
+    parser.add_argument("--version", action="version", version=f"stoic {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     _add_serve_args(serve)
+    add_cache_parser(sub)
     return parser
 
 
@@ -266,6 +353,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_waiting=args.max_waiting,
         enable_prefix_caching=args.enable_prefix_caching,
         max_model_len=args.max_model_len,
+        cache_dir=args.cache_dir,
         max_restarts=args.max_restarts,
         restart_window=args.restart_window,
         step_timeout=args.step_timeout,
@@ -281,41 +369,41 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from .engine import Engine
     from .http import serve
 
     config = config_from_args(args)
     _log.info("stoic.starting", model=config.model, device=config.device, dtype=config.dtype)
+
+    def ready(url: str, engine: Any) -> None:  # the Engine that serve() started
+        stats = engine.stats()
+        loaded = engine.loaded
+        _log.info(
+            "stoic.ready",
+            url=url,
+            model=engine.model_name,
+            device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            kv_blocks=stats.kv_blocks_total,
+            kv_tokens=stats.kv_blocks_total * config.block_size,
+            max_model_len=engine.max_model_len,
+            fault_injection=config.enable_fault_injection,
+            exit_on_fatal=args.exit_on_fatal,
+        )
+
     try:
-        async with Engine.start(config) as engine:
-
-            def ready(url: str) -> None:
-                stats = engine.stats()
-                loaded = engine.loaded
-                _log.info(
-                    "stoic.ready",
-                    url=url,
-                    model=engine.model_name,
-                    device=str(loaded.device),
-                    dtype=str(loaded.dtype).removeprefix("torch."),
-                    kv_blocks=stats.kv_blocks_total,
-                    kv_tokens=stats.kv_blocks_total * config.block_size,
-                    max_model_len=engine.max_model_len,
-                    fault_injection=config.enable_fault_injection,
-                    exit_on_fatal=args.exit_on_fatal,
-                )
-
-            return await serve(
-                engine,
-                host=args.host,
-                port=args.port,
-                drain_timeout=args.drain_timeout,
-                exit_on_fatal=args.exit_on_fatal,
-                on_ready=ready,
-            )
+        # the port is bound before the model loads: /health says "starting" meanwhile, and a
+        # taken port fails at once
+        return await serve(
+            config,
+            host=args.host,
+            port=args.port,
+            drain_timeout=args.drain_timeout,
+            exit_on_fatal=args.exit_on_fatal,
+            on_ready=ready,
+        )
     except StoicError as exc:
         _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)
-        return 1
+        return 2 if isinstance(exc, ModelUnavailable) else 1  # a bad --model is a config error
     except OSError as exc:  # e.g. the port is taken
         _log.error("stoic.start_failed", error=type(exc).__name__, message=str(exc))
         return 1
@@ -325,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stoic`` command; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "cache":
+        return run_cache(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
@@ -335,7 +425,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
+    if not _model_usable(args.model):
+        return 2
     return asyncio.run(_serve(args))
+
+
+def _model_usable(model: str) -> bool:
+    """Check ``--model`` cheaply before anything starts (:func:`stoic.model.check_model_source`).
+
+    An unusable model is logged as one ``stoic.start_failed`` line, the only output, saying what
+    is wrong and what to do; returns False then.
+    """
+    from .model import check_model_source
+
+    try:
+        check_model_source(model)
+    except ModelUnavailable as exc:
+        _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)
+        return False
+    return True
 
 
 if __name__ == "__main__":

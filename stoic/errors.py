@@ -13,6 +13,7 @@ from typing import Literal
 __all__ = [
     "ContextLengthExceeded",
     "EngineFailed",
+    "EngineStarting",
     "EngineStopped",
     "ExecutorFailed",
     "FailureKind",
@@ -113,6 +114,16 @@ class EngineFailed(StoicError):
 
     def __init__(self, message: str, *, partial: PartialOutput | None = None) -> None:
         super().__init__(message, code="engine_failed", partial=partial)
+
+
+class EngineStarting(StoicError):
+    """The server is up but its model is still loading; retry after ``retry_after`` seconds."""
+
+    retryable = True
+
+    def __init__(self, message: str = "the model is loading", *, retry_after: float = 5.0) -> None:
+        super().__init__(message, code="engine_starting")
+        self.retry_after = retry_after
 
 
 class EngineStopped(StoicError):

@@ -19,6 +19,18 @@ settings.register_profile("thorough", max_examples=20_000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+#: fixtures that load a real model (the default one, or the tiny one built from its tokenizer)
+_MODEL_FIXTURES = {"default_model_dir", "tiny_model_dir", "engine"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs a model (through any fixture) ``model``: ``make test-fast``
+    runs the rest (``-m "not model"``)."""
+    for item in items:
+        if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model converted from its GGUF file (cached across runs)."""

@@ -7,8 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-import structlog
-
+from .._logging import get_logger
 from ..errors import EngineFailed, EngineStopped, FailureKind
 
 __all__ = ["STATES", "EngineHealth", "Health", "State"]
@@ -17,7 +16,7 @@ State = Literal["starting", "serving", "recovering", "failed", "stopping"]
 #: every state, in the order they are documented (and exported as metrics)
 STATES: tuple[State, ...] = get_args(State)
 
-_log = structlog.get_logger("stoic.engine")
+_log = get_logger("stoic.engine")
 
 
 @dataclass(frozen=True)

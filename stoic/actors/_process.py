@@ -27,8 +27,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-import structlog
-
+from .._logging import get_logger
 from ..config import FaultSpec
 from ..model import StepBatch, StepOutput
 from ._failures import ExecutorFault
@@ -36,7 +35,7 @@ from ._procworker import WorkerSpec
 
 __all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
 
-_log = structlog.get_logger("stoic.executor")
+_log = get_logger("stoic.executor")
 #: how long a hung worker gets between SIGTERM and SIGKILL
 _KILL_GRACE = 1.0
 #: after a worker was replaced, how long before the spares and the pre-started interpreter are

@@ -64,15 +64,16 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _quiet_logs() -> None:
-    """The worker's log lines go to stderr (the server's stdout stays the server's)."""
+    """The worker's warnings and errors go to stderr, one line each, which the server relays as
+    ``executor.worker_output`` events (the worker is a process of stoic's own: it may configure
+    the root logger)."""
     import logging
 
-    import structlog
-
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(logging.WARNING)
 
 
 def _warm_up(runner: Any, kv: Any) -> None:

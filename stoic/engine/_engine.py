@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
-import structlog
 
+from .._logging import get_logger
 from ..actors import (
     ASK_TIMEOUT,
     Abort,
@@ -34,7 +34,7 @@ from ._wiring import EngineParts, kv_cache_spec, wire, worker_pool
 
 __all__ = ["Engine"]
 
-_log = structlog.get_logger("stoic.engine")
+_log = get_logger("stoic.engine")
 
 #: how a failure to reach the intake reaches the caller of :meth:`Engine.submit`
 _SUBMIT_ERRORS: tuple[tuple[type[Exception], Callable[[], StoicError]], ...] = (

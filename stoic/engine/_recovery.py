@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import time
 
-import structlog
-
+from .._logging import get_logger
 from ..actors import (
     ASK_TIMEOUT,
     CacheMsg,
@@ -23,7 +22,7 @@ from ..runtime import ActorRef, SupervisorEscalation
 
 __all__ = ["Recovery"]
 
-_log = structlog.get_logger("stoic.engine")
+_log = get_logger("stoic.engine")
 
 
 class Recovery:

@@ -12,16 +12,17 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from .._logging import get_logger
 from ..errors import StoicError
 from ._engine import EngineLike
 from ._errors import error_response, http_error_response, internal_error_response
 from ._metrics import Metrics
 from ._routes import add_routes
-from ._state import REQUEST_ID, STATE, AppState
+from ._state import RECORD, REQUEST_ID, STATE, AppState
 
 __all__ = ["create_app", "drain"]
 
-_log = structlog.get_logger("stoic.http")
+_log = get_logger("stoic.http")
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 #: request bodies up to this size (long prompts as token id lists are big)
 CLIENT_MAX_SIZE = 32 * 1024 * 1024
@@ -66,7 +67,18 @@ async def _answer(
     except StoicError as exc:
         response = error_response(exc)
     except asyncio.CancelledError:
-        _log.info("http.request_cancelled", method=request.method, path=request.path)
+        record = request.get(RECORD)
+        if record is not None and record.delivered:  # the client hung up after its answer
+            _log.info(
+                "http.request",
+                method=request.method,
+                path=request.path,
+                status=200,
+                duration_ms=round((time.monotonic() - started) * 1000, 1),
+                closed_by_client=True,
+            )
+        else:
+            _log.info("http.request_cancelled", method=request.method, path=request.path)
         raise
     except Exception:
         _log.exception("http.unhandled_error", method=request.method, path=request.path)

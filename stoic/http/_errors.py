@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from ..errors import (
     EngineFailed,
+    EngineStarting,
     EngineStopped,
     ExecutorFailed,
     InvalidRequest,
@@ -45,6 +46,7 @@ _ERROR_STATUS: tuple[tuple[type[StoicError], int, str], ...] = (
     (ExecutorFailed, 500, "server_error"),
     (EngineFailed, 503, "service_unavailable"),
     (EngineStopped, 503, "service_unavailable"),
+    (EngineStarting, 503, "service_unavailable"),
     (ModelUnavailable, 503, "service_unavailable"),
 )
 
@@ -104,7 +106,7 @@ def error_response(
 ) -> web.Response:
     """The HTTP response for ``exc``: its status, OpenAI error JSON and retry headers."""
     headers: dict[str, str] = {}
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, Overloaded | EngineStarting):
         seconds = max(0.0, exc.retry_after)
         headers["Retry-After"] = str(max(1, math.ceil(seconds)))
         headers["retry-after-ms"] = str(round(seconds * 1000))

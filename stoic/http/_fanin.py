@@ -6,15 +6,14 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 
-import structlog
-
+from .._logging import get_logger
 from ..engine import Delta
 from ..errors import EngineStopped, StoicError
 from ._engine import RequestStreamLike
 
 __all__ = ["ChoiceFailed", "Fanin", "close_streams"]
 
-_log = structlog.get_logger("stoic.http")
+_log = get_logger("stoic.http")
 
 
 class ChoiceFailed(Exception):

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from aiohttp import web
 
+from .._logging import get_logger
 from ..engine import Delta, SamplingParams
 from ..errors import EngineStopped, PartialOutput, StoicError
 from ._engine import RequestStreamLike
@@ -26,7 +26,7 @@ from ._state import AppState, RequestRecord
 
 __all__ = ["Job", "run_generation"]
 
-_log = structlog.get_logger("stoic.http")
+_log = get_logger("stoic.http")
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,12 @@ async def submit_all(state: AppState, jobs: list[Job], request_id: str) -> list[
 
 
 async def _finish(state: AppState, streams: list[RequestStreamLike]) -> None:
-    """Abort the unfinished streams and release their engine request ids."""
-    await close_streams(streams)
-    for stream in streams:
-        state.release_id(stream.request_id)
+    """Abort the unfinished streams and release their engine request ids (even if cancelled)."""
+    try:
+        await close_streams(streams)
+    finally:
+        for stream in streams:
+            state.release_id(stream.request_id)
 
 
 def _prompt_tokens(
@@ -203,10 +205,14 @@ class _Run:
                     _log.exception("http.stream_failed")
                     self.record.outcome = "error"
                     await sse.send(internal_error_object(self.record.request_id))
-                await sse.done()
+                try:
+                    await sse.done()
+                finally:
+                    self.record.delivered = sse.finished
         except ConnectionResetError:
-            self.record.outcome = "aborted"
-            _log.info("http.client_disconnected", completion_tokens=self.completion_tokens)
+            if not sse.finished:
+                self.record.outcome = "aborted"
+                _log.info("http.client_disconnected", completion_tokens=self.completion_tokens)
         return sse.response
 
 

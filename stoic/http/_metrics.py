@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine import FAILURE_KINDS, STATES
-from ..errors import EngineFailed, EngineStopped, Overloaded, StoicError
+from ..errors import EngineFailed, EngineStarting, EngineStopped, Overloaded, StoicError
 from ._engine import EngineLike
 from ._errors import status_of
 
@@ -34,7 +34,7 @@ def outcome_of(exc: BaseException) -> Outcome:
     """How a request that raised ``exc`` is counted in ``stoic_requests_total``."""
     if isinstance(exc, Overloaded):
         return "overloaded"
-    if isinstance(exc, EngineFailed | EngineStopped):
+    if isinstance(exc, EngineFailed | EngineStopped | EngineStarting):
         return "unavailable"
     if isinstance(exc, StoicError):
         return "invalid" if status_of(exc)[0] < 500 else "failed"

@@ -6,10 +6,10 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import structlog
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from .._logging import get_logger
 from ..config import FaultSpec
 from ..errors import InvalidRequest, ModelNotFound
 from ._engine import EngineLike
@@ -18,11 +18,11 @@ from ._format import ChatFormat, CompletionFormat
 from ._generate import Job, run_generation
 from ._metrics import CONTENT_TYPE_LATEST, outcome_of
 from ._schemas import ChatCompletionRequest, CompletionRequest, FaultRequest, choice_params
-from ._state import REQUEST_ID, STATE, AppState, RequestRecord
+from ._state import RECORD, REQUEST_ID, STATE, AppState, RequestRecord
 
 __all__ = ["add_routes"]
 
-_log = structlog.get_logger("stoic.http")
+_log = get_logger("stoic.http")
 _M = TypeVar("_M", bound=BaseModel)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -63,11 +63,13 @@ def _generation(
     async def wrapped(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
         record = RequestRecord(endpoint=endpoint, request_id=REQUEST_ID.get())
+        request[RECORD] = record
         state.enter()
         try:
             return await handler(request, state, record)
         except BaseException as exc:
-            record.outcome = "aborted" if not isinstance(exc, Exception) else outcome_of(exc)
+            if not record.delivered:  # the outcome is what was delivered
+                record.outcome = "aborted" if not isinstance(exc, Exception) else outcome_of(exc)
             raise
         finally:
             state.leave()

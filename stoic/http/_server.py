@@ -7,16 +7,19 @@ import contextlib
 import signal
 from collections.abc import Callable
 
-import structlog
 from aiohttp import web
 
+from .._logging import get_logger
+from ..config import EngineConfig
+from ..engine import Engine
 from ._app import create_app, drain
+from ._deferred import DeferredEngine
 from ._engine import EngineLike
 from ._state import STATE
 
 __all__ = ["EXIT_ENGINE_FAILED", "serve"]
 
-_log = structlog.get_logger("stoic.http")
+_log = get_logger("stoic.http")
 
 #: process exit status when the engine failed and ``exit_on_fatal`` is set (EX_SOFTWARE)
 EXIT_ENGINE_FAILED = 70
@@ -24,7 +27,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 async def serve(
-    engine: EngineLike,
+    engine: EngineLike | EngineConfig,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -33,38 +36,52 @@ async def serve(
     enable_admin: bool | None = None,
     handle_signals: bool = True,
     stop: asyncio.Event | None = None,
-    on_ready: Callable[[str], None] | None = None,
+    on_ready: Callable[[str, EngineLike], None] | None = None,
 ) -> int:
     """Serve ``engine`` on ``host:port`` until SIGINT/SIGTERM (or ``stop`` is set).
 
-    Shutdown: the socket stops accepting, new generation requests get 503, running ones have
-    ``drain_timeout`` seconds (default ``engine.config.drain_timeout``) to finish, and the rest
-    end with an error. A second signal ends them at once.
+    Given an :class:`~stoic.EngineConfig` instead of an engine, the port is bound first (a taken
+    port fails at once) and the engine is started behind it: while the model loads, ``/health``
+    answers 503 ``starting`` and generation requests 503 with ``Retry-After``; a signal during
+    the load stops it. The engine is stopped when the server is.
+
+    Shutdown: new generation requests get 503 and ``/health`` says ``stopping`` (the socket still
+    accepts, so probes get that answer), running requests have ``drain_timeout`` seconds (default
+    ``engine.config.drain_timeout``) to finish, and the rest end with an error. A second signal
+    ends them at once.
 
     :param exit_on_fatal: return :data:`EXIT_ENGINE_FAILED` as soon as the engine is failed.
-    :param on_ready: called with the base URL once the socket listens.
+    :param on_ready: called with the base URL and the engine once the engine serves.
     :returns: the process exit status: 0, or :data:`EXIT_ENGINE_FAILED`.
+    :raises OSError: if the port cannot be bound.
+    :raises ~stoic.errors.StoicError: if a configured engine cannot start (e.g.
+        :class:`~stoic.errors.ModelUnavailable`).
     """
+    target: EngineLike = DeferredEngine(engine) if isinstance(engine, EngineConfig) else engine
+    config = target.config
     if drain_timeout is None:
-        drain_timeout = engine.config.drain_timeout
+        drain_timeout = config.drain_timeout
     if enable_admin is None:
-        enable_admin = engine.config.enable_fault_injection
-    app = create_app(engine, enable_admin=enable_admin)
+        enable_admin = config.enable_fault_injection
+    app = create_app(target, enable_admin=enable_admin)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
 
     def on_signal(signum: signal.Signals) -> None:
-        if stop.is_set():
+        if isinstance(target, DeferredEngine) and not target.ready and main is not None:
+            _log.info("http.signal_while_starting", signal=signum.name)
+            stop.set()
+            main.cancel()  # stop loading the model
+        elif stop.is_set():
             _log.warning("http.second_signal", signal=signum.name)
             app[STATE].stopping.set()
         else:
             _log.info("http.signal", signal=signum.name)
             stop.set()
 
-    exit_code = 0
-    waiters: list[asyncio.Task[object]] = []
     try:
         if handle_signals:
             for signum in _SIGNALS:
@@ -73,30 +90,69 @@ async def serve(
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         url = f"http://{bound_host}:{bound_port}"
-        _log.info("http.serving", url=url, model=engine.model_name, admin=enable_admin)
-        if on_ready is not None:
-            on_ready(url)
-        waiters.append(asyncio.create_task(stop.wait()))
-        if exit_on_fatal:
-            waiters.append(asyncio.create_task(engine.wait_failed()))
-        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if exit_on_fatal and waiters[1] in done:
-            error = waiters[1].result()
-            _log.error(
-                "http.engine_failed_exiting", reason=str(error), exit_code=EXIT_ENGINE_FAILED
-            )
-            exit_code = EXIT_ENGINE_FAILED
-            drain_timeout = 0.0
-        _log.info("http.shutting_down", inflight=app[STATE].inflight, drain_timeout=drain_timeout)
-        await site.stop()
-        drained = await drain(app, drain_timeout)
-        _log.info("http.drained", complete=drained)
+        run = _Run(app, site, url, stop, drain_timeout, exit_on_fatal, on_ready)
+        if not isinstance(target, DeferredEngine):
+            return await run.until_stopped(target)
+        _log.info("http.listening", url=url, state="starting")
+        try:
+            async with Engine.start(target.config) as started:
+                target.attach(started)
+                return await run.until_stopped(started)
+        except asyncio.CancelledError:
+            if main is not None and main.uncancel() == 0 and stop.is_set():
+                _log.info("http.stopped_while_starting")
+                return 0
+            raise
     finally:
-        for task in waiters:
-            task.cancel()
         if handle_signals:
             for signum in _SIGNALS:
                 with contextlib.suppress(ValueError, RuntimeError):
                     loop.remove_signal_handler(signum)
         await runner.cleanup()
-    return exit_code
+
+
+class _Run:
+    """One server's life once its engine serves: wait for a stop (or the engine's failure),
+    then drain."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        site: web.TCPSite,
+        url: str,
+        stop: asyncio.Event,
+        drain_timeout: float,
+        exit_on_fatal: bool,
+        on_ready: Callable[[str, EngineLike], None] | None,
+    ) -> None:
+        self.app, self.site, self.url, self.stop = app, site, url, stop
+        self.drain_timeout = drain_timeout
+        self.exit_on_fatal = exit_on_fatal
+        self.on_ready = on_ready
+
+    async def until_stopped(self, engine: EngineLike) -> int:
+        _log.info("http.serving", url=self.url, model=engine.model_name)
+        if self.on_ready is not None:
+            self.on_ready(self.url, engine)
+        waiters: list[asyncio.Task[object]] = [asyncio.create_task(self.stop.wait())]
+        if self.exit_on_fatal:
+            waiters.append(asyncio.create_task(engine.wait_failed()))
+        exit_code, drain_timeout = 0, self.drain_timeout
+        try:
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if self.exit_on_fatal and waiters[1] in done:
+                error = waiters[1].result()
+                _log.error(
+                    "http.engine_failed_exiting", reason=str(error), exit_code=EXIT_ENGINE_FAILED
+                )
+                exit_code, drain_timeout = EXIT_ENGINE_FAILED, 0.0
+        finally:
+            for task in waiters:
+                task.cancel()
+        state = self.app[STATE]
+        _log.info("http.shutting_down", inflight=state.inflight, drain_timeout=drain_timeout)
+        # keep accepting while draining: probes see 503 "stopping", new generations a 503
+        drained = await drain(self.app, drain_timeout)
+        await self.site.stop()
+        _log.info("http.drained", complete=drained)
+        return exit_code

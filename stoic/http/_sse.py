@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from aiohttp import web
@@ -20,6 +21,8 @@ class SSEWriter:
 
     def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
         self._request = request
+        #: ``data: [DONE]`` was written: the response is delivered, whatever happens next
+        self.finished = False
         self.response = web.StreamResponse(
             status=200,
             headers={
@@ -37,5 +40,9 @@ class SSEWriter:
         await self.response.write(b"data: " + dumps(event).encode() + b"\n\n")
 
     async def done(self) -> None:
+        """Write ``data: [DONE]`` and end the response. A client that hangs up the moment it
+        reads ``[DONE]`` had its answer: a reset while ending the response is not an error."""
         await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+        self.finished = True
+        with contextlib.suppress(ConnectionResetError):
+            await self.response.write_eof()

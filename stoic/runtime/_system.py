@@ -8,9 +8,8 @@ from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 import anyio
-import structlog
-from structlog.typing import FilteringBoundLogger
 
+from .._logging import get_logger
 from ._actor import Actor
 from ._cell import ActorCell
 from ._clock import Clock, MonotonicClock
@@ -23,7 +22,7 @@ __all__ = ["ActorSystem", "SystemStatistics"]
 
 M = TypeVar("M")
 
-_logger: FilteringBoundLogger = structlog.get_logger("stoic.runtime")
+_logger = get_logger("stoic.runtime")
 _NO_BACKOFF = Backoff()
 
 

@@ -116,6 +116,7 @@ def run_block(block: Block) -> None:
             value()
 
 
+@pytest.mark.model
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("block", _params())
 def test_python_block_runs_as_written(block: Block) -> None:

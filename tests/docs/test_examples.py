@@ -71,6 +71,7 @@ def test_supervised_counter_crashes_restarts_and_escalates() -> None:
     assert "leaving the system re-raised it: SupervisorEscalation" in out
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_stream_chat_streams_at_most_max_tokens(executor: str) -> None:
     """stream_chat.py prints the streamed reply, then its finish reason and token counts; it
@@ -113,6 +114,7 @@ def _wait_until_serving(url: str, proc: subprocess.Popen[str]) -> Any:
             time.sleep(0.2)
 
 
+@pytest.mark.model
 def test_aiohttp_host_serves_its_routes_and_stoic_under_llm() -> None:
     """aiohttp_host.py starts the engine on startup, answers its own route and stoic's routes
     under /llm (models, one chat completion), and stops cleanly on SIGTERM."""

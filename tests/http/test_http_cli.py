@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 import stoic
@@ -122,3 +124,51 @@ def test_step_budget_default_depends_on_the_device() -> None:
     assert stoic.EngineConfig().step_token_budget("cuda") == 2048
     assert stoic.EngineConfig(max_num_seqs=300).step_token_budget("cpu") == 300
     assert stoic.EngineConfig(max_num_batched_tokens=100).step_token_budget("cuda") == 100
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`stoic --version` prints ``stoic <version>`` (the distribution's) and exits 0."""
+    import importlib.metadata
+
+    from stoic.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"stoic {importlib.metadata.version('stoic')}\n"
+
+
+def test_python_m_stoic_version_exits_0() -> None:
+    """The same through the module entry point, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "stoic", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("stoic ") and done.stderr == ""
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices["serve"]
+    return parser
+
+
+def test_every_serve_option_says_its_default() -> None:
+    """`stoic serve --help` gives each option's default: its value, or what "unset" means (never
+    "None")."""
+    parser = _serve_parser()
+    text = parser.format_help()
+    assert "None" not in text
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        help_text = action.help or ""
+        assert "default" in help_text, action.option_strings
+        if action.default is None:  # "auto": the help must say what that means
+            assert "%(default)" not in help_text, action.option_strings
+        elif action.default not in (False, []) and not isinstance(action.default, bool):
+            shown = help_text % {"default": action.default}
+            assert str(action.default) in shown, action.option_strings

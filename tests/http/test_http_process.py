@@ -202,7 +202,7 @@ async def test_resume_kill_9_and_a_poison_request_clients_do_not_notice(
     )
     try:
         bodies = [{**_body(i), "max_tokens": 32} for i in range(8)]
-        reference = [await _complete(http, url, b) for b in bodies]
+        reference = await asyncio.gather(*(_complete(http, url, b) for b in bodies))
         assert all(status == 200 for status, _, _ in reference)
         status, health = await _health(http, url)
         pid = health["executor"]["pid"]

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,7 +31,14 @@ async def serving(
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(
-        serve(engine, port=0, handle_signals=False, stop=stop, on_ready=ready.set_result, **kwargs)
+        serve(
+            engine,
+            port=0,
+            handle_signals=False,
+            stop=stop,
+            on_ready=lambda url, _engine: ready.set_result(url),
+            **kwargs,
+        )
     )
     try:
         url = await asyncio.wait_for(asyncio.shield(ready), 10)
@@ -41,8 +49,9 @@ async def serving(
 
 
 async def test_stop_drains_running_requests(engine: stoic.Engine) -> None:
-    """On stop, a running stream finishes normally within the drain timeout, new connections
-    are refused, and serve() returns 0."""
+    """On stop, a running stream finishes normally within the drain timeout; meanwhile the
+    server still accepts connections and answers /health 503 "stopping" and a new generation
+    503 (retryable); once drained, connections are refused and serve() returns 0."""
     async with (
         serving(engine, drain_timeout=20) as (url, stop, task),
         aiohttp.ClientSession() as http,
@@ -51,6 +60,11 @@ async def test_stop_drains_running_requests(engine: stoic.Engine) -> None:
         response = await http.post(f"{url}/v1/completions", json=body)
         await response.content.readline()
         stop.set()
+        async with aiohttp.ClientSession() as other:  # a new connection during the drain
+            async with other.get(f"{url}/health") as r:
+                assert (r.status, (await r.json())["status"]) == (503, "stopping")
+            async with other.post(f"{url}/v1/completions", json=completion_body()) as r:
+                assert r.status == 503 and r.headers["x-should-retry"] == "true"
         events = await read_sse(response)
         assert events[-1] == "[DONE]"
         assert all("error" not in e for e in events[:-1])
@@ -117,9 +131,11 @@ async def _read_until(stream: asyncio.StreamReader, event: str, within: float) -
     return await asyncio.wait_for(scan(), within)
 
 
+@pytest.mark.model
 async def test_python_m_stoic_serve_end_to_end() -> None:
-    """`python -m stoic serve --log-format json` writes only JSON lines (a ready line with the
-    URL among them), serves, and exits 0 on SIGTERM after draining."""
+    """`python -m stoic serve --log-format json` writes only JSON lines; it listens before the
+    model loads (/health 503 "starting", a generation 503 with Retry-After meanwhile), then a
+    ready line with the URL; it serves, and exits 0 on SIGTERM after draining."""
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--dtype", "float32"],
         *["--num-kv-blocks", "64", "--log-format", "json"],
@@ -128,7 +144,16 @@ async def test_python_m_stoic_serve_end_to_end() -> None:
     )
     assert proc.stderr is not None
     try:
+        listening = await _read_until(proc.stderr, "http.listening", 120)
+        async with aiohttp.ClientSession() as http:  # the model loads for seconds yet
+            async with http.get(f"{listening['url']}/health") as r:
+                assert (r.status, (await r.json())["status"]) == (503, "starting")
+            body = completion_body(max_tokens=2)
+            async with http.post(f"{listening['url']}/v1/completions", json=body) as r:
+                assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+                assert (await r.json())["error"]["code"] == "engine_starting"
         ready = await _read_until(proc.stderr, "stoic.ready", 120)
+        assert ready["url"] == listening["url"]
         assert ready["device"] == "cpu" and ready["dtype"] == "float32"
         assert ready["kv_blocks"] == 64
         url = ready["url"]
@@ -150,6 +175,7 @@ async def test_python_m_stoic_serve_end_to_end() -> None:
             await proc.wait()
 
 
+@pytest.mark.model
 async def test_exit_on_fatal_end_to_end() -> None:
     """`stoic serve --exit-on-fatal` exits 70 once failures exceed the restart intensity."""
     proc = await asyncio.create_subprocess_exec(
@@ -177,3 +203,72 @@ async def test_exit_on_fatal_end_to_end() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def _read_to_done_and_hang_up(url: str, body: dict[str, Any]) -> bytes:
+    """POST ``body`` over a raw socket, read until ``data: [DONE]``, then reset the connection
+    at once (as a client that closes the moment it has its answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    payload = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    received = b""
+    while b"data: [DONE]" not in received:
+        chunk = await reader.read(65536)
+        assert chunk, "the server closed before [DONE]"
+        received += chunk
+    writer.transport.abort()
+    return received
+
+
+async def test_a_client_hanging_up_right_after_done_is_counted_a_success(
+    engine: stoic.Engine,
+) -> None:
+    """Under CPU load, 12 clients that reset the connection the moment they read [DONE]: each
+    response counts as delivered (outcome success), none as aborted; the server logs no
+    cancellation for them and every block is free after."""
+    burners = [
+        await asyncio.create_subprocess_exec(sys.executable, "-c", "while True: pass")
+        for _ in range(2)
+    ]
+    try:
+        async with serving(engine) as (url, _stop, _task):
+            body = completion_body(max_tokens=4, ignore_eos=True, stream=True)
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(_read_to_done_and_hang_up(url, body) for _ in range(12))), 120
+            )
+            assert all(b'"finish_reason":"length"' in a for a in answers)
+            await wait_idle(engine)
+            await asyncio.sleep(0.2)  # the handlers' last steps after the hang-ups
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
+                text = await r.text()
+        assert 'stoic_requests_total{endpoint="completions",outcome="success"} 12.0' in text
+        assert 'outcome="aborted"' not in text
+    finally:
+        for burner in burners:
+            burner.kill()
+            await burner.wait()
+
+
+async def test_a_taken_port_fails_before_the_model_loads() -> None:
+    """`stoic serve` on a port that is taken exits at once with one error line naming the
+    address, without loading the model."""
+    with contextlib.closing(socket.socket()) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "stoic", "serve", "--port", str(port), "--log-format", "json"],
+            stderr=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
+    events = [json.loads(line) for line in err.splitlines()]
+    assert proc.returncode == 1
+    failed = [e for e in events if e["event"] == "stoic.start_failed"]
+    assert len(failed) == 1 and str(port) in failed[0]["message"]
+    assert not [e for e in events if e["event"].startswith(("model.", "engine."))]

@@ -1,0 +1,130 @@
+"""An engine that is still loading: what the server answers before its model is ready."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from ..config import EngineConfig, FaultSpec
+from ..engine import EngineStats, Health, SamplingParams
+from ..errors import EngineFailed, EngineStarting
+from ._engine import EngineLike, RequestStreamLike
+
+__all__ = ["DeferredEngine"]
+
+#: what ``Retry-After`` tells a client that asks while the model loads
+_RETRY_AFTER = 5.0
+
+
+class DeferredEngine:
+    """Stands in for the engine while it loads, then forwards to it.
+
+    Until :meth:`attach`: ``/health`` is 503 ``starting``, generation and the model routes raise
+    :class:`~stoic.errors.EngineStarting` (503 with ``Retry-After``), ``/metrics`` shows an idle
+    engine in state ``starting``. After it, every call goes to the real engine. The server binds
+    its port first and attaches the engine once it is ready, so that a taken port fails at once
+    and orchestrators read readiness from ``/health`` from the first second.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._engine: EngineLike | None = None
+        self._attached = asyncio.Event()
+
+    def attach(self, engine: EngineLike) -> None:
+        self._engine = engine
+        self._attached.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None
+
+    def _loaded(self) -> EngineLike:
+        if self._engine is None:
+            raise EngineStarting(
+                "the model is loading; retry in a few seconds", retry_after=_RETRY_AFTER
+            )
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        if self._engine is not None:
+            return self._engine.model_name
+        config = self._config
+        if config.served_model_name:
+            return config.served_model_name
+        return "default" if config.model == "default" else Path(config.model).stem
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded().max_model_len
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config if self._engine is None else self._engine.config
+
+    async def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> RequestStreamLike:
+        return await self._loaded().submit(
+            prompt,
+            params,
+            messages=messages,
+            request_id=request_id,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def stats(self) -> Any:
+        if self._engine is not None:
+            return self._engine.stats()
+        return _idle_stats(self._config)
+
+    def health(self) -> Any:
+        if self._engine is not None:
+            return self._engine.health()
+        return Health(state="starting", reason="the model is loading")
+
+    async def inject_fault(self, spec: FaultSpec) -> None:
+        await self._loaded().inject_fault(spec)
+
+    async def clear_faults(self) -> None:
+        await self._loaded().clear_faults()
+
+    async def wait_failed(self) -> EngineFailed:
+        await self._attached.wait()
+        return await self._loaded().wait_failed()
+
+
+def _idle_stats(config: EngineConfig) -> EngineStats:
+    return EngineStats(
+        running=0,
+        waiting=0,
+        kv_blocks_used=0,
+        kv_blocks_total=0,
+        incarnation=0,
+        restarts=0,
+        failed_sequences=0,
+        steps=0,
+        max_batch_size=0,
+        preemptions=0,
+        fenced_results=0,
+        prompt_tokens=0,
+        generated_tokens=0,
+        faults_injected=0,
+        state="starting",
+        prefix_cached_tokens=0,
+        kv_blocks_cached=0,
+        executor_pid=None,
+        restarts_by_kind=(),
+        requests_resumed=0,
+        resumes_exhausted=0,
+        requests_isolated=0,
+        token_budget=config.max_num_batched_tokens or 0,
+    )
