@@ -138,7 +138,7 @@ async def test_python_m_stoic_serve_end_to_end() -> None:
     ready line with the URL; it serves, and exits 0 on SIGTERM after draining."""
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--dtype", "float32"],
-        *["--num-kv-blocks", "64", "--log-format", "json"],
+        *["--num-kv-blocks", "64", "--log-format", "json", "--device", "cpu"],
         stderr=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.DEVNULL,
     )
@@ -272,3 +272,27 @@ async def test_a_taken_port_fails_before_the_model_loads() -> None:
     failed = [e for e in events if e["event"] == "stoic.start_failed"]
     assert len(failed) == 1 and str(port) in failed[0]["message"]
     assert not [e for e in events if e["event"].startswith(("model.", "engine."))]
+
+
+@pytest.mark.model
+async def test_sigterm_while_the_model_loads_stops_at_once() -> None:
+    """SIGTERM while the model is still loading stops the load: the server exits 0 without ever
+    being ready."""
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--log-format", "json"],
+        *["--device", "cpu", "--executor", "thread"],
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    assert proc.stderr is not None
+    try:
+        await _read_until(proc.stderr, "http.listening", 120)
+        proc.send_signal(signal.SIGTERM)
+        rest = await asyncio.wait_for(proc.stderr.read(), 60)
+        events = [json.loads(line)["event"] for line in rest.splitlines()]
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert "http.stopped_while_starting" in events and "stoic.ready" not in events
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
