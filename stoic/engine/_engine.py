@@ -69,8 +69,9 @@ class Engine:
 
         Leaving the block stops admitting, lets running requests finish for up to
         ``drain_timeout`` seconds (then ends them with :class:`~stoic.errors.EngineStopped`) and
-        stops every actor. The stop is shielded from cancellation: a cancelled caller still
-        leaves no actor running.
+        stops every actor. The stop is shielded from anyio cancellation; an asyncio
+        cancellation that arrives during the drain ends the drain at once (the streams still
+        running end with :class:`~stoic.errors.EngineStopped`), but still leaves no actor running.
 
         :raises ModelUnavailable: if the model cannot be found or loaded locally.
         """

@@ -61,22 +61,36 @@ async def test_a_repeated_prefix_is_not_computed_again(
     assert plain.stats().prefix_cached_tokens == 0 and plain.stats().kv_blocks_cached == 0
 
 
+@pytest.mark.timeout(600)  # 16 generations of 48 tokens: slow on a loaded CPU
 async def test_concurrent_requests_sharing_a_prefix_match_uncached_outputs(
     engines: tuple[stoic.Engine, stoic.Engine],
 ) -> None:
-    """Eight concurrent requests over one 64-token prefix with different tails, more than the
-    cache holds at once (forcing preemptions, and recomputation from cached blocks): every output equals the uncached
-    engine's, and no block stays in use afterwards."""
+    """A 64-token prefix (4 full blocks) seen for the first time: the first request over it hits
+    nothing and leaves its full blocks cached; a second one, alone, reuses exactly the prefix's
+    4 blocks (64 tokens). Then eight concurrent requests over it with different tails, more than
+    the cache holds at once (forcing preemptions, and recomputation from cached blocks): every
+    output equals the uncached engine's, they hit the cache, and no block stays in use."""
     cached, plain = engines
     prefix = _ids(3, 64)
     prompts = [prefix + _ids(10 + i, 20 + 9 * i) for i in range(8)]
     params = stoic.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     want = [(await plain.complete(p, params)).token_ids for p in prompts]
+    probe = stoic.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    start = await wait_idle(cached)
+    assert (await cached.complete(prompts[0], probe)).token_ids == want[0][:2]
+    first = await wait_idle(cached)
+    assert first.prefix_cached_tokens == start.prefix_cached_tokens, "a new prefix cannot hit"
+    # 84 prompt tokens and 1 generated token computed: 5 full blocks, none cached before
+    assert first.kv_blocks_cached - start.kv_blocks_cached == 85 // BLOCK
+    assert (await cached.complete(prompts[1], probe)).token_ids == want[1][:2]
+    second = await wait_idle(cached)
+    assert second.prefix_cached_tokens - first.prefix_cached_tokens == len(prefix)
     got = await asyncio.gather(*(cached.complete(p, params) for p in prompts))
     assert [r.token_ids for r in got] == want
     stats = await wait_idle(cached)
-    assert stats.prefix_cached_tokens > 0 and stats.preemptions > 0
-    assert stats.kv_blocks_cached <= stats.kv_blocks_total
+    hits = stats.prefix_cached_tokens - second.prefix_cached_tokens
+    assert hits >= len(prefix) and hits % BLOCK == 0, hits
+    assert stats.preemptions > second.preemptions
 
 
 async def test_a_multi_turn_chat_reuses_the_earlier_turns(

@@ -8,10 +8,24 @@ import aiohttp
 import pytest
 from conftest import Server
 from http_helpers import completion_body, wait_idle
+from prometheus_client.parser import text_string_to_metric_families
 
 import stoic
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def _aborted(server: Server) -> float:
+    """``stoic_requests_total{endpoint="completions",outcome="aborted"}`` (0 before the first)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{server.url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {"endpoint": "completions", "outcome": "aborted"}
+            if sample.name == "stoic_requests_total" and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
 
 
 async def _stream_then_vanish(server: Server, started: asyncio.Event, go: asyncio.Event) -> None:
@@ -30,8 +44,9 @@ async def test_disconnecting_clients_free_their_blocks(
 ) -> None:
     """8 streaming clients that disconnect mid-stream leave no running sequence and every KV
     block free shortly after (the app runs without handler cancellation: a failed write is
-    enough to abort)."""
+    enough to abort); /metrics counts exactly these 8 as aborted."""
     await wait_idle(engine)
+    before = await _aborted(server)
     started = [asyncio.Event() for _ in range(8)]
     go = asyncio.Event()
     clients = [asyncio.create_task(_stream_then_vanish(server, e, go)) for e in started]
@@ -41,6 +56,9 @@ async def test_disconnecting_clients_free_their_blocks(
     go.set()
     await asyncio.gather(*clients)
     await wait_idle(engine, within=10.0)
-    async with aiohttp.ClientSession() as http, http.get(f"{server.url}/metrics") as r:
-        text = await r.text()
-    assert 'stoic_requests_total{endpoint="completions",outcome="aborted"} 8.0' in text
+    # each handler records its outcome once its write failed: poll a little, then the exact 8
+    deadline = asyncio.get_running_loop().time() + 10
+    while (aborted := await _aborted(server) - before) < 8:
+        assert asyncio.get_running_loop().time() < deadline, f"{aborted} aborted, not 8"
+        await asyncio.sleep(0.05)
+    assert await _aborted(server) - before == 8

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import aiohttp
 import openai
 import pytest
+import pytest_asyncio
 from aiohttp import web
 from conftest import Server, run_app
+from http_helpers import completion_body, read_sse, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 import stoic
@@ -77,6 +81,50 @@ async def test_metrics_parse_and_count(
     assert sum(by_kind.values()) == stats.restarts
     assert by_kind == {kind: dict(stats.restarts_by_kind).get(kind, 0) for kind in by_kind}
     assert after[("stoic_executor_pid", "")] == stats.executor_pid
+    assert after[("stoic_engine_state", "state=serving")] == 1.0
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fault_cleanup(server: Server, engine: stoic.Engine) -> AsyncIterator[None]:
+    """Clear injected faults after the test; wait for the engine to be idle."""
+    yield
+    async with aiohttp.ClientSession() as http, http.delete(f"{server.url}/admin/faults") as r:
+        assert r.status == 200
+    await wait_idle(engine)
+
+
+@pytest.mark.usefixtures("fault_cleanup")
+async def test_an_executor_failure_moves_the_failure_counters(
+    server: Server, http: aiohttp.ClientSession, engine: stoic.Engine
+) -> None:
+    """An injected executor error while one request streams: /metrics counts exactly one
+    restart of kind "error" (no other kind), one failed sequence and one completions request
+    with outcome "failed" (read from the exposition text before and after, not engine.stats())."""
+    url = f"{server.url}/metrics"
+    await wait_idle(engine)
+    before = await _samples(http, url)
+    async with http.post(
+        f"{server.url}/admin/faults", json={"kind": "error", "after_steps": 4}
+    ) as r:
+        assert r.status == 200
+    body = completion_body(max_tokens=16, ignore_eos=True, stream=True)
+    async with http.post(f"{server.url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "executor_error"
+    await wait_idle(engine)
+    after = await _samples(http, url)
+
+    def delta(name: str, labels: str = "") -> float:
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    restarts = "stoic_executor_restarts_total"
+    assert delta(restarts, "kind=error") == 1
+    for kind in ("oom", "fatal", "hang", "crash"):
+        assert delta(restarts, f"kind={kind}") == 0
+    assert delta("stoic_failed_sequences_total") == 1
+    assert delta("stoic_requests_total", "endpoint=completions,outcome=failed") == 1
+    assert delta("stoic_requests_total", "endpoint=completions,outcome=success") == 0
     assert after[("stoic_engine_state", "state=serving")] == 1.0
 
 
