@@ -412,15 +412,20 @@ class SchedulerCore:
         self._remove(seq)
         self._failed_sequences += 1
 
-    def executor_down(self, error: BaseException, kind: FailureKind) -> Recovered:
+    def executor_down(
+        self, error: BaseException, kind: FailureKind, *, final: str | None = None
+    ) -> Recovered:
         """The executor failed: fence it (its late results are dropped), back the step budget
         off after an out-of-memory failure, and settle every sequence that had started.
 
         Under ``"fail"`` they end with an :class:`~stoic.errors.ExecutorFailed` carrying their
         partial output; under ``"resume"`` they are re-admitted (see :meth:`_resume`).
         Sequences still waiting for their first step lost nothing: they stay queued and run
-        once the executor is back.
+        once the executor is back. With ``final`` (the executor will not be restarted) the engine
+        fails instead (:meth:`fail_engine`): every sequence ends with ``EngineFailed``.
         """
+        if final is not None:
+            return Recovered(self.fail_engine(final), 0, 0, 0)
         batch: list[Sequence] = []
         prefilling: set[int] = set()
         if self._inflight is not None:

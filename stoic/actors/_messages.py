@@ -107,6 +107,9 @@ class ExecutorDown:
     kind: FailureKind
     incarnation: int
     reply: Reply[Recovered]
+    #: the engine fails with this failure (the supervisor will not restart the executor): end
+    #: every sequence with :class:`~stoic.errors.EngineFailed` for this reason instead
+    final: str | None = None
 
 
 class Recovered(NamedTuple):

@@ -122,10 +122,12 @@ class Scheduler(Actor[SchedulerMsg]):
                     )
                     self._health.fail(reason)
                     self._fail_engine(reason)
-            case ExecutorDown(error=error, kind=kind, incarnation=incarnation, reply=reply):
+            case ExecutorDown(
+                error=error, kind=kind, incarnation=incarnation, reply=reply, final=final
+            ):
                 self._cancel_watchdog()
                 budget = core.budget.tokens
-                outcome = core.executor_down(error, kind)
+                outcome = core.executor_down(error, kind, final=final)
                 log.warning(
                     "scheduler.executor_down",
                     kind=kind,

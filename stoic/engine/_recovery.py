@@ -4,6 +4,7 @@ happens when the supervisor gives up."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from .._logging import get_logger
 from ..actors import (
@@ -42,6 +43,8 @@ class Recovery:
         cache: ActorRef[CacheMsg],
         *,
         replaces_worker: bool,
+        max_restarts: int,
+        restart_window: float,
     ) -> None:
         self._health = health
         self._scheduler = scheduler
@@ -49,6 +52,10 @@ class Recovery:
         #: the executor runs the model in a worker process it replaces when the device is
         #: poisoned; otherwise a poisoned device is the server's own and cannot be recovered
         self._replaces_worker = replaces_worker
+        self._max_restarts = max_restarts
+        self._restart_window = restart_window
+        #: failures in the supervisor's window, this one included (set once it is spawned)
+        self.failures_in_window: Callable[[], int] = lambda: 0
 
     async def on_failure(self, error: BaseException, incarnation: int) -> None:
         """Run the recovery procedure for executor ``incarnation``, which failed with ``error``.
@@ -61,8 +68,17 @@ class Recovery:
         log = _log.bind(kind=kind, executor_incarnation=incarnation)
         log.error("recovery.executor_failed", error=f"{type(error).__name__}: {error}")
         self._health.recovering(kind)
+        final: str | None = None
+        if kind == "fatal" and not self._replaces_worker:
+            final = f"unrecoverable device error: {error}"
+        elif self.failures_in_window() > self._max_restarts:
+            # the supervisor escalates after this hook: the streams must not hear "recovered"
+            final = (
+                f"the executor failed more than {self._max_restarts} times within "
+                f"{self._restart_window:g} s (last: {kind}: {error})"
+            )
         outcome: Recovered = await self._scheduler.ask(
-            lambda r: ExecutorDown(error, kind, incarnation, r), timeout=ASK_TIMEOUT
+            lambda r: ExecutorDown(error, kind, incarnation, r, final), timeout=ASK_TIMEOUT
         )
         log.info(
             "recovery.fenced",

@@ -144,8 +144,15 @@ async def wire(
                 pool, cache, scheduler, faults, health, step_timeout=config.step_timeout
             )
 
-    recovery = Recovery(health, scheduler, cache, replaces_worker=not in_process)
-    await system.spawn_supervisor(
+    recovery = Recovery(
+        health,
+        scheduler,
+        cache,
+        replaces_worker=not in_process,
+        max_restarts=config.max_restarts,
+        restart_window=config.restart_window,
+    )
+    supervisor = await system.spawn_supervisor(
         "executor-supervisor",
         [
             ChildSpec(
@@ -162,6 +169,7 @@ async def wire(
         backoff=Backoff(initial=0.0, factor=2.0, maximum=1.0, jitter=0.0),
         on_escalate=recovery.on_escalate,
     )
+    recovery.failures_in_window = lambda: supervisor.statistics().restarts_in_window
     vocab = int(getattr(loaded.config, "vocab_size", 0) or len(loaded.tokenizer))
     intake = await system.spawn(
         Intake(

@@ -185,11 +185,6 @@ async def test_restart_limit_exceeded_mid_stream_then_503(start: Start) -> None:
     await _refused_as_failed(engine, server)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the stream's error is ExecutorFailed ('...the engine recovered', executor_error, "
-    "retryable): the scheduler settles the sequences before the supervisor escalates",
-)
 async def test_restart_limit_exceeded_mid_stream_reports_engine_failed(start: Start) -> None:
     """When the failure exhausts the restart intensity, the stream's error should say the
     engine failed (service_unavailable / engine_failed), not that it recovered."""
