@@ -16,6 +16,7 @@ import aiohttp
 import openai
 import pytest_asyncio
 from aiohttp import web
+from http_helpers import wait_idle
 
 import stoic
 from stoic.http import create_app
@@ -87,6 +88,15 @@ async def server(engine: stoic.Engine) -> AsyncIterator[Server]:
     app.router.add_get("/_test/peer", _peer)
     async with run_app(app) as server:
         yield server
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fault_cleanup(server: Server, engine: stoic.Engine) -> AsyncIterator[None]:
+    """Clear injected faults after the test; wait for the engine to be idle."""
+    yield
+    async with aiohttp.ClientSession() as http, http.delete(f"{server.url}/admin/faults") as r:
+        assert r.status == 200
+    await wait_idle(engine)
 
 
 @pytest_asyncio.fixture(loop_scope="session")

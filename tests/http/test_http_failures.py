@@ -6,13 +6,12 @@ overload, a failed engine and an unexpected exception use a scripted fake engine
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-import pytest_asyncio
 import structlog
 from conftest import Server
 from http_fakes import FakeEngine, FakeHealth, partial
@@ -24,15 +23,6 @@ from stoic.errors import EngineFailed, Overloaded
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 StartFake = Callable[..., Any]
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def fault_cleanup(server: Server, engine: stoic.Engine) -> AsyncIterator[None]:
-    """Clear injected faults after the test; wait for the engine to be idle."""
-    yield
-    async with aiohttp.ClientSession() as http, http.delete(f"{server.url}/admin/faults") as r:
-        assert r.status == 200
-    await wait_idle(engine)
 
 
 @pytest.mark.usefixtures("fault_cleanup")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 import openai
 import pytest
-import pytest_asyncio
 from aiohttp import web
 from conftest import Server, run_app
 from http_helpers import completion_body, read_sse, wait_idle
@@ -82,15 +79,6 @@ async def test_metrics_parse_and_count(
     assert by_kind == {kind: dict(stats.restarts_by_kind).get(kind, 0) for kind in by_kind}
     assert after[("stoic_executor_pid", "")] == stats.executor_pid
     assert after[("stoic_engine_state", "state=serving")] == 1.0
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def fault_cleanup(server: Server, engine: stoic.Engine) -> AsyncIterator[None]:
-    """Clear injected faults after the test; wait for the engine to be idle."""
-    yield
-    async with aiohttp.ClientSession() as http, http.delete(f"{server.url}/admin/faults") as r:
-        assert r.status == 200
-    await wait_idle(engine)
 
 
 @pytest.mark.usefixtures("fault_cleanup")
