@@ -135,12 +135,12 @@ class SchedulerCore:
         """Sequences admitted and not running (those held back by an isolation included)."""
         return (*self._waiting, *self._held)
 
-    def prompt_text(self, seq_id: int) -> str:
-        """The prompt of a running sequence, as text (fault rehearsals match on it)."""
-        for seq in self._running:
-            if seq.seq_id == seq_id:
-                return seq.prompt_text
-        return ""
+    def inflight_prompts(self) -> list[str]:
+        """The prompts of the step in flight's sequences, as text (fault rehearsals match on
+        them)."""
+        if self._inflight is None:
+            return []
+        return [p.seq.prompt_text for p in self._inflight.planned]
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -201,7 +201,7 @@ class Scheduler(Actor[SchedulerMsg]):
             assert self._executor is not None
             fault = None
             if self._faults is not None and self._faults.matching:
-                fault = self._faults.match(core.prompt_text(c.seq_id) for c in batch.chunks)
+                fault = self._faults.match(core.inflight_prompts())
             await self._executor.tell(RunStep(step_id, incarnation, batch, fault))
             return
         if core.can_step and not core.idle:

@@ -77,7 +77,7 @@ def _run_with_poison(h: SchedulerHarness, poison: str, limit: int = 500) -> int:
             return failures
         batch = h.start_step()
         assert batch is not None, "work remains but no step could start"
-        if any(poison in h.core.prompt_text(c.seq_id) for c in batch.chunks):
+        if any(poison in prompt for prompt in h.core.inflight_prompts()):
             h.executor_down(RuntimeError("poisoned"), "error")
             failures += 1
         else:
