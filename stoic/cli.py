@@ -23,7 +23,9 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
+from ._argtypes import non_negative_float, non_negative_int, port, positive_int
 from ._cache_cli import add_cache_parser, run_cache
+from ._http_args import add_http_args, http_options
 from ._logging import PROCESSORS, get_logger
 from .config import EngineConfig, FaultSpec
 from .errors import ModelUnavailable, StoicError
@@ -101,34 +103,6 @@ def _fault(text: str) -> FaultSpec:
         raise argparse.ArgumentTypeError(f"invalid fault {text!r}: {exc}") from None
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {value}")
-    return value
-
-
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     g = p.add_argument_group("model")
@@ -153,7 +127,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         help="context length, prompt plus generated tokens (default: the model's)",
     )
     g.add_argument(
@@ -164,10 +138,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="(default %(default)s)")
-    g.add_argument("--port", type=_port, default=8000, help="(default %(default)s)")
+    g.add_argument("--port", type=port, default=8000, help="(default %(default)s)")
     g.add_argument(
         "--drain-timeout",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=d.drain_timeout,
         help="seconds running requests get to finish on SIGINT/SIGTERM (default %(default)s)",
     )
@@ -183,22 +157,23 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default="info",
         help="(default %(default)s)",
     )
+    add_http_args(p)
     g = p.add_argument_group("scheduling and KV cache")
     g.add_argument(
         "--max-num-seqs",
-        type=_positive_int,
+        type=positive_int,
         default=d.max_num_seqs,
         help="sequences decoding at once (default %(default)s)",
     )
     g.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=d.max_num_batched_tokens,
         help="tokens per step (default: 256 on a CPU, 2048 on a GPU, at least --max-num-seqs)",
     )
     g.add_argument(
         "--max-waiting",
-        type=_positive_int,
+        type=positive_int,
         default=d.max_waiting,
         help="requests admitted and not yet finished; more are refused with 429 "
         "(default %(default)s)",
@@ -211,26 +186,26 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         default=d.block_size,
         help="tokens per KV block (default %(default)s)",
     )
     kv = g.add_mutually_exclusive_group()
     kv.add_argument(
         "--num-kv-blocks",
-        type=_positive_int,
+        type=positive_int,
         help="KV cache size in blocks (default: sized by --kv-cache-memory on a CPU, "
         "--gpu-memory-utilization on a GPU)",
     )
     kv.add_argument(
         "--kv-cache-memory",
-        type=_non_negative_float,
+        type=non_negative_float,
         metavar="GIB",
         help=f"KV cache size in GiB on CPU (default {d.kv_cache_memory_gib})",
     )
     g.add_argument(
         "--gpu-memory-utilization",
-        type=_non_negative_float,
+        type=non_negative_float,
         help=f"fraction of free GPU memory for the KV cache (default {d.gpu_memory_utilization})",
     )
     g = p.add_argument_group("failure handling")
@@ -243,14 +218,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--restart-window",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=d.restart_window,
         metavar="T",
         help="more than R executor failures within T seconds fail the engine (default %(default)s)",
     )
     g.add_argument(
         "--step-timeout",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=d.step_timeout,
         metavar="S",
         help="a step running longer is a hang: with --executor process the worker is killed and "
@@ -284,7 +259,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-resumes",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.max_resumes,
         metavar="N",
         help="with --recovery resume: times one request may be resumed; then it fails as under "
@@ -372,6 +347,13 @@ async def _serve(args: argparse.Namespace) -> int:
     from .http import serve
 
     config = config_from_args(args)
+    access, limits = http_options(args)
+    if not access.api_keys and not _loopback(args.host):
+        _log.warning(
+            "stoic.no_api_key",
+            host=args.host,
+            hint="anyone who reaches the port can generate: set --api-key or STOIC_API_KEY",
+        )
     _log.info("stoic.starting", model=config.model, device=config.device, dtype=config.dtype)
 
     def ready(url: str, engine: Any) -> None:  # the Engine that serve() started
@@ -388,6 +370,8 @@ async def _serve(args: argparse.Namespace) -> int:
             max_model_len=engine.max_model_len,
             fault_injection=config.enable_fault_injection,
             exit_on_fatal=args.exit_on_fatal,
+            api_keys=len(access.api_keys),
+            admin_key=access.admin_key is not None,
         )
 
     try:
@@ -400,6 +384,8 @@ async def _serve(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             exit_on_fatal=args.exit_on_fatal,
             on_ready=ready,
+            access=access,
+            limits=limits,
         )
     except StoicError as exc:
         _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)
@@ -422,12 +408,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--fault needs --enable-fault-injection")  # exits with status 2
     try:
         config_from_args(args)
-    except ValueError as exc:
+        http_options(args)
+    except (ValueError, OSError) as exc:
         parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
     if not _model_usable(args.model):
         return 2
     return asyncio.run(_serve(args))
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _model_usable(model: str) -> bool:

@@ -5,16 +5,21 @@
 """
 
 from ._app import create_app, drain
+from ._auth import AccessPolicy, load_keys
 from ._engine import EngineLike, RequestStreamLike
 from ._errors import status_of
+from ._limits import ServerLimits
 from ._server import EXIT_ENGINE_FAILED, serve
 
 __all__ = [
     "EXIT_ENGINE_FAILED",
+    "AccessPolicy",
     "EngineLike",
     "RequestStreamLike",
+    "ServerLimits",
     "create_app",
     "drain",
+    "load_keys",
     "serve",
     "status_of",
 ]

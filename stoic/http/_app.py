@@ -14,8 +14,10 @@ from aiohttp.typedefs import Handler
 
 from .._logging import get_logger
 from ..errors import StoicError
+from ._auth import AccessPolicy, auth_middleware
 from ._engine import EngineLike
 from ._errors import error_response, http_error_response, internal_error_response
+from ._limits import ServerLimits, head_done, head_expected
 from ._metrics import Metrics
 from ._routes import add_routes
 from ._state import RECORD, REQUEST_ID, STATE, AppState
@@ -24,8 +26,6 @@ __all__ = ["create_app", "drain"]
 
 _log = get_logger("stoic.http")
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-#: request bodies up to this size (long prompts as token id lists are big)
-CLIENT_MAX_SIZE = 32 * 1024 * 1024
 #: after the drain timeout, how long the remaining requests get to send their error
 _END_GRACE = 5.0
 
@@ -43,6 +43,7 @@ async def _request_context(request: web.Request, handler: Handler) -> web.Stream
 
     An unexpected exception becomes a 500 (logged with its traceback, never shown to the client).
     """
+    head_done(request)
     request_id = _request_id(request.headers.get("x-request-id"))
     token = REQUEST_ID.set(request_id)
     started = time.monotonic()
@@ -51,6 +52,7 @@ async def _request_context(request: web.Request, handler: Handler) -> web.Stream
             return await _answer(request, handler, request_id, started)
     finally:
         REQUEST_ID.reset(token)
+        head_expected(request)
 
 
 async def _answer(
@@ -96,7 +98,13 @@ async def _answer(
     return response
 
 
-def create_app(engine: EngineLike, *, enable_admin: bool | None = None) -> web.Application:
+def create_app(
+    engine: EngineLike,
+    *,
+    enable_admin: bool | None = None,
+    access: AccessPolicy | None = None,
+    limits: ServerLimits | None = None,
+) -> web.Application:
     """An OpenAI-compatible application serving ``engine`` (which the caller started).
 
     Routes are relative, so the app can be served alone or mounted in a host application:
@@ -107,11 +115,20 @@ def create_app(engine: EngineLike, *, enable_admin: bool | None = None) -> web.A
 
     :param enable_admin: register ``POST``/``DELETE /admin/faults``; ``None`` follows
         ``engine.config.enable_fault_injection``.
+    :param access: the API and admin keys (default: none; the admin routes then answer
+        loopback clients only).
+    :param limits: the request body's size and read deadline (the connection limits apply
+        only under :func:`stoic.http.serve`).
     """
     if enable_admin is None:
         enable_admin = engine.config.enable_fault_injection
-    app = web.Application(middlewares=[_request_context], client_max_size=CLIENT_MAX_SIZE)
-    app[STATE] = AppState(engine=engine, metrics=Metrics(engine))
+    access = access if access is not None else AccessPolicy()
+    limits = limits if limits is not None else ServerLimits()
+    app = web.Application(
+        middlewares=[_request_context, auth_middleware(access)],
+        client_max_size=limits.max_request_bytes,
+    )
+    app[STATE] = AppState(engine=engine, metrics=Metrics(engine), limits=limits)
     add_routes(app, admin=enable_admin)
     return app
 

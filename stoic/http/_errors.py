@@ -27,6 +27,7 @@ from ..errors import (
 )
 
 __all__ = [
+    "auth_error_response",
     "dumps",
     "error_object",
     "error_response",
@@ -56,6 +57,7 @@ _HTTP_ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -120,11 +122,25 @@ def http_error_response(exc: web.HTTPException) -> web.Response:
     error_type = _HTTP_ERROR_TYPES.get(
         status, "server_error" if status >= 500 else "invalid_request_error"
     )
-    body = {"error": {"message": exc.reason, "type": error_type, "param": None, "code": None}}
+    message, code = exc.reason, None
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        message = f"{exc.text} (the server's --max-request-bytes)"
+        code = "request_too_large"
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
     return _json_response(
         status, body, retry=status in (408, 429) or status >= 502, headers=headers
     )
+
+
+def auth_error_response(
+    status: int, message: str, code: str, *, challenge: bool = False
+) -> web.Response:
+    """401 (``challenge``: with ``WWW-Authenticate: Bearer``) or 403 with OpenAI error JSON."""
+    error_type = _HTTP_ERROR_TYPES[status]
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    headers = {"WWW-Authenticate": 'Bearer realm="stoic"'} if challenge else None
+    return _json_response(status, body, retry=False, headers=headers)
 
 
 def internal_error_object(request_id: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from .._logging import get_logger
 from ..config import FaultSpec
 from ..errors import InvalidRequest, ModelNotFound
+from ._auth import route_access
 from ._engine import EngineLike
 from ._errors import invalid_from_validation
 from ._format import ChatFormat, CompletionFormat
@@ -28,8 +30,21 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def _read_json(request: web.Request) -> Any:
-    """The request body as JSON. :raises InvalidRequest: if it is not valid JSON."""
-    raw = await request.read()
+    """The request body as JSON, read within the body deadline.
+
+    :raises InvalidRequest: if it is not valid JSON.
+    :raises aiohttp.web.HTTPRequestTimeout: if the body is not in within the deadline (408).
+    :raises aiohttp.web.HTTPRequestEntityTooLarge: above the size limit (413).
+    """
+    limit = request.app[STATE].limits.body_timeout
+    try:
+        async with asyncio.timeout(limit):
+            raw = await request.read()
+    except TimeoutError:
+        _log.warning("http.body_timeout", seconds=limit)
+        raise web.HTTPRequestTimeout(
+            reason=f"the request body did not arrive within {limit:g} seconds"
+        ) from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -175,13 +190,16 @@ async def _clear_faults(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application, *, admin: bool) -> None:
-    """Register every route on ``app`` (paths relative, so the app can be mounted anywhere)."""
-    app.router.add_post("/v1/chat/completions", _generation("chat", _chat))
-    app.router.add_post("/v1/completions", _generation("completions", _completions))
-    app.router.add_get("/v1/models", _list_models)
-    app.router.add_get("/v1/models/{model}", _get_model)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
+    """Register every route on ``app`` (paths relative, so the app can be mounted anywhere),
+    each with its access class (:mod:`stoic.http._auth`)."""
+    router = app.router
+    route_access(app, router.add_post("/v1/chat/completions", _generation("chat", _chat)), "api")
+    completions = _generation("completions", _completions)
+    route_access(app, router.add_post("/v1/completions", completions), "api")
+    route_access(app, router.add_get("/v1/models", _list_models), "api")
+    route_access(app, router.add_get("/v1/models/{model}", _get_model), "api")
+    route_access(app, router.add_get("/health", _health), "open")
+    route_access(app, router.add_get("/metrics", _metrics), "metrics")
     if admin:
-        app.router.add_post("/admin/faults", _inject_fault)
-        app.router.add_delete("/admin/faults", _clear_faults)
+        route_access(app, router.add_post("/admin/faults", _inject_fault), "admin")
+        route_access(app, router.add_delete("/admin/faults", _clear_faults), "admin")

@@ -23,6 +23,8 @@ from ..errors import InvalidRequest
 
 __all__ = [
     "MAX_CHOICES",
+    "MAX_MESSAGES",
+    "MAX_TOOLS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -33,6 +35,10 @@ __all__ = [
 
 #: most choices one request may ask for (``n`` times the number of prompts)
 MAX_CHOICES = 16
+#: most messages in one chat request (a long agent conversation has hundreds)
+MAX_MESSAGES = 2048
+#: most tools in one request (OpenAI's own limit)
+MAX_TOOLS = 128
 #: completions ``logprobs`` upper bound (the sampler's top-k logprobs limit)
 MAX_COMPLETION_LOGPROBS = 20
 
@@ -199,11 +205,11 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None

@@ -13,8 +13,10 @@ from .._logging import get_logger
 from ..config import EngineConfig
 from ..engine import Engine
 from ._app import create_app, drain
+from ._auth import AccessPolicy
 from ._deferred import DeferredEngine
 from ._engine import EngineLike
+from ._limits import GuardedSite, ServerLimits
 from ._state import STATE
 
 __all__ = ["EXIT_ENGINE_FAILED", "serve"]
@@ -37,6 +39,8 @@ async def serve(
     handle_signals: bool = True,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[str, EngineLike], None] | None = None,
+    access: AccessPolicy | None = None,
+    limits: ServerLimits | None = None,
 ) -> int:
     """Serve ``engine`` on ``host:port`` until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -52,6 +56,9 @@ async def serve(
 
     :param exit_on_fatal: return :data:`EXIT_ENGINE_FAILED` as soon as the engine is failed.
     :param on_ready: called with the base URL and the engine once the engine serves.
+    :param access: API and admin keys (:class:`~stoic.http.AccessPolicy`).
+    :param limits: request size, read deadlines, keep-alive and the connection cap
+        (:class:`~stoic.http.ServerLimits`).
     :returns: the process exit status: 0, or :data:`EXIT_ENGINE_FAILED`.
     :raises OSError: if the port cannot be bound.
     :raises ~stoic.errors.StoicError: if a configured engine cannot start (e.g.
@@ -63,8 +70,15 @@ async def serve(
         drain_timeout = config.drain_timeout
     if enable_admin is None:
         enable_admin = config.enable_fault_injection
-    app = create_app(target, enable_admin=enable_admin)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    limits = limits if limits is not None else ServerLimits()
+    app = create_app(target, enable_admin=enable_admin, access=access, limits=limits)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=5.0,
+        keepalive_timeout=limits.keepalive_timeout,
+    )
     await runner.setup()
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,7 +100,7 @@ async def serve(
         if handle_signals:
             for signum in _SIGNALS:
                 loop.add_signal_handler(signum, on_signal, signum)
-        site = web.TCPSite(runner, host, port)
+        site = GuardedSite(runner, host, port, limits)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         url = f"http://{bound_host}:{bound_port}"
@@ -118,7 +132,7 @@ class _Run:
     def __init__(
         self,
         app: web.Application,
-        site: web.TCPSite,
+        site: web.BaseSite,
         url: str,
         stop: asyncio.Event,
         drain_timeout: float,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ._engine import EngineLike
+from ._limits import ServerLimits
 from ._metrics import Metrics, Outcome
 
 __all__ = ["RECORD", "REQUEST_ID", "STATE", "AppState", "RequestRecord"]
@@ -32,6 +33,7 @@ class RequestRecord:
 class AppState:
     engine: EngineLike
     metrics: Metrics
+    limits: ServerLimits = field(default_factory=ServerLimits)
     #: the server is stopping: new generation requests get 503, ``/health`` says so
     draining: bool = False
     #: set when the drain timeout expires: running requests end with an error

@@ -28,6 +28,10 @@ class FakeStats:
     kv_blocks_cached: int = 0
     executor_pid: int | None = None
     restarts_by_kind: tuple[tuple[str, int], ...] = ()
+    requests_resumed: int = 0
+    resumes_exhausted: int = 0
+    requests_isolated: int = 0
+    token_budget: int = 256
 
     @property
     def kv_cache_usage(self) -> float:
@@ -47,20 +51,23 @@ class FakeHealth:
 class FakeStream:
     """Yields ``tokens`` one-character deltas ("a", "b", ...), then finishes or raises ``error``."""
 
-    def __init__(self, request_id: str, tokens: int, error: BaseException | None) -> None:
+    def __init__(
+        self, request_id: str, tokens: int, error: BaseException | None, delay: float = 0.0
+    ) -> None:
         self.request_id = request_id
         self.prompt_tokens = 3
         self.cached_tokens = 0
         self.closed = False
         self._tokens = tokens
         self._error = error
+        self._delay = delay
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._run()
 
     async def _run(self) -> AsyncIterator[Delta]:
         for i in range(self._tokens):
-            await asyncio.sleep(0)
+            await asyncio.sleep(self._delay)
             last = i == self._tokens - 1 and self._error is None
             yield Delta(
                 request_id=self.request_id,
@@ -86,6 +93,8 @@ class FakeEngine:
     max_model_len: int = 128
     config: EngineConfig = field(default_factory=lambda: EngineConfig(model="fake"))
     tokens: int = 4
+    #: seconds between two deltas
+    delay: float = 0.0
     submit_error: BaseException | None = None
     stream_error: BaseException | None = None
     health_state: FakeHealth = field(default_factory=FakeHealth)
@@ -108,7 +117,7 @@ class FakeEngine:
             params.validate()
         if self.submit_error is not None:
             raise self.submit_error
-        stream = FakeStream(request_id or "fake", self.tokens, self.stream_error)
+        stream = FakeStream(request_id or "fake", self.tokens, self.stream_error, self.delay)
         self.streams.append(stream)
         return stream
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 
 import stoic
+from stoic.http import serve
+from stoic.http._engine import EngineLike
 
 
 async def wait_idle(engine: stoic.Engine, within: float = 10.0) -> None:
@@ -51,3 +55,28 @@ async def read_sse(response: aiohttp.ClientResponse) -> list[Any]:
         data = block.removeprefix("data: ")
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    engine: EngineLike, **kwargs: Any
+) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Task[int]]]:
+    """Run ``serve()`` in a task on a free port; yield (url, stop event, task)."""
+    stop = asyncio.Event()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        serve(
+            engine,
+            port=0,
+            handle_signals=False,
+            stop=stop,
+            on_ready=lambda url, _engine: ready.set_result(url),
+            **kwargs,
+        )
+    )
+    try:
+        url = await asyncio.wait_for(asyncio.shield(ready), 10)
+        yield url, stop, task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

@@ -172,3 +172,45 @@ def test_every_serve_option_says_its_default() -> None:
         elif action.default not in (False, []) and not isinstance(action.default, bool):
             shown = help_text % {"default": action.default}
             assert str(action.default) in shown, action.option_strings
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--api-key", "sk-a", "--admin-key", "sk-a"],
+        ["--api-key", ""],
+        ["--api-key-file", "/nonexistent/keys"],
+        ["--max-connections", "0"],
+        ["--header-timeout", "-1"],
+    ],
+)
+def test_bad_access_and_limit_options_are_usage_errors(
+    extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reused admin key, an empty key, an unreadable key file or a non-positive limit exits
+    with status 2 and a message before anything starts."""
+    from stoic.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *extra])
+    assert exited.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_access_and_limit_options_map_to_the_server() -> None:
+    """--api-key (repeatable) and key files add up; the admin key and limits pass through;
+    STOIC_API_KEY is used only when no --api-key is given."""
+    import os
+    from unittest import mock
+
+    from stoic._http_args import http_options
+
+    argv = ["serve", "--api-key", "sk-1", "--api-key", "sk-2", "--admin-key", "adm"]
+    argv += ["--metrics-require-key", "--max-request-bytes", "1000", "--max-connections", "7"]
+    with mock.patch.dict(os.environ, {"STOIC_API_KEY": "sk-env"}):
+        access, limits = http_options(build_parser().parse_args(argv))
+        env_only, _ = http_options(build_parser().parse_args(["serve"]))
+    assert access.api_keys == ("sk-1", "sk-2") and access.admin_key == "adm"
+    assert access.metrics_require_key
+    assert (limits.max_request_bytes, limits.max_connections) == (1000, 7)
+    assert env_only.api_keys == ("sk-env",) and env_only.admin_key is None

@@ -5,47 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from http_fakes import FakeEngine
-from http_helpers import completion_body, read_sse, wait_idle
+from http_helpers import completion_body, read_sse, serving, wait_idle
 
 import stoic
-from stoic.http import EXIT_ENGINE_FAILED, serve
-from stoic.http._engine import EngineLike
+from stoic.http import EXIT_ENGINE_FAILED
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    engine: EngineLike, **kwargs: Any
-) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Task[int]]]:
-    """Run ``serve()`` in a task on a free port; yield (url, stop event, task)."""
-    stop = asyncio.Event()
-    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(
-        serve(
-            engine,
-            port=0,
-            handle_signals=False,
-            stop=stop,
-            on_ready=lambda url, _engine: ready.set_result(url),
-            **kwargs,
-        )
-    )
-    try:
-        url = await asyncio.wait_for(asyncio.shield(ready), 10)
-        yield url, stop, task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_stop_drains_running_requests(engine: stoic.Engine) -> None:
@@ -135,13 +109,17 @@ async def _read_until(stream: asyncio.StreamReader, event: str, within: float) -
 async def test_python_m_stoic_serve_end_to_end() -> None:
     """`python -m stoic serve --log-format json` writes only JSON lines; it listens before the
     model loads (/health 503 "starting", a generation 503 with Retry-After meanwhile), then a
-    ready line with the URL; it serves, and exits 0 on SIGTERM after draining."""
+    ready line with the URL; it serves, and exits 0 on SIGTERM after draining. STOIC_API_KEY
+    protects the API from the first second (a request without it is a 401 while starting too),
+    /health stays open."""
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--dtype", "float32"],
         *["--num-kv-blocks", "64", "--log-format", "json", "--device", "cpu"],
         stderr=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "STOIC_API_KEY": "sk-e2e"},
     )
+    auth = {"Authorization": "Bearer sk-e2e"}
     assert proc.stderr is not None
     try:
         listening = await _read_until(proc.stderr, "http.listening", 120)
@@ -150,6 +128,10 @@ async def test_python_m_stoic_serve_end_to_end() -> None:
                 assert (r.status, (await r.json())["status"]) == (503, "starting")
             body = completion_body(max_tokens=2)
             async with http.post(f"{listening['url']}/v1/completions", json=body) as r:
+                assert r.status == 401
+            async with http.post(
+                f"{listening['url']}/v1/completions", json=body, headers=auth
+            ) as r:
                 assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
                 assert (await r.json())["error"]["code"] == "engine_starting"
         ready = await _read_until(proc.stderr, "stoic.ready", 120)
@@ -161,8 +143,10 @@ async def test_python_m_stoic_serve_end_to_end() -> None:
             async with http.get(f"{url}/health") as r:
                 assert r.status == 200
             body = completion_body(max_tokens=2)
-            async with http.post(f"{url}/v1/completions", json=body) as r:
+            async with http.post(f"{url}/v1/completions", json=body, headers=auth) as r:
                 assert r.status == 200
+            async with http.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 401
         proc.send_signal(signal.SIGTERM)
         drained = await _read_until(proc.stderr, "http.drained", 30)
         assert drained["complete"] is True

@@ -1,0 +1,113 @@
+"""``stoic serve``'s access and limit flags, and the objects they describe.
+
+Keys given on the command line show in the process list; ``STOIC_API_KEY`` /
+``STOIC_ADMIN_KEY`` or a key file (``--api-key-file``) keep them out of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._argtypes import positive_float, positive_int
+
+if TYPE_CHECKING:
+    from .http import AccessPolicy, ServerLimits
+
+__all__ = ["add_http_args", "http_options"]
+
+_MIB = 1024 * 1024
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """The ``access`` and ``limits`` argument groups."""
+    g = p.add_argument_group("access")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="every /v1/* route needs 'Authorization: Bearer KEY' (repeatable; default: "
+        "$STOIC_API_KEY, else none: the API is open)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        type=Path,
+        action="append",
+        metavar="PATH",
+        help="more API keys, one per line ('#' starts a comment) (repeatable; default: none)",
+    )
+    g.add_argument(
+        "--admin-key",
+        metavar="KEY",
+        help="the /admin/* routes need 'Authorization: Bearer KEY' (never an API key); "
+        "without one they answer loopback clients only (default: $STOIC_ADMIN_KEY)",
+    )
+    g.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="/metrics needs an API key (or the admin key) too (default: /metrics is open)",
+    )
+    g = p.add_argument_group("limits")
+    g.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=32 * _MIB,
+        metavar="N",
+        help="largest request body; a larger one is a 413 (default %(default)s: 32 MiB, a "
+        "128k-token prompt as token ids)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds a client has to send a request body; then 408 (default %(default)s)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds a client has to complete a request's headers once it started them; then "
+        "the connection is closed (default %(default)s)",
+    )
+    g.add_argument(
+        "--keepalive-timeout",
+        type=positive_float,
+        default=75.0,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=1024,
+        metavar="N",
+        help="open connections at most; one more is answered 503 and closed (default %(default)s)",
+    )
+
+
+def http_options(args: argparse.Namespace) -> tuple[AccessPolicy, ServerLimits]:
+    """The access policy and limits ``args`` describe.
+
+    :raises ValueError: for a bad key (empty, the admin key reused as an API key).
+    :raises OSError: if a key file cannot be read.
+    """
+    from .http import AccessPolicy, ServerLimits, load_keys
+
+    admin = args.admin_key or os.environ.get("STOIC_ADMIN_KEY") or None
+    access = AccessPolicy(
+        api_keys=load_keys(args.api_key, args.api_key_file, "STOIC_API_KEY"),
+        admin_key=admin.strip() if admin else None,
+        metrics_require_key=args.metrics_require_key,
+    )
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+        max_connections=args.max_connections,
+    )
+    return access, limits

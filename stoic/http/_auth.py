@@ -1,0 +1,178 @@
+"""Who may call what: API keys for the OpenAI routes, an admin key for ``/admin/*``.
+
+Every route is registered with an :data:`Access` class (see :func:`route_access`):
+
+- ``open``: ``/health`` and ``/openapi.json``: probes and tooling never need a key;
+- ``metrics``: ``/metrics``, open unless :attr:`AccessPolicy.metrics_require_key`;
+- ``admin``: ``/admin/*``: the admin key, never an API key. With no admin key configured, the
+  admin routes answer loopback clients only (they exist only with fault injection on, and a
+  fault can kill the executor);
+- ``api``: everything else, including unknown paths: an API key when any is configured.
+
+Keys are compared in constant time (the SHA-256 digests of the offered and of every configured
+key are compared with :func:`hmac.compare_digest`, all of them, so neither the position of a
+match nor a key's length shows in the timing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from ._errors import auth_error_response
+
+__all__ = ["ACCESS", "Access", "AccessPolicy", "auth_middleware", "load_keys", "route_access"]
+
+Access = Literal["open", "metrics", "api", "admin"]
+#: each route's access class, filled by :func:`route_access`
+ACCESS: web.AppKey[dict[web.AbstractResource | None, Access]] = web.AppKey("stoic_access", dict)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """The keys a server checks. The default (no keys) leaves every route open, except that
+    the admin routes answer loopback clients only.
+
+    :raises ValueError: if a key is empty or has surrounding whitespace, or the admin key is
+        also an API key.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None
+    #: ``/metrics`` needs an API key (or the admin key) too
+    metrics_require_key: bool = False
+    _api: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
+    _admin: bytes | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        keys = [*self.api_keys, *([self.admin_key] if self.admin_key is not None else [])]
+        for key in keys:
+            if not key or key != key.strip():
+                raise ValueError("API and admin keys must be non-empty, without whitespace")
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise ValueError("the admin key must differ from every API key")
+        object.__setattr__(self, "_api", tuple(_digest(k) for k in self.api_keys))
+        admin = _digest(self.admin_key) if self.admin_key is not None else None
+        object.__setattr__(self, "_admin", admin)
+
+    def __repr__(self) -> str:  # never log the keys themselves
+        return (
+            f"AccessPolicy(api_keys=<{len(self.api_keys)}>, "
+            f"admin_key={'<set>' if self.admin_key else None}, "
+            f"metrics_require_key={self.metrics_require_key})"
+        )
+
+    def is_api_key(self, offered: str) -> bool:
+        """Whether ``offered`` is one of the API keys (constant time in the keys' content)."""
+        given = _digest(offered)
+        found = False
+        for key in self._api:
+            found |= hmac.compare_digest(given, key)
+        return found
+
+    def is_admin_key(self, offered: str) -> bool:
+        """Whether ``offered`` is the admin key (constant time)."""
+        return self._admin is not None and hmac.compare_digest(_digest(offered), self._admin)
+
+
+def load_keys(values: list[str] | None, files: list[Path] | None, env: str) -> tuple[str, ...]:
+    """Keys from the command line, else from the environment variable ``env``, plus the key
+    files (one key per line; blank lines and lines starting with ``#`` are skipped).
+
+    :raises OSError: if a key file cannot be read.
+    """
+    keys = list(values or [])
+    if not keys and os.environ.get(env):
+        keys.append(os.environ[env].strip())
+    for path in files or []:
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+    return tuple(dict.fromkeys(keys))
+
+
+def route_access(app: web.Application, route: web.AbstractRoute, access: Access) -> None:
+    """Record the access class of ``route``'s resource (every method of the path, ``HEAD``
+    included); resources not recorded, and unknown paths, are ``api``."""
+    app.setdefault(ACCESS, {})[route.resource] = access
+
+
+def _bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _is_loopback(request: web.Request) -> bool:
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+def _unauthorized(message: str) -> web.Response:
+    return auth_error_response(401, message, "invalid_api_key", challenge=True)
+
+
+def _check(policy: AccessPolicy, access: Access, request: web.Request) -> web.Response | None:
+    """The error response for a request ``policy`` refuses, or None."""
+    token = _bearer(request)
+    if access == "admin":
+        if policy.admin_key is None:
+            if _is_loopback(request):
+                return None
+            return auth_error_response(
+                403,
+                "the admin routes answer only loopback clients when no admin key is set "
+                "(start the server with --admin-key)",
+                "admin_loopback_only",
+            )
+        if token is not None and policy.is_admin_key(token):
+            return None
+        if token is not None and policy.is_api_key(token):
+            return auth_error_response(
+                403, "the admin routes need the admin key, not an API key", "admin_key_required"
+            )
+        return _unauthorized("the admin routes need 'Authorization: Bearer <admin key>'")
+    if access == "open" or not policy.api_keys:
+        return None
+    if access == "metrics" and not policy.metrics_require_key:
+        return None
+    if token is None:
+        return _unauthorized(
+            "missing API key: send 'Authorization: Bearer <key>' (the server was started "
+            "with --api-key)"
+        )
+    if policy.is_api_key(token) or (access == "metrics" and policy.is_admin_key(token)):
+        return None
+    return _unauthorized("incorrect API key")
+
+
+def auth_middleware(policy: AccessPolicy) -> Middleware:
+    """A middleware enforcing ``policy`` on every route, by its recorded access class."""
+
+    @web.middleware
+    async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        table: dict[web.AbstractResource | None, Access] = request.app.get(ACCESS, {})
+        access = table.get(request.match_info.route.resource, "api")
+        refused = _check(policy, access, request)
+        if refused is not None:
+            return refused
+        return await handler(request)
+
+    return _auth
