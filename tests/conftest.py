@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -41,31 +40,6 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A randomly initialised 2-layer Llama with the default model's tokenizer (fast to run)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from stoic.model.testing import build_tiny_model
 
-    target = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(target)
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-        "special_tokens_map.json",
-    ):
-        src = default_model_dir / name
-        if src.exists():
-            shutil.copy(src, target / name)
-    return target
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from ._errors import invalid_from_validation
 from ._format import ChatFormat, CompletionFormat
 from ._generate import Job, run_generation
 from ._metrics import CONTENT_TYPE_LATEST, outcome_of
+from ._openapi import openapi_document
 from ._schemas import ChatCompletionRequest, CompletionRequest, FaultRequest, choice_params
 from ._state import RECORD, REQUEST_ID, STATE, AppState, RequestRecord
 
@@ -189,6 +191,22 @@ async def _clear_faults(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _openapi(document: dict[str, Any]) -> _Handler:
+    body = json.dumps(document)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=body, content_type="application/json")
+
+    return handler
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("stoic")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
 def add_routes(app: web.Application, *, admin: bool) -> None:
     """Register every route on ``app`` (paths relative, so the app can be mounted anywhere),
     each with its access class (:mod:`stoic.http._auth`)."""
@@ -200,6 +218,8 @@ def add_routes(app: web.Application, *, admin: bool) -> None:
     route_access(app, router.add_get("/v1/models/{model}", _get_model), "api")
     route_access(app, router.add_get("/health", _health), "open")
     route_access(app, router.add_get("/metrics", _metrics), "metrics")
+    document = openapi_document(admin=admin, version=_version())
+    route_access(app, router.add_get("/openapi.json", _openapi(document)), "open")
     if admin:
         route_access(app, router.add_post("/admin/faults", _inject_fault), "admin")
         route_access(app, router.add_delete("/admin/faults", _clear_faults), "admin")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..config import FaultKind
@@ -45,6 +45,45 @@ MAX_COMPLETION_LOGPROBS = 20
 #: one prompt: text or token ids
 Prompt = str | list[int]
 
+# What the validators below accept, for the OpenAPI document (/openapi.json): the fields are
+# typed ``Any`` because a validator turns each accepted shape into one type.
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_CONTENT_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type", "text"],
+                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                },
+            },
+            {"type": "null"},
+        ]
+    }
+)
+_STOP_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}},
+            {"type": "null"},
+        ]
+    }
+)
+_PROMPT_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+        ]
+    }
+)
+
 
 def _invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
@@ -63,7 +102,7 @@ class ChatMessage(_Model):
     """One chat message. ``content`` is a string or a list of text parts (joined)."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Any = None
+    content: Annotated[Any, _CONTENT_SCHEMA] = None
     name: str | None = None
     tool_calls: Any = None
 
@@ -128,7 +167,7 @@ class _GenerationRequest(_Model):
     top_p: float | None = None
     top_k: int | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    stop: Any = Field(default=None, validate_default=True)
+    stop: Annotated[Any, _STOP_SCHEMA] = Field(default=None, validate_default=True)
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -275,7 +314,7 @@ def _prompts(value: Any) -> list[Prompt]:
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: Any
+    prompt: Annotated[Any, _PROMPT_SCHEMA]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = None

@@ -1,0 +1,261 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 description of the routes, generated from the request
+models (so it cannot drift from what the server validates) plus hand-written response schemas.
+
+What the request schemas cannot say (ranges checked by :meth:`SamplingParams.validate`, the
+served model's name, the context length) is a 400 or 404 the document lists for each route;
+schemathesis checks the server against this document in CI (tests/http/test_http_openapi.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from ._schemas import ChatCompletionRequest, CompletionRequest, FaultRequest
+
+__all__ = ["openapi_document"]
+
+_REF = "#/components/schemas/{model}"
+
+_NULLABLE_STR = {"type": ["string", "null"]}
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": _NULLABLE_STR,
+                "code": _NULLABLE_STR,
+                "partial": {
+                    "type": "object",
+                    "required": ["text", "completion_tokens"],
+                    "properties": {
+                        "text": {"type": "string"},
+                        "completion_tokens": {"type": "integer", "minimum": 0},
+                        "index": {"type": "integer", "minimum": 0},
+                    },
+                },
+            },
+        }
+    },
+}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+    },
+}
+_FINISH = {"enum": ["stop", "length", "tool_calls", None]}
+
+
+def _completion_object(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": obj},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "minItems": 1, "items": choice},
+            "usage": _USAGE,
+        },
+    }
+
+
+def _choice(name: str, output: dict[str, Any]) -> dict[str, Any]:
+    """One choice: its index, its output under ``name`` and its finish reason."""
+    return {
+        "type": "object",
+        "required": ["index", name, "finish_reason"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            name: output,
+            "finish_reason": _FINISH,
+        },
+    }
+
+
+_CHAT_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"}, "content": _NULLABLE_STR},
+}
+_CHAT_CHOICE = _choice("message", _CHAT_MESSAGE)
+_TEXT_CHOICE = _choice("text", {"type": "string"})
+_MODEL = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+        "max_model_len": {"type": "integer", "minimum": 1},
+    },
+}
+_HEALTH = {
+    "type": "object",
+    "required": ["status"],
+    "properties": {"status": {"type": "string"}, "reason": _NULLABLE_STR},
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    reasons = {
+        400: "invalid request (the error names the parameter)",
+        401: "missing or wrong API key (only when the server has keys)",
+        403: "not allowed (admin routes: an API key, or a non-loopback client without admin key)",
+        404: "unknown model",
+        408: "the request body did not arrive in time",
+        413: "request body over --max-request-bytes",
+        429: "overloaded (Retry-After)",
+        500: "the model failed while generating (with the partial output)",
+        503: "starting, stopping, or the engine failed",
+    }
+    return {str(s): _json({"$ref": "#/components/schemas/Error"}, reasons[s]) for s in statuses}
+
+
+_GENERATION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
+
+
+def _generation(request: type[BaseModel], response: str, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{request.__name__}"}
+                    }
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "the completion; with stream=true, server-sent events",
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": f"#/components/schemas/{response}"}
+                        },
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(*_GENERATION_ERRORS),
+            },
+        }
+    }
+
+
+def _components(*models: type[BaseModel]) -> dict[str, Any]:
+    schemas: dict[str, Any] = {
+        "Error": _ERROR,
+        "ChatCompletion": _completion_object("chat.completion", _CHAT_CHOICE),
+        "Completion": _completion_object("text_completion", _TEXT_CHOICE),
+        "Model": _MODEL,
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
+        },
+        "Health": _HEALTH,
+    }
+    for model in models:
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    return schemas
+
+
+def openapi_document(*, admin: bool, version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of an app; ``admin``: with the ``/admin/faults`` routes."""
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": _generation(
+            ChatCompletionRequest, "ChatCompletion", "Create a chat completion"
+        ),
+        "/v1/completions": _generation(CompletionRequest, "Completion", "Create a completion"),
+        "/v1/models": {
+            "get": {
+                "summary": "List the served model",
+                "responses": {
+                    "200": _json({"$ref": "#/components/schemas/ModelList"}, "the model"),
+                    **_errors(401),
+                },
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "Describe the served model",
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": _json({"$ref": "#/components/schemas/Model"}, "the model"),
+                    **_errors(401, 404),
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "Liveness and readiness",
+                "responses": {
+                    "200": _json({"$ref": "#/components/schemas/Health"}, "serving"),
+                    "503": _json({"$ref": "#/components/schemas/Health"}, "not serving"),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {
+                        "description": "the metrics",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    **_errors(401),
+                },
+            }
+        },
+    }
+    if admin:
+        ok = _json({"type": "object", "required": ["status"]}, "done")
+        paths["/admin/faults"] = {
+            "post": {
+                "summary": "Arm a fault (fault injection only)",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/FaultRequest"}
+                        }
+                    },
+                },
+                "responses": {"200": ok, **_errors(400, 401, 403, 408, 413)},
+            },
+            "delete": {
+                "summary": "Disarm every fault",
+                "responses": {"200": ok, **_errors(401, 403)},
+            },
+        }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "stoic", "version": version},
+        "paths": paths,
+        "components": {
+            "schemas": _components(ChatCompletionRequest, CompletionRequest, FaultRequest),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{}, {"bearer": []}],
+    }
