@@ -30,9 +30,11 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
     "FaultRequest",
     "Prompt",
     "StreamOptions",
+    "TokenizeRequest",
 ]
 
 #: most choices one request may ask for (``n`` times the number of prompts)
@@ -328,6 +330,31 @@ class CompletionRequest(_GenerationRequest):
                 f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs"
             )
         return self._params(self.max_tokens, logprobs=top is not None, top_logprobs=top or 0)
+
+
+class TokenizeRequest(_Model):
+    """Body of ``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def engine_messages(self) -> list[dict[str, Any]] | None:
+        return None if self.messages is None else [m.to_engine() for m in self.messages]
+
+
+class DetokenizeRequest(_Model):
+    """Body of ``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class FaultRequest(_Model):

@@ -1,18 +1,20 @@
-"""Penalties, ``logit_bias`` and ``min_p`` with the real default model, through the official
-OpenAI SDK."""
+"""Penalties, ``logit_bias``, ``min_p`` and ``/tokenize`` / ``/detokenize`` with the real default
+model, through the official OpenAI SDK (raw HTTP for the vLLM-only routes)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import pytest_asyncio
 from conftest import Server
 
 import stoic
+from stoic.http._deferred import DeferredEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -118,3 +120,86 @@ async def test_min_p_of_one_samples_the_greedy_answer(client: openai.AsyncOpenAI
     texts = [a.choices[0].message.content for a in answers]
     assert set(texts[: len(seeds)]) == {greedy.choices[0].message.content}
     assert set(texts[len(seeds) :]) != {greedy.choices[0].message.content}
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+    async with http.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+async def test_tokenize_and_detokenize_round_trip(
+    server: Server, http: aiohttp.ClientSession, engine: stoic.Engine
+) -> None:
+    """``/tokenize`` gives the prompt's token ids (what a completion's prompt is fed as), their
+    count and the context length; ``/detokenize`` turns them back into the same text."""
+    text = "Hello world, tokenized and back."
+    status, body = await _post(http, f"{server.url}/tokenize", {"model": "default", "prompt": text})
+    assert status == 200, body
+    assert body == {
+        "count": len(body["tokens"]),
+        "max_model_len": engine.max_model_len,
+        "tokens": engine.tokenizer.encode(text),
+    }
+    status, back = await _post(http, f"{server.url}/detokenize", {"tokens": body["tokens"]})
+    assert (status, back) == (200, {"prompt": text})
+
+
+async def test_tokenize_messages_counts_the_chat_prompt(
+    server: Server, http: aiohttp.ClientSession, client: openai.AsyncOpenAI
+) -> None:
+    """Tokenizing chat messages gives as many tokens as the chat completion's prompt_tokens;
+    without the generation prompt there are fewer."""
+    url = f"{server.url}/tokenize"
+    status, body = await _post(http, url, {"model": "default", "messages": MESSAGES})
+    assert status == 200, body
+    chat = await client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=1)
+    assert chat.usage is not None and body["count"] == chat.usage.prompt_tokens
+    status, bare = await _post(http, url, {"messages": MESSAGES, "add_generation_prompt": False})
+    assert status == 200 and bare["count"] < body["count"]
+    assert bare["tokens"] == body["tokens"][: bare["count"]]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        ("detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
+        ("detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("detokenize", {"tokens": ["1"]}, 400, "tokens.0"),
+        ("detokenize", {"tokens": [1], "model": "gpt-9"}, 404, "model"),
+        ("tokenize", {"model": "default"}, 400, "prompt"),
+        ("tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "prompt"),
+        ("tokenize", {"prompt": 5}, 400, "prompt"),
+        ("tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs"),
+    ],
+)
+async def test_bad_tokenize_requests_are_client_errors(
+    server: Server, http: aiohttp.ClientSession, route: str, body: Any, status: int, param: str
+) -> None:
+    """Ids outside the vocabulary, malformed bodies and unknown models are 4xx naming the
+    parameter, never a 5xx."""
+    got, answer = await _post(http, f"{server.url}/{route}", body)
+    assert got == status, answer
+    assert answer["error"]["param"] == param
+
+
+async def test_tokenize_waits_for_the_model_like_generation(
+    fake_server: Callable[..., Any], engine: stoic.Engine, http: aiohttp.ClientSession
+) -> None:
+    """While the model loads, ``/tokenize`` and ``/detokenize`` are 503 ``engine_starting``
+    with Retry-After; once the engine is attached they answer."""
+    deferred = DeferredEngine(engine.config)
+    server = await fake_server(deferred)
+    routes = {"tokenize": {"prompt": "Hello"}, "detokenize": {"tokens": [19556]}}
+    for route, body in routes.items():
+        async with http.post(f"{server.url}/{route}", json=body) as r:
+            assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+            assert (await r.json())["error"]["code"] == "engine_starting"
+    deferred.attach(engine)
+    assert await _post(http, f"{server.url}/tokenize", routes["tokenize"]) == (
+        200,
+        {"count": 1, "max_model_len": engine.max_model_len, "tokens": [19556]},
+    )
+    assert await _post(http, f"{server.url}/detokenize", routes["detokenize"]) == (
+        200,
+        {"prompt": "Hello"},
+    )
