@@ -83,7 +83,7 @@ class Intake(Actor[IntakeMsg]):
                 f"request id {msg.request_id!r} is already in use", param="request_id"
             )
         params = msg.params
-        params.validate()
+        params.validate(vocab_size=self.cfg.vocab_size)
         if self.outstanding >= self.cfg.max_waiting:
             raise Overloaded(
                 f"{self.outstanding} requests in flight (limit {self.cfg.max_waiting}); retry later"

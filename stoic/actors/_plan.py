@@ -147,16 +147,27 @@ def skip_cached(
 
 
 def chunks_of(planned: list[Planned]) -> tuple[SeqChunk, ...]:
-    """The model's view of the planned chunks."""
-    return tuple(
-        SeqChunk(
-            seq_id=p.seq.seq_id,
-            token_ids=tuple(p.seq.all_ids[p.seq.num_computed : p.seq.num_computed + p.n_tokens]),
-            start_pos=p.seq.num_computed,
-            block_table=p.seq.block_table,
-            sample=p.sample,
-            params=p.seq.params,
-            num_generated=p.seq.num_generated,
-        )
-        for p in planned
+    """The model's view of the planned chunks.
+
+    A sampling chunk whose params use a penalty carries the sequence's generated tokens (and
+    its prompt's, for ``repetition_penalty``), read from the sequence itself so that they are
+    right after a preemption or an executor restart; every other chunk carries neither.
+    """
+    return tuple(_chunk(p) for p in planned)
+
+
+def _chunk(p: Planned) -> SeqChunk:
+    seq = p.seq
+    params = seq.params
+    counts = p.sample and params.counts_output
+    return SeqChunk(
+        seq_id=seq.seq_id,
+        token_ids=tuple(seq.all_ids[seq.num_computed : seq.num_computed + p.n_tokens]),
+        start_pos=seq.num_computed,
+        block_table=seq.block_table,
+        sample=p.sample,
+        params=params,
+        num_generated=seq.num_generated,
+        output_ids=tuple(seq.all_ids[seq.prompt_len :]) if counts else (),
+        prompt_ids=tuple(seq.all_ids[: seq.prompt_len]) if counts and params.counts_prompt else (),
     )

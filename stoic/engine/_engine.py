@@ -26,11 +26,11 @@ from ..actors import (
 )
 from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
-from ..model import LoadedModel, SamplingParams, load_model
+from ..model import LoadedModel, SamplingParams, apply_chat_template, load_model
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
-from ._wiring import EngineParts, kv_cache_spec, wire, worker_pool
+from ._wiring import EngineParts, kv_cache_spec, vocab_size, wire, worker_pool
 
 __all__ = ["Engine"]
 
@@ -147,6 +147,48 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids of ``prompt``, or of ``messages`` rendered with the model's chat
+        template: what :meth:`submit` would feed the model for them (``add_special_tokens``
+        applies to a prompt; a chat template adds its own).
+
+        :raises InvalidRequest: neither or both given, the messages malformed, no chat template
+            or the template raising.
+        """
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give either a prompt or messages", param="prompt")
+        if messages is not None:
+            return apply_chat_template(
+                self.tokenizer,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                template_kwargs=chat_template_kwargs,
+            )
+        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (special tokens included).
+
+        :raises InvalidRequest: an id that is not a token of the vocabulary.
+        """
+        vocab = vocab_size(self.loaded)
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequest(
+                    f"token id {t!r} is outside the vocabulary (size {vocab})", param="tokens"
+                )
+        text: str = self.tokenizer.decode(list(token_ids))
+        return text
 
     async def submit(
         self,

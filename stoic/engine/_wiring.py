@@ -76,6 +76,11 @@ def kv_cache_spec(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
     return spec(max(1, budget // spec(1).bytes_per_block))
 
 
+def vocab_size(loaded: LoadedModel) -> int:
+    """The token ids a request may name: the model's vocabulary (its logits' width)."""
+    return int(getattr(loaded.config, "vocab_size", 0) or len(loaded.tokenizer))
+
+
 def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec) -> WorkerPool:
     """The worker processes of the process executor (none is started yet)."""
     spec = WorkerSpec(
@@ -170,7 +175,7 @@ async def wire(
         on_escalate=recovery.on_escalate,
     )
     recovery.failures_in_window = lambda: supervisor.statistics().restarts_in_window
-    vocab = int(getattr(loaded.config, "vocab_size", 0) or len(loaded.tokenizer))
+    vocab = vocab_size(loaded)
     intake = await system.spawn(
         Intake(
             IntakeConfig(

@@ -20,7 +20,8 @@ _RETRY_AFTER = 5.0
 class DeferredEngine:
     """Stands in for the engine while it loads, then forwards to it.
 
-    Until :meth:`attach`: ``/health`` is 503 ``starting``, generation and the model routes raise
+    Until :meth:`attach`: ``/health`` is 503 ``starting``, generation, the model routes and
+    ``/tokenize``, ``/detokenize`` raise
     :class:`~stoic.errors.EngineStarting` (503 with ``Retry-After``), ``/metrics`` shows an idle
     engine in state ``starting``. After it, every call goes to the real engine. The server binds
     its port first and attaches the engine once it is ready, so that a taken port fails at once
@@ -80,6 +81,26 @@ class DeferredEngine:
             request_id=request_id,
             chat_template_kwargs=chat_template_kwargs,
         )
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return self._loaded().tokenize(
+            prompt,
+            messages=messages,
+            add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._loaded().detokenize(token_ids)
 
     def stats(self) -> Any:
         if self._engine is not None:

@@ -112,6 +112,28 @@ class EngineLike(Protocol):
         """
         ...
 
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids ``submit`` would feed for this prompt or these messages.
+
+        :raises ~stoic.errors.InvalidRequest: neither or both given, or the chat template fails.
+        """
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``.
+
+        :raises ~stoic.errors.InvalidRequest: an id outside the vocabulary.
+        """
+        ...
+
     def stats(self) -> StatsLike: ...
 
     def health(self) -> HealthLike: ...

@@ -12,7 +12,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ._schemas import ChatCompletionRequest, CompletionRequest, FaultRequest
+from ._schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FaultRequest,
+    TokenizeRequest,
+)
 
 __all__ = ["openapi_document"]
 
@@ -102,6 +108,20 @@ _MODEL = {
         "max_model_len": {"type": "integer", "minimum": 1},
     },
 }
+_TOKENIZED = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens"],
+    "properties": {
+        "count": {"type": "integer", "minimum": 0},
+        "max_model_len": {"type": "integer", "minimum": 1},
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    },
+}
+_DETOKENIZED = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
 _HEALTH = {
     "type": "object",
     "required": ["status"],
@@ -131,32 +151,28 @@ def _errors(*statuses: int) -> dict[str, Any]:
 _GENERATION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
 
 
-def _generation(request: type[BaseModel], response: str, summary: str) -> dict[str, Any]:
+def _post(
+    request: type[BaseModel], ok: dict[str, Any], summary: str, errors: tuple[int, ...]
+) -> dict[str, Any]:
+    body = {"$ref": f"#/components/schemas/{request.__name__}"}
     return {
         "post": {
             "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{request.__name__}"}
-                    }
-                },
-            },
-            "responses": {
-                "200": {
-                    "description": "the completion; with stream=true, server-sent events",
-                    "content": {
-                        "application/json": {
-                            "schema": {"$ref": f"#/components/schemas/{response}"}
-                        },
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
-                },
-                **_errors(*_GENERATION_ERRORS),
-            },
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": ok, **_errors(*errors)},
         }
     }
+
+
+def _generation(request: type[BaseModel], response: str, summary: str) -> dict[str, Any]:
+    ok = {
+        "description": "the completion; with stream=true, server-sent events",
+        "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{response}"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    return _post(request, ok, summary, _GENERATION_ERRORS)
 
 
 def _components(*models: type[BaseModel]) -> dict[str, Any]:
@@ -207,6 +223,18 @@ def openapi_document(*, admin: bool, version: str) -> dict[str, Any]:
                 },
             }
         },
+        "/tokenize": _post(
+            TokenizeRequest,
+            _json(_TOKENIZED, "the prompt's token ids"),
+            "Tokenize a prompt or a conversation (as generation would)",
+            (400, 401, 404, 408, 413, 503),
+        ),
+        "/detokenize": _post(
+            DetokenizeRequest,
+            _json(_DETOKENIZED, "the text"),
+            "Turn token ids back into text",
+            (400, 401, 404, 408, 413, 503),
+        ),
         "/health": {
             "get": {
                 "summary": "Liveness and readiness",
@@ -254,7 +282,13 @@ def openapi_document(*, admin: bool, version: str) -> dict[str, Any]:
         "info": {"title": "stoic", "version": version},
         "paths": paths,
         "components": {
-            "schemas": _components(ChatCompletionRequest, CompletionRequest, FaultRequest),
+            "schemas": _components(
+                ChatCompletionRequest,
+                CompletionRequest,
+                TokenizeRequest,
+                DetokenizeRequest,
+                FaultRequest,
+            ),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{}, {"bearer": []}],

@@ -1,4 +1,4 @@
-"""Route handlers: completions, models, health, metrics and the admin fault routes."""
+"""Route handlers: completions, models, tokenize, health, metrics and the admin fault routes."""
 
 from __future__ import annotations
 
@@ -21,7 +21,14 @@ from ._format import ChatFormat, CompletionFormat
 from ._generate import Job, run_generation
 from ._metrics import CONTENT_TYPE_LATEST, outcome_of
 from ._openapi import openapi_document
-from ._schemas import ChatCompletionRequest, CompletionRequest, FaultRequest, choice_params
+from ._schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FaultRequest,
+    TokenizeRequest,
+    choice_params,
+)
 from ._state import RECORD, REQUEST_ID, STATE, AppState, RequestRecord
 
 __all__ = ["add_routes"]
@@ -151,6 +158,33 @@ async def _get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_card(state))
 
 
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens"}``."""
+    engine = request.app[STATE].engine
+    req = _parse(TokenizeRequest, await _read_json(request))
+    if req.model is not None:
+        _served_name(engine, req.model)
+    tokens = engine.tokenize(
+        req.prompt,
+        messages=req.engine_messages(),
+        add_special_tokens=req.add_special_tokens,
+        add_generation_prompt=req.add_generation_prompt,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
+    return web.json_response(
+        {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    )
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/detokenize``: ``{"prompt"}``."""
+    engine = request.app[STATE].engine
+    req = _parse(DetokenizeRequest, await _read_json(request))
+    if req.model is not None:
+        _served_name(engine, req.model)
+    return web.json_response({"prompt": engine.detokenize(req.tokens)})
+
+
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     health = state.engine.health()
@@ -216,6 +250,8 @@ def add_routes(app: web.Application, *, admin: bool) -> None:
     route_access(app, router.add_post("/v1/completions", completions), "api")
     route_access(app, router.add_get("/v1/models", _list_models), "api")
     route_access(app, router.add_get("/v1/models/{model}", _get_model), "api")
+    route_access(app, router.add_post("/tokenize", _tokenize), "api")
+    route_access(app, router.add_post("/detokenize", _detokenize), "api")
     route_access(app, router.add_get("/health", _health), "open")
     route_access(app, router.add_get("/metrics", _metrics), "metrics")
     document = openapi_document(admin=admin, version=_version())

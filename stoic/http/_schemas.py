@@ -2,8 +2,11 @@
 
 Types are strict (no ``"1"`` for ``1``, no ``true`` for ``1``). Fields that OpenAI clients
 routinely send but that do not change the output (``user``, ``metadata``, ``store``...) are
-accepted and ignored; fields that would change the output and that stoic does not implement
-(penalties, ``logit_bias``, tools, structured output...) are rejected by
+accepted and ignored; the sampling fields (``presence_penalty``, ``frequency_penalty``,
+``logit_bias``, and vLLM's ``repetition_penalty``, ``min_p``, ``top_k``, ``min_tokens``...) map onto
+:class:`~stoic.engine.SamplingParams`, whose ranges the engine checks (a 400 naming the field);
+fields that would change the output and that stoic does not implement
+(tools, structured output...) are rejected by
 :meth:`_GenerationRequest.check_supported` with a 400 naming the parameter; any other top-level
 field is a 400 ("unknown parameter"), so a typo such as ``max_token`` is never silently ignored.
 Inside messages, unknown fields are ignored (clients echo whole assistant messages back).
@@ -12,6 +15,7 @@ Inside messages, unknown fields are ignored (clients echo whole assistant messag
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
@@ -28,9 +32,11 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
     "FaultRequest",
     "Prompt",
     "StreamOptions",
+    "TokenizeRequest",
 ]
 
 #: most choices one request may ask for (``n`` times the number of prompts)
@@ -153,6 +159,24 @@ def _stop(value: Any) -> tuple[str, ...]:
     raise _invalid("stop must be a string or a list of strings")
 
 
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (keys are strings of integers) as ``(id, bias)`` pairs;
+    ranges and the vocabulary are checked by the engine."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _invalid("logit_bias must be an object mapping token ids to biases")
+    pairs: list[tuple[int, float]] = []
+    for key, bias in value.items():
+        if not isinstance(key, str) or not _TOKEN_KEY.fullmatch(key):
+            raise _invalid(f"logit_bias key {key!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise _invalid(f"logit_bias of token {key} must be a number")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,18}")
 _NonNegInt = Annotated[int, Field(ge=0)]
 
 
@@ -171,6 +195,10 @@ class _GenerationRequest(_Model):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    #: ``{"token id": bias}``, parsed to ``(id, bias)`` pairs
+    logit_bias: Any = Field(default=None, validate_default=True)
     # accepted and ignored: they do not change the output
     user: Any = None
     metadata: Any = None
@@ -179,12 +207,10 @@ class _GenerationRequest(_Model):
     parallel_tool_calls: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
     best_of: int | None = None
     # vLLM extensions
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[_NonNegInt] | None = None
@@ -195,6 +221,11 @@ class _GenerationRequest(_Model):
     def _stop(cls, value: Any) -> tuple[str, ...]:
         return _stop(value)
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> tuple[tuple[int, float], ...]:
+        return _logit_bias(value)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -204,16 +235,6 @@ class _GenerationRequest(_Model):
 
         :raises ~stoic.errors.InvalidRequest: naming the parameter.
         """
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None and value != 0.0:
-                raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
-        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
-            raise InvalidRequest(
-                "repetition_penalty is not supported (must be 1)", param="repetition_penalty"
-            )
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of is not supported (must equal n)", param="best_of")
 
@@ -233,6 +254,11 @@ class _GenerationRequest(_Model):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -349,6 +375,31 @@ class CompletionRequest(_GenerationRequest):
                 f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs"
             )
         return self._params(self.max_tokens, logprobs=top is not None, top_logprobs=top or 0)
+
+
+class TokenizeRequest(_Model):
+    """Body of ``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def engine_messages(self) -> list[dict[str, Any]] | None:
+        return None if self.messages is None else [m.to_engine() for m in self.messages]
+
+
+class DetokenizeRequest(_Model):
+    """Body of ``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class FaultRequest(_Model):

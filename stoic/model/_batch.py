@@ -24,6 +24,11 @@ class SeqChunk:
     params: SamplingParams
     #: tokens generated so far (for ``min_tokens`` and the per-token seed)
     num_generated: int = 0
+    #: the tokens generated so far, for the penalties: given only to a sampling chunk whose
+    #: params have one on (:attr:`SamplingParams.counts_output`), else empty
+    output_ids: tuple[int, ...] = ()
+    #: the prompt's tokens, given only with ``repetition_penalty`` on, else empty
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,13 +44,39 @@ class SamplingParams:
     top_logprobs: int = 0
     #: keep special tokens in the detokenised text
     skip_special_tokens: bool = True
+    #: OpenAI: subtracted from the logit of every token generated at least once
+    presence_penalty: float = 0.0
+    #: OpenAI: subtracted from a token's logit once per time it was generated
+    frequency_penalty: float = 0.0
+    #: vLLM / transformers: logits of tokens seen in the prompt or the output are divided by it
+    #: (positive ones) or multiplied by it (negative ones); 1 is off
+    repetition_penalty: float = 1.0
+    #: drop tokens whose probability is below ``min_p`` times the most likely one's; 0 is off
+    min_p: float = 0.0
+    #: ``(token id, bias)`` pairs: the bias (in [-100, 100]) is added to that token's logit
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Check every field's range.
+    @property
+    def counts_output(self) -> bool:
+        """Whether sampling needs the tokens generated so far (a penalty is on)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def counts_prompt(self) -> bool:
+        """Whether sampling needs the prompt's tokens too (``repetition_penalty`` is on)."""
+        return self.repetition_penalty != 1.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field's range; with ``vocab_size``, also that ``logit_bias`` names tokens
+        of the vocabulary.
 
         :raises InvalidRequest: naming the first offending parameter.
         """
@@ -91,6 +117,42 @@ class SamplingParams:
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs", param="top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequest(f"{name} must be between -2 and 2", param=name)
+        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequest("repetition_penalty must be in (0, 2]", param="repetition_penalty")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p must be between 0 and 1", param="min_p")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        seen: set[int] = set()
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidRequest(
+                    "logit_bias must be (token id, bias) pairs", param="logit_bias"
+                )
+            token, bias = pair
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest(
+                    f"logit_bias token id {token!r} is not a non-negative integer",
+                    param="logit_bias",
+                )
+            if vocab_size is not None and token >= vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias token id {token} is outside the vocabulary (size {vocab_size})",
+                    param="logit_bias",
+                )
+            if token in seen:
+                raise InvalidRequest(f"logit_bias names token id {token} twice", param="logit_bias")
+            seen.add(token)
+            if not _finite(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(
+                    f"logit_bias of token {token} must be between -100 and 100",
+                    param="logit_bias",
+                )
 
 
 def _finite(x: object) -> bool:

@@ -43,6 +43,10 @@ async def engine(tiny_model_dir: Path) -> Any:
         ({"stop": ("",)}, "stop"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"logit_bias": ((10**9, 1.0),)}, "logit_bias"),
     ],
 )
 async def test_bad_sampling_parameters_are_rejected_before_admission(

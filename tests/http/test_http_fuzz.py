@@ -69,12 +69,20 @@ _common: dict[str, st.SearchStrategy[Any]] = {
     "seed": st.integers(min_value=-5, max_value=2**64) | json_values,
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
-    "presence_penalty": st.sampled_from([0, 0.0, 0.5]) | json_values,
+    "presence_penalty": st.floats(min_value=-3, max_value=3) | json_values,
+    "frequency_penalty": st.floats(min_value=-3, max_value=3) | json_values,
+    "repetition_penalty": st.floats(min_value=-1, max_value=3) | json_values,
+    "min_p": st.floats(min_value=-0.5, max_value=1.5) | json_values,
     "min_tokens": st.integers(min_value=-1, max_value=8) | json_values,
     "ignore_eos": st.booleans() | json_values,
     "stop_token_ids": st.lists(st.integers(min_value=-1, max_value=10**12), max_size=3),
     "user": json_values,
-    "logit_bias": json_values,
+    "logit_bias": st.dictionaries(
+        st.integers(min_value=-2, max_value=60_000).map(str) | st.text(max_size=4),
+        st.floats(min_value=-150, max_value=150) | json_values,
+        max_size=3,
+    )
+    | json_values,
     "skip_special_tokens": st.booleans() | json_values,
     "model": st.sampled_from(["default", "SmolLM2-135M-Instruct", "other"]) | json_values,
 }

@@ -98,6 +98,8 @@ def test_the_document_describes_every_route(served: str) -> None:
         "/v1/completions",
         "/v1/models",
         "/v1/models/{model}",
+        "/tokenize",
+        "/detokenize",
         "/health",
         "/metrics",
     }
