@@ -26,6 +26,8 @@ __all__ = ["create_app", "drain"]
 
 _log = get_logger("stoic.http")
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+#: statuses that mean a request limit refused the request (``stoic_http_refused`` reasons)
+_LIMIT_REASONS = {408: "body_timeout", 413: "too_large"}
 #: after the drain timeout, how long the remaining requests get to send their error
 _END_GRACE = 5.0
 
@@ -65,6 +67,8 @@ async def _answer(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.status in _LIMIT_REASONS:
+            request.app[STATE].metrics.refused.labels(_LIMIT_REASONS[exc.status]).inc()
         response = http_error_response(exc)
     except StoicError as exc:
         response = error_response(exc)

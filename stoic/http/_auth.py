@@ -27,9 +27,13 @@ from typing import Literal
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from .._logging import get_logger
 from ._errors import auth_error_response
+from ._state import STATE
 
 __all__ = ["ACCESS", "Access", "AccessPolicy", "auth_middleware", "load_keys", "route_access"]
+
+_log = get_logger("stoic.http")
 
 Access = Literal["open", "metrics", "api", "admin"]
 #: each route's access class, filled by :func:`route_access`
@@ -172,6 +176,9 @@ def auth_middleware(policy: AccessPolicy) -> Middleware:
         access = table.get(request.match_info.route.resource, "api")
         refused = _check(policy, access, request)
         if refused is not None:
+            reason = "unauthorized" if refused.status == 401 else "forbidden"
+            request.app[STATE].metrics.refused.labels(reason).inc()
+            _log.info("http.refused", reason=reason, path=request.path, remote=request.remote)
             return refused
         return await handler(request)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -96,6 +97,7 @@ class _Guard(asyncio.Protocol):
         site = self._site
         if len(site.connections) >= site.limits.max_connections:
             site.refused += 1
+            site.on_refuse("too_many_connections")
             _log.warning("http.connection_refused", open=len(site.connections))
             transport.write(_REFUSED)
             transport.close()
@@ -142,6 +144,7 @@ class _Guard(asyncio.Protocol):
         if self.busy or self._transport is None:
             return
         self._site.header_timeouts += 1
+        self._site.on_refuse("header_timeout")
         peer = self._transport.get_extra_info("peername")
         _log.warning(
             "http.header_timeout", peer=str(peer), seconds=self._site.limits.header_timeout
@@ -173,12 +176,29 @@ class GuardedSite(web.BaseSite):
     Like :class:`aiohttp.web.TCPSite`, with every connection's protocol wrapped in a guard.
     """
 
-    __slots__ = ("_host", "_port", "connections", "header_timeouts", "limits", "refused")
+    __slots__ = (
+        "_host",
+        "_port",
+        "connections",
+        "header_timeouts",
+        "limits",
+        "on_refuse",
+        "refused",
+    )
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: ServerLimits) -> None:
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        limits: ServerLimits,
+        on_refuse: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         super().__init__(runner, backlog=1024)
         self._host, self._port = host, port
         self.limits = limits
+        #: called with the reason of each refused or cut-off connection (for the metrics)
+        self.on_refuse = on_refuse
         self.connections: set[_Guard] = set()
         #: connections refused for the cap, and closed for a slow request head
         self.refused = 0

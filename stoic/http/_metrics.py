@@ -8,7 +8,7 @@ counters (sequences, KV cache, restarts, failed sequences) are read from
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -162,7 +162,29 @@ class Metrics:
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         )
+        self.refused = Counter(
+            "stoic_http_refused",
+            "Requests and connections refused by the access rules or the limits, by reason "
+            "(unauthorized, forbidden, too_large, body_timeout, header_timeout, "
+            "too_many_connections).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine))
+
+    def watch_connections(self, open_connections: Callable[[], int]) -> None:
+        """Export ``stoic_http_connections_open`` (read at scrape time from the server's site)."""
+
+        class _Connections:
+            def describe(self) -> list[Metric]:
+                return []
+
+            def collect(self) -> Iterator[Metric]:
+                yield GaugeMetricFamily(
+                    "stoic_http_connections_open", "Open client connections.", open_connections()
+                )
+
+        self.registry.register(_Connections())
 
     def request_done(self, endpoint: str, outcome: Outcome, started: float) -> None:
         self.requests.labels(endpoint, outcome).inc()

@@ -100,7 +100,11 @@ async def serve(
         if handle_signals:
             for signum in _SIGNALS:
                 loop.add_signal_handler(signum, on_signal, signum)
-        site = GuardedSite(runner, host, port, limits)
+        metrics = app[STATE].metrics
+        site = GuardedSite(
+            runner, host, port, limits, on_refuse=lambda r: metrics.refused.labels(r).inc()
+        )
+        metrics.watch_connections(lambda: len(site.connections))
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         url = f"http://{bound_host}:{bound_port}"

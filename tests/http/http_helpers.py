@@ -80,3 +80,14 @@ async def serving(
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def metric(url: str, name: str) -> float:
+    """The value of one sample of ``url``'s /metrics (``name`` with its labels), 0 if absent."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample == name:
+            return float(value)
+    return 0.0

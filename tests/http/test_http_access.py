@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
 from http_fakes import FakeEngine
-from http_helpers import chat_body, serving
+from http_helpers import chat_body, metric, serving
 
 from stoic import EngineConfig
 from stoic.http import AccessPolicy, create_app, load_keys
@@ -75,6 +75,7 @@ async def test_api_routes_need_a_configured_key() -> None:
         assert (await _status(http, "GET", f"{url}/metrics", None))[0] == 200
         assert (await _status(http, "GET", f"{url}/nowhere", None))[0] == 401
         assert (await _status(http, "GET", f"{url}/nowhere", "sk-one"))[0] == 404
+        assert await metric(url, 'stoic_http_refused_total{reason="unauthorized"}') == 6
 
 
 @_session_loop
@@ -115,6 +116,7 @@ async def test_admin_routes_need_the_admin_key_never_an_api_key() -> None:
         status, body, _ = await _status(http, "DELETE", faults, "sk-one")
         assert status == 403 and body is not None
         assert body["error"]["type"] == "permission_error"
+        assert await metric(url, 'stoic_http_refused_total{reason="forbidden"}') == 1
         assert (await _status(http, "DELETE", faults, "adm-1"))[0] == 200
         assert (await _status(http, "GET", f"{url}/v1/models", "adm-1"))[0] == 401
 

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from http_fakes import FakeEngine
-from http_helpers import chat_body, serving
+from http_helpers import chat_body, metric, serving
 from yarl import URL
 
 from stoic.http import ServerLimits
@@ -69,6 +69,7 @@ async def test_a_body_over_the_limit_is_a_413_with_error_json() -> None:
             error = (await r.json())["error"]
         assert error["code"] == "request_too_large" and "2048" in error["message"]
         assert engine.streams == []
+        assert await metric(url, 'stoic_http_refused_total{reason="too_large"}') == 1
         async with http.post(f"{url}/v1/chat/completions", json=chat_body()) as r:
             assert r.status == 200
 
@@ -87,6 +88,7 @@ async def test_a_body_that_stops_arriving_is_a_408() -> None:
         writer.close()
         assert status == 408 and "0.5 seconds" in payload["error"]["message"]
         assert engine.streams == []
+        assert await metric(url, 'stoic_http_refused_total{reason="body_timeout"}') == 1
 
 
 @_session_loop
@@ -101,6 +103,7 @@ async def test_a_slow_request_head_is_cut_off_and_others_are_served() -> None:
             assert r.status == 200
         assert await _closed(reader, 3.0)
         writer.close()
+        assert await metric(url, 'stoic_http_refused_total{reason="header_timeout"}') == 1
 
 
 @_session_loop
@@ -144,6 +147,11 @@ async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up() -> None
         assert status == 503 and payload["error"]["code"] == "too_many_connections"
         assert await _closed(reader, 2.0)
         writer.close()
+        held[1][1].close()
+        await held[1][1].wait_closed()
+        await asyncio.sleep(0.1)
+        assert await metric(url, "stoic_http_connections_open") == 2  # held[0] and the scrape
+        assert await metric(url, 'stoic_http_refused_total{reason="too_many_connections"}') == 1
         held[0][1].close()
         await held[0][1].wait_closed()
         await asyncio.sleep(0.1)
@@ -151,7 +159,6 @@ async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up() -> None
         writer.write(_request(json.dumps(chat_body()).encode()))
         assert (await _response(reader))[0] == 200
         writer.close()
-        held[1][1].close()
 
 
 @_session_loop
