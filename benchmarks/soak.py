@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import csv
 import json
+import math
 import os
 import random
 import sys
@@ -348,11 +349,17 @@ def plot(samples: list[Sample], png: Path) -> None:
         print("(no matplotlib: no plot)", file=sys.stderr)
         return
     t = [s.t / 60 for s in samples]
+
+    def worker(value: float) -> float:  # no worker while one is being replaced: a gap
+        return value or math.nan
+
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     axes[0].plot(t, [s.server_rss_mib for s in samples], label="server RSS (MiB)")
-    axes[0].plot(t, [s.worker_rss_mib for s in samples], label="worker RSS (MiB)")
+    axes[0].plot(t, [worker(s.worker_rss_mib) for s in samples], label="worker RSS (MiB)")
+    axes[0].set_ylim(bottom=0)
     axes[1].plot(t, [s.server_fds for s in samples], label="server open fds")
-    axes[1].plot(t, [s.worker_fds for s in samples], label="worker open fds")
+    axes[1].plot(t, [worker(s.worker_fds) for s in samples], label="worker open fds")
+    axes[1].set_ylim(bottom=0)
     axes[2].plot(t, [s.kv_used for s in samples], label="KV blocks used")
     axes[2].plot(t, [s.running for s in samples], label="running")
     axes[2].plot(t, [s.waiting for s in samples], label="waiting")
@@ -387,7 +394,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="soak-out")
     parser.add_argument("--log", type=Path, help="keep the server's warnings and errors here")
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--replot", type=Path, metavar="CSV", help="only redraw a run's plot")
+    args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            rows = list(csv.DictReader(f))
+        samples = [Sample(**{k: float(v) for k, v in r.items()}) for r in rows]  # type: ignore[arg-type]
+        plot(samples, Path(args.out) / "soak.png")
+        return
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":
