@@ -107,12 +107,16 @@ class _Guard(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self not in self._site.connections:  # refused: closing, nothing reaches aiohttp
+            return
         if not self.busy and self._deadline is None and self._site.limits.header_timeout:
             loop = asyncio.get_running_loop()
             self._deadline = loop.call_later(self._site.limits.header_timeout, self._expire)
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
+        if self not in self._site.connections:
+            return None
         return self._inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
