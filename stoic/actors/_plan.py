@@ -157,6 +157,9 @@ def chunks_of(planned: list[Planned]) -> tuple[SeqChunk, ...]:
             sample=p.sample,
             params=p.seq.params,
             num_generated=p.seq.num_generated,
+            generated=(
+                tuple(p.seq.output_ids) if p.sample and p.seq.params.constraint is not None else ()
+            ),
         )
         for p in planned
     )

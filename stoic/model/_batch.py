@@ -24,6 +24,9 @@ class SeqChunk:
     params: SamplingParams
     #: tokens generated so far (for ``min_tokens`` and the per-token seed)
     num_generated: int = 0
+    #: the tokens generated so far, for a constrained sequence that samples (its grammar state
+    #: is rebuilt from them wherever it is missing or stale); empty otherwise
+    generated: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,9 @@ class SampledToken:
     logprob: float | None = None
     #: most likely alternatives ``(token_id, logprob)``, best first
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    #: the sequence's constraint is complete with this token: nothing but the end may follow,
+    #: so the sequence ends here (finish reason ``stop``)
+    grammar_complete: bool = False
 
 
 @dataclass(frozen=True, slots=True)

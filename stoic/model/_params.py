@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import InvalidRequest
+from ._grammar import Constraint
 
 __all__ = ["SamplingParams"]
 
@@ -44,6 +45,8 @@ class SamplingParams:
     top_logprobs: int = 0
     #: keep special tokens in the detokenised text
     skip_special_tokens: bool = True
+    #: what the output must match (structured outputs); compiled by the intake at admission
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
