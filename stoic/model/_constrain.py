@@ -79,16 +79,12 @@ class GrammarStates:
 
     def advance(self, chunks: Sequence[SeqChunk], token_ids: Sequence[int]) -> list[bool]:
         """Accept each chunk's sampled token; True where the sequence's grammar is now complete
-        (nothing but the end may follow) and the token was not itself an end."""
+        (nothing but the end may follow: the sequence ends, even with ``ignore_eos``)."""
         done = []
         for chunk, t in zip(chunks, token_ids, strict=True):
             m = self._matchers.get(chunk.seq_id)
             if m is None or len(m.tokens) != len(chunk.generated):
                 done.append(False)  # evicted meanwhile: the next step replays
-                continue
-            if m.is_finished:  # it was finished before: the token is an end, or forced to be
-                m.accept(t)
-                done.append(False)
                 continue
             m.accept(t)
             done.append(m.is_finished)

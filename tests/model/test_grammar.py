@@ -80,20 +80,21 @@ def test_replay_equals_incremental_state(backend: LLGuidanceBackend, tokenizer: 
     assert incremental.matcher(back).tokens == ids[:2]
 
 
-def test_advance_reports_completion_only_for_a_non_end_token(
-    backend: LLGuidanceBackend, tokenizer: Any
-) -> None:
-    """``advance`` is True for the token that completes the grammar; the EOS that may follow
-    a complete grammar is not reported again."""
+def test_advance_reports_completion(backend: LLGuidanceBackend, tokenizer: Any) -> None:
+    """``advance`` is True once the grammar is complete (the token that completes it, and an
+    end token after it), False before, and False for a sequence the table has not seen."""
     states = GrammarStates(backend)
-    yes = Constraint("choice", json.dumps(["yes", "no"]))
+    yes = Constraint("choice", json.dumps(["yes", "yesterday"]))
     ids = tokenizer.encode("yes")
     assert len(ids) == 1
     assert states.advance([_chunk(yes, [])], ids) == [False]  # not seen yet: nothing to advance
     states.bitmask([_chunk(yes, [])])
-    assert states.advance([_chunk(yes, [])], ids) == [True]
+    assert states.advance([_chunk(yes, [])], ids) == [False]  # "yesterday" may still follow
     states.bitmask([_chunk(yes, ids)])
-    assert states.advance([_chunk(yes, ids)], [EOS]) == [False]
+    assert states.advance([_chunk(yes, ids)], [EOS]) == [True]
+    done = Constraint("choice", json.dumps(["yes"]))
+    states.bitmask([_chunk(done, [], seq_id=8)])
+    assert states.advance([_chunk(done, [], seq_id=8)], ids) == [True]
 
 
 def test_compile_is_cached_by_constraint(backend: LLGuidanceBackend) -> None:
