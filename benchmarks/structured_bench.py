@@ -111,7 +111,9 @@ async def main() -> None:
         for _ in range(args.rounds):
             for name, params in (("unconstrained", free), ("json_schema", constrained)):
                 seconds, results = await _round(engine, prompts, params, args.concurrency)
-                totals[name].append((seconds, sum(len(r.token_ids) for r in results)))
+                tokens = sum(len(r.token_ids) for r in results)
+                totals[name].append((seconds, tokens))
+                print(f"round: {name} {tokens} tokens in {seconds:.1f} s", flush=True)
                 if name == "json_schema":
                     for r in results:  # a finished one is valid JSON (or this raises)
                         if r.finish_reason == "stop":

@@ -11,15 +11,20 @@ leave a bounded least-recently-used table.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
-from ._batch import SeqChunk
+from ._batch import SampledToken, SeqChunk
 from ._grammar import GrammarBackend, GrammarMatcher
 
-__all__ = ["GrammarStates", "apply_bitmask"]
+__all__ = ["GrammarStates", "apply_bitmask", "finite_logprobs"]
+
+#: what a disallowed token's logprob (-inf under the mask) is reported as (vLLM's convention;
+#: JSON has no infinity)
+MIN_LOGPROB = -9999.0
 
 #: matchers kept (a sequence not stepped for this many others' first sights replays on return)
 _CAPACITY = 1024
@@ -108,3 +113,14 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     out = logits.clone()
     out[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return out
+
+
+def finite_logprobs(token: SampledToken) -> SampledToken:
+    """``token`` with its logprobs (from masked logits) no lower than :data:`MIN_LOGPROB`."""
+    if token.logprob is None:
+        return token
+    return dataclasses.replace(
+        token,
+        logprob=max(token.logprob, MIN_LOGPROB),
+        top_logprobs=tuple((t, max(lp, MIN_LOGPROB)) for t, lp in token.top_logprobs),
+    )

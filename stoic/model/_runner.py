@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ._batch import SeqChunk, StepBatch, StepOutput
-from ._constrain import GrammarStates, apply_bitmask
+from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._grammar import GrammarBackend
 from ._loader import LoadedModel
 from ._paged import (
@@ -115,6 +115,7 @@ class ModelRunner:
                     [chunks[i] for i in constrained], [tokens[i].token_id for i in constrained]
                 )
                 for i, complete in zip(constrained, done, strict=True):
+                    tokens[i] = finite_logprobs(tokens[i])
                     if complete:
                         tokens[i] = dataclasses.replace(tokens[i], grammar_complete=True)
             for chunk, token in zip(chunks, tokens, strict=True):

@@ -86,8 +86,10 @@ async def test_sampled_outputs_always_validate(client: openai.AsyncOpenAI) -> No
         "additionalProperties": False,
     }
 
+    slow = client.with_options(timeout=600)  # 16 sequences of up to 64 tokens on a busy CPU
+
     async def one(seed: int) -> list[str]:
-        r = await client.chat.completions.create(
+        r = await slow.chat.completions.create(
             model="default",
             messages=MESSAGES,
             max_tokens=64,
@@ -170,6 +172,25 @@ async def test_choice_extra(client: openai.AsyncOpenAI, name: str) -> None:
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert text in choices
         seen.add(text)
+
+
+async def test_logprobs_under_a_constraint_are_finite(client: openai.AsyncOpenAI) -> None:
+    """Logprobs come from the masked distribution: the chosen tokens' are finite, and top
+    alternatives the grammar forbids are reported as -9999.0 (never -inf, which JSON lacks)."""
+    r = await client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Pick one."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["left", "right"]}},
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert r.choices[0].message.content in ("left", "right") and content
+    assert -9999.0 < content[0].logprob <= 0.0
+    assert all(len(t.top_logprobs) == 5 for t in content)
+    assert any(alt.logprob == -9999.0 for t in content for alt in t.top_logprobs)
 
 
 @pytest.mark.parametrize(
