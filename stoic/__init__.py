@@ -4,6 +4,7 @@ from . import errors
 from .config import EngineConfig, FaultSpec
 from .engine import (
     CompletionResult,
+    Constraint,
     Delta,
     Engine,
     EngineStats,
@@ -15,6 +16,7 @@ from .engine import (
 
 __all__ = [
     "CompletionResult",
+    "Constraint",
     "Delta",
     "Engine",
     "EngineConfig",

@@ -6,11 +6,12 @@ HTTP layer can answer with a proper 4xx/5xx status even for streaming requests.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, assert_never
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
-from ..model import apply_chat_template
+from ..model import GrammarBackend, apply_chat_template
 from ..runtime import Actor, ActorRef, Reply
 from ._health import EngineHealth
 from ._messages import Abort, AddSequence, IntakeMsg, SchedulerMsg, Submit
@@ -39,8 +40,10 @@ class Intake(Actor[IntakeMsg]):
         tokenizer: Any,
         scheduler: ActorRef[SchedulerMsg],
         health: EngineHealth,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.cfg = config
+        self._grammar = grammar
         self._tokenizer = tokenizer
         self._scheduler = scheduler
         self._health = health
@@ -55,6 +58,14 @@ class Intake(Actor[IntakeMsg]):
                     return  # the caller gave up while queued
                 try:
                     add = self._prepare(message)
+                    constraint = add.params.constraint
+                    if constraint is not None:
+                        if self._grammar is None:
+                            raise InvalidRequest(
+                                "structured outputs are not available", param=constraint.param
+                            )
+                        # compiled off the event loop (cached: a known constraint is instant)
+                        await asyncio.to_thread(self._grammar.compile, constraint)
                 except StoicError as exc:
                     reply.fail(exc)
                     return

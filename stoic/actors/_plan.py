@@ -149,9 +149,9 @@ def skip_cached(
 def chunks_of(planned: list[Planned]) -> tuple[SeqChunk, ...]:
     """The model's view of the planned chunks.
 
-    A sampling chunk whose params use a penalty carries the sequence's generated tokens (and
-    its prompt's, for ``repetition_penalty``), read from the sequence itself so that they are
-    right after a preemption or an executor restart; every other chunk carries neither.
+    A sampling chunk whose params use a penalty or a constraint carries the sequence's generated
+    tokens (and its prompt's, for ``repetition_penalty``), read from the sequence itself so that
+    they are right after a preemption or an executor restart; every other chunk carries neither.
     """
     return tuple(_chunk(p) for p in planned)
 
@@ -159,7 +159,7 @@ def chunks_of(planned: list[Planned]) -> tuple[SeqChunk, ...]:
 def _chunk(p: Planned) -> SeqChunk:
     seq = p.seq
     params = seq.params
-    counts = p.sample and params.counts_output
+    counts = p.sample and (params.counts_output or params.constraint is not None)
     return SeqChunk(
         seq_id=seq.seq_id,
         token_ids=tuple(seq.all_ids[seq.num_computed : seq.num_computed + p.n_tokens]),

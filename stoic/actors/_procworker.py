@@ -29,10 +29,13 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import FaultSpec
 from ._faults import enact_fault
+
+if TYPE_CHECKING:
+    from ..model import GrammarVocab
 
 __all__ = ["WorkerSpec", "worker_main"]
 
@@ -53,6 +56,8 @@ class WorkerSpec:
     eos_token_ids: frozenset[int] = frozenset()
     #: torch intra-op threads (None: torch's default)
     threads: int | None = None
+    #: the tokenizer, for structured outputs' grammar masks (None: none)
+    grammar: GrammarVocab | None = None
 
 
 def _die_with_parent(parent: int) -> None:
@@ -100,7 +105,7 @@ def worker_main(conn: Connection, parent: int) -> None:
     import torch
     import transformers  # noqa: F401  (the model classes load lazily from here)
 
-    from ..model import ModelRunner, PagedKVCache, load_model
+    from ..model import LLGuidanceBackend, ModelRunner, PagedKVCache, load_model
     from ._failures import classify_failure
 
     try:
@@ -125,7 +130,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         tokenizer=False,  # the server detokenises; the stop ids come with the spec
     )
     loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids)
-    runner = ModelRunner(loaded)
+    runner = ModelRunner(loaded, LLGuidanceBackend(spec.grammar) if spec.grammar else None)
     kv_spec = runner.kv_spec(spec.num_blocks, spec.block_size)
     kv = PagedKVCache(kv_spec)
     _warm_up(runner, kv)

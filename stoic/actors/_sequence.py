@@ -159,6 +159,8 @@ class Sequence:
         )
         if is_stop and n >= self.params.min_tokens:
             self.finish_reason, self.stop_reason = "stop", tid
+        elif token.grammar_complete:  # the constraint allows nothing more
+            self.finish_reason = "stop"
         if self.finish_reason is None and n >= self.max_tokens:
             self.finish_reason = "length"
 

@@ -13,7 +13,7 @@ from typing import get_args
 
 from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
 from ..errors import FailureKind
-from ..model import SamplingParams
+from ..model import Constraint, SamplingParams
 from ._engine import Engine
 from ._stats import EngineStats
 from ._stream import CompletionResult, RequestStream
@@ -25,6 +25,7 @@ __all__ = [
     "FAILURE_KINDS",
     "STATES",
     "CompletionResult",
+    "Constraint",
     "Delta",
     "Engine",
     "EngineStats",
@@ -40,6 +41,7 @@ __all__ = [
 # tracebacks show ``stoic.engine.Delta`` rather than a private module
 for _name in (
     "CompletionResult",
+    "Constraint",
     "Delta",
     "Engine",
     "EngineStats",

@@ -27,7 +27,14 @@ from ..actors import (
     WorkerSpec,
 )
 from ..config import EngineConfig
-from ..model import KVCacheSpec, LoadedModel, ModelRunner, PagedKVCache
+from ..model import (
+    GrammarVocab,
+    KVCacheSpec,
+    LLGuidanceBackend,
+    LoadedModel,
+    ModelRunner,
+    PagedKVCache,
+)
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ._recovery import Recovery
 
@@ -81,6 +88,16 @@ def vocab_size(loaded: LoadedModel) -> int:
     return int(getattr(loaded.config, "vocab_size", 0) or len(loaded.tokenizer))
 
 
+def grammar_vocab(loaded: LoadedModel) -> GrammarVocab | None:
+    """What the grammar backend needs of ``loaded``'s tokenizer (None: it has none usable, and
+    structured outputs are refused)."""
+    vocab = int(getattr(loaded.config, "vocab_size", 0) or 0)
+    try:
+        return GrammarVocab.from_tokenizer(loaded.tokenizer, vocab, loaded.eos_token_ids)
+    except TypeError:
+        return None
+
+
 def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec) -> WorkerPool:
     """The worker processes of the process executor (none is started yet)."""
     spec = WorkerSpec(
@@ -92,6 +109,7 @@ def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec)
         block_size=kv_spec.block_size,
         eos_token_ids=loaded.eos_token_ids,
         threads=torch.get_num_threads(),
+        grammar=grammar_vocab(loaded),
     )
     return WorkerPool(spec, spares=config.executor_spares)
 
@@ -112,6 +130,10 @@ async def wire(
     :raises Exception: what an actor's start raised (the system stops what was started).
     """
     max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    vocab_spec = grammar_vocab(loaded)
+    # one backend for the intake (which compiles at admission) and a thread executor: a
+    # constraint is compiled once; a process executor's worker builds its own
+    grammar = LLGuidanceBackend(vocab_spec) if vocab_spec is not None else None
     in_process = isinstance(executor, StepWorker)
     cache_manager = CacheManager(spec, make_cache=PagedKVCache if in_process else None)
     cache = await system.spawn(cache_manager, name="cache", mailbox_size=1024)
@@ -135,7 +157,7 @@ async def wire(
         mailbox_size=4096,
     )
     if isinstance(executor, StepWorker):
-        runner = ModelRunner(loaded)
+        runner = ModelRunner(loaded, grammar)
         thread = executor
 
         def factory() -> Any:
@@ -187,6 +209,7 @@ async def wire(
             loaded.tokenizer,
             scheduler,
             health,
+            grammar,
         ),
         name="intake",
         mailbox_size=max(64, config.max_waiting),

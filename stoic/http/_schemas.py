@@ -6,7 +6,7 @@ accepted and ignored; the sampling fields (``presence_penalty``, ``frequency_pen
 ``logit_bias``, and vLLM's ``repetition_penalty``, ``min_p``, ``top_k``, ``min_tokens``...) map onto
 :class:`~stoic.engine.SamplingParams`, whose ranges the engine checks (a 400 naming the field);
 fields that would change the output and that stoic does not implement
-(tools, structured output...) are rejected by
+(tools...) are rejected by
 :meth:`_GenerationRequest.check_supported` with a 400 naming the parameter; any other top-level
 field is a 400 ("unknown parameter"), so a typo such as ``max_token`` is never silently ignored.
 Inside messages, unknown fields are ignored (clients echo whole assistant messages back).
@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from ..config import FaultKind
 from ..engine import SamplingParams
 from ..errors import InvalidRequest
+from ._structured import constraint_of
 
 __all__ = [
     "MAX_CHOICES",
@@ -215,6 +216,15 @@ class _GenerationRequest(_Model):
     ignore_eos: bool = False
     stop_token_ids: list[_NonNegInt] | None = None
     skip_special_tokens: bool = True
+    # structured outputs (see stoic.http._structured): OpenAI's, then vLLM's current and older
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored (one backend)
+    guided_whitespace_pattern: str | None = None  # accepted and ignored
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -259,6 +269,16 @@ class _GenerationRequest(_Model):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias,
+            constraint=constraint_of(
+                self.response_format,
+                self.structured_outputs,
+                {
+                    "guided_json": self.guided_json,
+                    "guided_regex": self.guided_regex,
+                    "guided_choice": self.guided_choice,
+                    "guided_grammar": self.guided_grammar,
+                },
+            ),
         )
 
 
@@ -278,7 +298,6 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -293,11 +312,6 @@ class ChatCompletionRequest(_GenerationRequest):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise InvalidRequest(f"{name} is not supported", param=name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidRequest(
-                "response_format other than {'type': 'text'} is not supported",
-                param="response_format",
-            )
         if self.modalities is not None and self.modalities != ["text"]:
             raise InvalidRequest("only the 'text' modality is supported", param="modalities")
         for name in ("audio", "prediction"):

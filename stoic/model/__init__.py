@@ -3,6 +3,8 @@
 from ._batch import SampledToken, SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._chat import apply_chat_template
+from ._grammar import Constraint, ConstraintKind, GrammarBackend, GrammarVocab
+from ._llguidance import LLGuidanceBackend
 from ._loader import (
     DEFAULT_MODEL_NAME,
     LoadedModel,
@@ -18,7 +20,12 @@ from ._source import check_model_source
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "Constraint",
+    "ConstraintKind",
+    "GrammarBackend",
+    "GrammarVocab",
     "KVCacheSpec",
+    "LLGuidanceBackend",
     "LoadedModel",
     "ModelRunner",
     "PagedKVCache",

@@ -24,8 +24,9 @@ class SeqChunk:
     params: SamplingParams
     #: tokens generated so far (for ``min_tokens`` and the per-token seed)
     num_generated: int = 0
-    #: the tokens generated so far, for the penalties: given only to a sampling chunk whose
-    #: params have one on (:attr:`SamplingParams.counts_output`), else empty
+    #: the tokens generated so far: given only to a sampling chunk whose params need them (a
+    #: penalty on, :attr:`SamplingParams.counts_output`, or a constraint, whose grammar state is
+    #: rebuilt from them wherever it is missing or stale), else empty
     output_ids: tuple[int, ...] = ()
     #: the prompt's tokens, given only with ``repetition_penalty`` on, else empty
     prompt_ids: tuple[int, ...] = ()
@@ -52,6 +53,9 @@ class SampledToken:
     logprob: float | None = None
     #: most likely alternatives ``(token_id, logprob)``, best first
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    #: the sequence's constraint is complete with this token: nothing but the end may follow,
+    #: so the sequence ends here (finish reason ``stop``)
+    grammar_complete: bool = False
 
 
 @dataclass(frozen=True, slots=True)

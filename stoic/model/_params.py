@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import InvalidRequest
+from ._grammar import Constraint
 
 __all__ = ["SamplingParams"]
 
@@ -55,6 +56,8 @@ class SamplingParams:
     min_p: float = 0.0
     #: ``(token id, bias)`` pairs: the bias (in [-100, 100]) is added to that token's logit
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: what the output must match (structured outputs); compiled by the intake at admission
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:

@@ -6,11 +6,15 @@ thread. All torch work of a step happens inside that call.
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 from typing import Any
 
 import torch
 
 from ._batch import SeqChunk, StepBatch, StepOutput
+from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
+from ._grammar import GrammarBackend
 from ._loader import LoadedModel
 from ._paged import (
     ATTN_IMPLEMENTATION,
@@ -32,9 +36,13 @@ class ModelRunner:
 
     Any decoder-only transformers model whose attention goes through ``AttentionInterface``
     works (Llama, Qwen2, Mistral, SmolLM2, ...).
+
+    With a grammar ``backend``, constrained rows are sampled under their grammar's mask: the
+    masks are computed in a thread of the runner's own while the forward runs (llguidance and
+    torch both release the GIL), then applied to those rows' logits before sampling.
     """
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, grammar: GrammarBackend | None = None) -> None:
         register_paged_attention()
         self.loaded = loaded
         model = loaded.model
@@ -51,6 +59,13 @@ class ModelRunner:
         )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._config = config
+        self.grammar = GrammarStates(grammar) if grammar is not None else None
+        self._masker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _mask_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._masker is None:
+            self._masker = concurrent.futures.ThreadPoolExecutor(1, "stoic-grammar")
+        return self._masker
 
     def kv_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
         return KVCacheSpec.for_model(
@@ -73,6 +88,15 @@ class ModelRunner:
         device = self.loaded.device
         cache.zero_blocks(batch.zero_blocks)
         meta, input_ids, positions, sample_rows = _build_inputs(batch, cache, device)
+        chunks = [c for _, c in sample_rows]
+        constrained = [i for i, c in enumerate(chunks) if c.params.constraint is not None]
+        masks: concurrent.futures.Future[torch.Tensor] | None = None
+        if constrained:
+            if self.grammar is None:
+                raise RuntimeError("a constrained sequence reached a runner without a grammar")
+            masks = self._mask_thread().submit(
+                self.grammar.bitmask, [chunks[i] for i in constrained]
+            )
         hidden = self._base(
             input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta
         ).last_hidden_state
@@ -82,10 +106,19 @@ class ModelRunner:
             logits = self._head(hidden[0].index_select(0, rows))
             if self._softcap:
                 logits = torch.tanh(logits / self._softcap) * self._softcap
-            chunks = [c for _, c in sample_rows]
-            for chunk, token in zip(
-                chunks, sample(logits, chunks, self.loaded.eos_token_ids), strict=True
-            ):
+            if masks is not None:
+                logits = apply_bitmask(logits, constrained, masks.result())
+            tokens = sample(logits, chunks, self.loaded.eos_token_ids)
+            if masks is not None:
+                assert self.grammar is not None
+                done = self.grammar.advance(
+                    [chunks[i] for i in constrained], [tokens[i].token_id for i in constrained]
+                )
+                for i, complete in zip(constrained, done, strict=True):
+                    tokens[i] = finite_logprobs(tokens[i])
+                    if complete:
+                        tokens[i] = dataclasses.replace(tokens[i], grammar_complete=True)
+            for chunk, token in zip(chunks, tokens, strict=True):
                 sampled[chunk.seq_id] = token
         return StepOutput(sampled=sampled)
 
