@@ -65,7 +65,7 @@ CHAT_CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     ("logit_bias_outside_vocab", chat_body(logit_bias={"49152": 1}), 400, "logit_bias", None),
     ("tools", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
      "tools", None),
-    ("json_mode", chat_body(response_format={"type": "json_object"}), 400,
+    ("response_format_yaml", chat_body(response_format={"type": "yaml"}), 400,
      "response_format", None),
     ("stop_wrong_type", chat_body(stop=5), 400, "stop", None),
     ("top_logprobs_alone", chat_body(top_logprobs=2), 400, "top_logprobs", None),
