@@ -91,6 +91,12 @@ class SamplingParams:
             raise InvalidRequest("max_tokens must be an integer >= 1", param="max_tokens")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequest("min_tokens must be an integer >= 0", param="min_tokens")
+        if self.min_tokens and self.constraint is not None:
+            # the grammar may allow nothing but the end before min_tokens: no token would be
+            # left to sample; refused rather than produce output that breaks the grammar
+            raise InvalidRequest(
+                "min_tokens cannot be combined with structured outputs", param="min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
         if not _finite(self.temperature) or not 0.0 <= self.temperature <= 2.0:

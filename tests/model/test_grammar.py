@@ -134,3 +134,18 @@ def test_apply_bitmask_masks_only_the_given_rows() -> None:
     kept = torch.isfinite(out[1]).nonzero().flatten().tolist()
     assert kept == [3, 31]
     assert out[1, 3] == logits[1, 3] and out[1, 31] == logits[1, 31]
+
+
+def test_min_tokens_with_a_constraint_is_refused() -> None:
+    """A grammar may allow only the end before min_tokens is reached, leaving no token to
+    sample: the combination is a 400 naming min_tokens, not output that breaks the grammar."""
+    import pytest
+
+    from stoic.errors import InvalidRequest
+    from stoic.model import SamplingParams
+    from stoic.model._grammar import Constraint
+
+    params = SamplingParams(min_tokens=2, constraint=Constraint("regex", "a"))
+    with pytest.raises(InvalidRequest) as raised:
+        params.validate()
+    assert raised.value.param == "min_tokens"
