@@ -122,8 +122,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=d.dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on a GPU (float16 where bfloat16 is unsupported) and on CPUs with "
-        "bfloat16 matrix units (AMX, AVX512-BF16), float32 on other CPUs (default %(default)s)",
+        help="auto: bfloat16 on a GPU (float16 where bfloat16 is unsupported); on a CPU, float32 "
+        "or bfloat16, whichever a short matrix-product probe measures faster (bfloat16 must "
+        "win by 10%%; run once per CPU model and torch version, cached) (default %(default)s)",
     )
     g.add_argument(
         "--max-model-len",

@@ -34,6 +34,7 @@ import torch
 from .._logging import get_logger
 from ..errors import ModelUnavailable
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
+from ._dtype_probe import probe_cpu_dtype
 from ._progress import heartbeat
 from ._source import HINT, check_gguf_file, check_model_dir, load_errors
 
@@ -97,10 +98,15 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None``/``"auto"``: bfloat16 on CUDA (when supported) and on CPUs with native bf16 matrix
-    units (AMX / AVX512-BF16, where batched decode and prefill measured 1.5-3x faster than fp32),
-    float32 on other CPUs. See ``docs/benchmarks.md`` for the measurements behind this choice.
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, cache_root: Path | None = None
+) -> torch.dtype:
+    """``None``/``"auto"``: bfloat16 on CUDA (float16 where bfloat16 is unsupported); on a CPU,
+    float32 or bfloat16, whichever a short matrix-product probe measures faster
+    (:func:`._dtype_probe.probe_cpu_dtype`, cached per CPU model and torch version under
+    ``cache_root``).
+
+    :raises ValueError: for an unknown dtype name.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -118,14 +124,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return names[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX)."""
-    cpu = torch.cpu
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+    return probe_cpu_dtype(cache_root)
 
 
 #: seconds between two ``model.converting`` heartbeat events
@@ -250,7 +249,7 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev, cache_root)
     started = time.monotonic()
     _log.info(
         "model.load.start",
