@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from pydantic import ValidationError
@@ -31,6 +31,9 @@ from .config import EngineConfig, FaultSpec
 from .errors import ModelUnavailable, StoicError
 
 __all__ = ["build_parser", "config_from_args", "configure_logging", "main"]
+
+if TYPE_CHECKING:
+    from .http import AccessPolicy, ServerLimits
 
 _log = get_logger("stoic.cli")
 _DEFAULTS = EngineConfig()
@@ -344,12 +347,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    from .http import serve
+async def _serve(args: argparse.Namespace, access: AccessPolicy, limits: ServerLimits) -> int:
+    from .http import is_loopback, serve
 
     config = config_from_args(args)
-    access, limits = http_options(args)
-    if not access.api_keys and not _loopback(args.host):
+    if not access.api_keys and not is_loopback(args.host):
         _log.warning(
             "stoic.no_api_key",
             host=args.host,
@@ -409,24 +411,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--fault needs --enable-fault-injection")  # exits with status 2
     try:
         config_from_args(args)
-        http_options(args)
+        access, limits = http_options(args)  # key files are read once, here
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
     if not _model_usable(args.model):
         return 2
-    return asyncio.run(_serve(args))
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return asyncio.run(_serve(args, access, limits))
 
 
 def _model_usable(model: str) -> bool:

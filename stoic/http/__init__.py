@@ -5,7 +5,7 @@
 """
 
 from ._app import create_app, drain
-from ._auth import AccessPolicy, load_keys
+from ._auth import AccessPolicy, is_loopback, load_keys
 from ._engine import EngineLike, RequestStreamLike
 from ._errors import status_of
 from ._limits import ServerLimits
@@ -19,6 +19,7 @@ __all__ = [
     "ServerLimits",
     "create_app",
     "drain",
+    "is_loopback",
     "load_keys",
     "serve",
     "status_of",

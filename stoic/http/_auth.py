@@ -31,7 +31,15 @@ from .._logging import get_logger
 from ._errors import auth_error_response
 from ._state import STATE
 
-__all__ = ["ACCESS", "Access", "AccessPolicy", "auth_middleware", "load_keys", "route_access"]
+__all__ = [
+    "ACCESS",
+    "Access",
+    "AccessPolicy",
+    "auth_middleware",
+    "is_loopback",
+    "load_keys",
+    "route_access",
+]
 
 _log = get_logger("stoic.http")
 
@@ -122,9 +130,12 @@ def _bearer(request: web.Request) -> str | None:
     return token.strip()
 
 
-def _is_loopback(request: web.Request) -> bool:
+def is_loopback(address: str | None) -> bool:
+    """Whether ``address`` (an IP address, or ``localhost``) is this machine's loopback."""
+    if address == "localhost":
+        return True
     try:
-        return ipaddress.ip_address(request.remote or "").is_loopback
+        return ipaddress.ip_address(address or "").is_loopback
     except ValueError:
         return False
 
@@ -138,7 +149,7 @@ def _check(policy: AccessPolicy, access: Access, request: web.Request) -> web.Re
     token = _bearer(request)
     if access == "admin":
         if policy.admin_key is None:
-            if _is_loopback(request):
+            if is_loopback(request.remote):
                 return None
             return auth_error_response(
                 403,

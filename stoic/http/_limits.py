@@ -96,7 +96,6 @@ class _Guard(asyncio.Protocol):
         self._transport = transport
         site = self._site
         if len(site.connections) >= site.limits.max_connections:
-            site.refused += 1
             site.on_refuse("too_many_connections")
             _log.warning("http.connection_refused", open=len(site.connections))
             transport.write(_REFUSED)
@@ -147,7 +146,6 @@ class _Guard(asyncio.Protocol):
         self._deadline = None
         if self.busy or self._transport is None:
             return
-        self._site.header_timeouts += 1
         self._site.on_refuse("header_timeout")
         peer = self._transport.get_extra_info("peername")
         _log.warning(
@@ -184,10 +182,8 @@ class GuardedSite(web.BaseSite):
         "_host",
         "_port",
         "connections",
-        "header_timeouts",
         "limits",
         "on_refuse",
-        "refused",
     )
 
     def __init__(
@@ -204,9 +200,6 @@ class GuardedSite(web.BaseSite):
         #: called with the reason of each refused or cut-off connection (for the metrics)
         self.on_refuse = on_refuse
         self.connections: set[_Guard] = set()
-        #: connections refused for the cap, and closed for a slow request head
-        self.refused = 0
-        self.header_timeouts = 0
 
     @property
     def name(self) -> str:
