@@ -91,3 +91,15 @@ async def metric(url: str, name: str) -> float:
         if sample == name:
             return float(value)
     return 0.0
+
+
+async def stream_with_error_at_step(http: aiohttp.ClientSession, url: str, step: int) -> list[Any]:
+    """Arm an executor error ``step`` steps ahead, then stream a 16-token completion (EOS
+    ignored) from ``url``; its SSE events (the error event and [DONE] end them)."""
+    fault = {"kind": "error", "after_steps": step}
+    async with http.post(f"{url}/admin/faults", json=fault) as r:
+        assert r.status == 200
+    body = completion_body(max_tokens=16, ignore_eos=True, stream=True)
+    async with http.post(f"{url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        return await read_sse(r)

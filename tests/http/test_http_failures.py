@@ -15,7 +15,7 @@ import pytest
 import structlog
 from conftest import Server
 from http_fakes import FakeEngine, FakeHealth, partial
-from http_helpers import chat_body, completion_body, read_sse, wait_idle
+from http_helpers import chat_body, completion_body, read_sse, stream_with_error_at_step, wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, Overloaded
@@ -32,14 +32,7 @@ async def test_executor_failure_mid_stream_sends_error_event(
     """An executor failure after streaming began ends the stream with one error event carrying
     the partial output, then [DONE]; the engine recovers and the next request succeeds."""
     restarts = engine.stats().restarts
-    async with http.post(
-        f"{server.url}/admin/faults", json={"kind": "error", "after_steps": 4}
-    ) as r:
-        assert r.status == 200
-    body = completion_body(max_tokens=16, ignore_eos=True, stream=True)
-    async with http.post(f"{server.url}/v1/completions", json=body) as r:
-        assert r.status == 200
-        events = await read_sse(r)
+    events = await stream_with_error_at_step(http, server.url, 4)
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
     assert error["type"] == "server_error" and error["code"].startswith("executor_")

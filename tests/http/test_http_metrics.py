@@ -7,7 +7,7 @@ import openai
 import pytest
 from aiohttp import web
 from conftest import Server, run_app
-from http_helpers import completion_body, read_sse, wait_idle
+from http_helpers import stream_with_error_at_step, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 import stoic
@@ -91,14 +91,7 @@ async def test_an_executor_failure_moves_the_failure_counters(
     url = f"{server.url}/metrics"
     await wait_idle(engine)
     before = await _samples(http, url)
-    async with http.post(
-        f"{server.url}/admin/faults", json={"kind": "error", "after_steps": 4}
-    ) as r:
-        assert r.status == 200
-    body = completion_body(max_tokens=16, ignore_eos=True, stream=True)
-    async with http.post(f"{server.url}/v1/completions", json=body) as r:
-        assert r.status == 200
-        events = await read_sse(r)
+    events = await stream_with_error_at_step(http, server.url, 4)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "executor_error"
     await wait_idle(engine)
     after = await _samples(http, url)
