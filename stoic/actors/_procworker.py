@@ -112,6 +112,8 @@ def worker_main(conn: Connection, parent: int) -> None:
         first = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return
+    if first[0] == "stop":  # stopped before it was given a model (a server shutting down)
+        return
     assert first[0] == "spec", first
     spec: WorkerSpec = first[1]
 
