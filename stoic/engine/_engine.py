@@ -148,6 +148,12 @@ class Engine:
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The tokenizer's chat template (named templates as a dict), or None."""
+        template: str | dict[str, str] | None = getattr(self.tokenizer, "chat_template", None)
+        return template
+
     def tokenize(
         self,
         prompt: str | None = None,

@@ -62,6 +62,10 @@ class DeferredEngine:
         return self._loaded().max_model_len
 
     @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        return self._loaded().chat_template
+
+    @property
     def config(self) -> EngineConfig:
         return self._config if self._engine is None else self._engine.config
 

@@ -96,6 +96,14 @@ class EngineLike(Protocol):
     @property
     def config(self) -> EngineConfig: ...
 
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The model's chat template (how tool calls are written depends on it).
+
+        :raises ~stoic.errors.EngineStarting: while the model loads.
+        """
+        ...
+
     async def submit(
         self,
         prompt: str | list[int] | None = None,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import Delta, TokenLogprob
 from ..errors import PartialOutput
+from ._toolparse import ToolCallStream, scan, tool_calls_of
+from ._tools import ToolPlan
 
 __all__ = ["ChatFormat", "ChoiceState", "CompletionFormat", "ResponseFormat", "usage"]
 
@@ -112,7 +115,8 @@ class ResponseFormat:
         """The first chunk of a choice, before any token (chat: the role), or None."""
         return None
 
-    def chunk_choice(self, state: ChoiceState, delta: Delta) -> dict[str, Any]:
+    def chunk_choice(self, state: ChoiceState, delta: Delta) -> dict[str, Any] | None:
+        """The chunk's choice for ``delta``, or None when there is nothing to send yet."""
         raise NotImplementedError
 
     def full_choice(self, state: ChoiceState) -> dict[str, Any]:
@@ -144,6 +148,21 @@ class ChatFormat(ResponseFormat):
             "refusal": None,
         }
 
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        tools: ToolPlan | None = None,
+        count_tool_calls: Callable[[int, int], None] | None = None,
+    ) -> None:
+        super().__init__(request_id, model)
+        #: the offered tools: the output is parsed for calls (:mod:`stoic.http._toolparse`)
+        self.tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}
+        #: called once per finished choice with its calls returned and rejected
+        self._count = count_tool_calls or (lambda returned, rejected: None)
+
     def role_chunk_choice(self, index: int) -> dict[str, Any]:
         return {
             "index": index,
@@ -152,20 +171,46 @@ class ChatFormat(ResponseFormat):
             "finish_reason": None,
         }
 
-    def chunk_choice(self, state: ChoiceState, delta: Delta) -> dict[str, Any]:
+    def chunk_choice(self, state: ChoiceState, delta: Delta) -> dict[str, Any] | None:
+        finish: str | None = delta.finish_reason
+        if self.tools is None:
+            body: dict[str, Any] = {"content": delta.text} if delta.text else {}
+        else:
+            parser = self._tool_streams.setdefault(state.index, ToolCallStream(self.tools))
+            content, calls = parser.feed(delta.text, final=finish is not None)
+            body = {"content": content} if content else {}
+            if calls:
+                body["tool_calls"] = calls
+            if finish == "stop" and parser.called:
+                finish = "tool_calls"
+            if finish is not None:
+                self._count(parser.called, parser.rejected)
+            if not body and finish is None and not delta.logprobs:
+                return None
         return {
             "index": state.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": body,
             "logprobs": self._logprobs(delta.logprobs),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish,
         }
 
     def full_choice(self, state: ChoiceState) -> dict[str, Any]:
+        text = "".join(state.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        finish: str | None = state.finish_reason
+        if self.tools is not None:
+            found = scan(text, self.tools, final=True, trusted=self.tools.enforced)
+            self._count(len(found.calls), found.rejected)
+            if found.calls:
+                message["content"] = found.content or None
+                message["tool_calls"] = tool_calls_of(found.calls, self.tools)
+                if finish == "stop":
+                    finish = "tool_calls"
         return {
             "index": state.index,
-            "message": {"role": "assistant", "content": "".join(state.text), "refusal": None},
+            "message": message,
             "logprobs": self._logprobs(state.logprobs),
-            "finish_reason": state.finish_reason,
+            "finish_reason": finish,
         }
 
 

@@ -186,10 +186,9 @@ class _Run:
                     async for position, delta in fanin:
                         choice = self.take(position, delta)
                         if delta.text or delta.logprobs or delta.finish_reason:
-                            body = fmt.chunk(
-                                [fmt.chunk_choice(choice, delta)], include_usage=include_usage
-                            )
-                            await sse.send(body)
+                            out = fmt.chunk_choice(choice, delta)
+                            if out is not None:  # None: held back (a tool call may begin)
+                                await sse.send(fmt.chunk([out], include_usage=include_usage))
                     if include_usage:
                         await sse.send(
                             fmt.usage_chunk(

@@ -170,7 +170,21 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.tool_calls = Counter(
+            "stoic_tool_calls",
+            "Tool calls in chat answers: returned, or rejected (a call that did not parse or "
+            "named no tool, returned as text).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine))
+
+    def count_tool_calls(self, returned: int, rejected: int) -> None:
+        """Count one choice's tool calls."""
+        if returned:
+            self.tool_calls.labels("returned").inc(returned)
+        if rejected:
+            self.tool_calls.labels("rejected").inc(rejected)
 
     def watch_connections(self, open_connections: Callable[[], int]) -> None:
         """Export ``stoic_http_connections_open`` (read at scrape time from the server's site)."""

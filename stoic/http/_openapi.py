@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ._schemas import (
+    TOOL_CALL_SCHEMA,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -90,10 +91,15 @@ def _choice(name: str, output: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_TOOL_CALL = {**TOOL_CALL_SCHEMA, "required": ["id", "type", "function"]}
 _CHAT_MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": _NULLABLE_STR},
+    "properties": {
+        "role": {"const": "assistant"},
+        "content": _NULLABLE_STR,
+        "tool_calls": {"type": "array", "items": _TOOL_CALL},
+    },
 }
 _CHAT_CHOICE = _choice("message", _CHAT_MESSAGE)
 _TEXT_CHOICE = _choice("text", {"type": "string"})
@@ -115,6 +121,7 @@ _TOKENIZED = {
         "count": {"type": "integer", "minimum": 0},
         "max_model_len": {"type": "integer", "minimum": 1},
         "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "token_strs": {"type": "array", "items": {"type": "string"}},
     },
 }
 _DETOKENIZED = {

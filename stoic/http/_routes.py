@@ -30,6 +30,8 @@ from ._schemas import (
     choice_params,
 )
 from ._state import RECORD, REQUEST_ID, STATE, AppState, RequestRecord
+from ._toolconv import render_conversation
+from ._tools import tool_syntax
 
 __all__ = ["add_routes"]
 
@@ -106,11 +108,20 @@ async def _chat(request: web.Request, state: AppState, record: RequestRecord) ->
     req = _parse(ChatCompletionRequest, await _read_json(request))
     req.check_supported()
     model = _served_name(state.engine, req.model)
-    params = req.sampling_params()
-    messages = req.engine_messages()
-    kwargs = req.chat_template_kwargs
+    messages, kwargs = req.engine_messages(), req.chat_template_kwargs
+    plan = None
+    if req.uses_tools:
+        syntax = tool_syntax(state.engine.chat_template)
+        plan = req.tool_plan(syntax)
+        messages, kwargs = render_conversation(messages, plan, syntax, kwargs)
+    params = req.sampling_params(plan)
     jobs = [Job(i, 0, None, messages, choice_params(params, i), kwargs) for i in range(req.n)]
-    fmt = ChatFormat(record.request_id, model)
+    fmt = ChatFormat(
+        record.request_id,
+        model,
+        tools=plan if plan and plan.offered else None,
+        count_tool_calls=state.metrics.count_tool_calls,
+    )
     return await run_generation(
         request, state, record, fmt, jobs, stream=req.stream, include_usage=req.include_usage
     )
@@ -164,16 +175,25 @@ async def _tokenize(request: web.Request) -> web.Response:
     req = _parse(TokenizeRequest, await _read_json(request))
     if req.model is not None:
         _served_name(engine, req.model)
+    messages, kwargs = req.engine_messages(), req.chat_template_kwargs
+    if messages is not None and any(m.has_tools for m in req.messages or ()):
+        syntax = tool_syntax(engine.chat_template)
+        messages, kwargs = render_conversation(messages, None, syntax, kwargs)
     tokens = engine.tokenize(
         req.prompt,
-        messages=req.engine_messages(),
+        messages=messages,
         add_special_tokens=req.add_special_tokens,
         add_generation_prompt=req.add_generation_prompt,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=kwargs,
     )
-    return web.json_response(
-        {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
-    )
+    body: dict[str, Any] = {
+        "count": len(tokens),
+        "max_model_len": engine.max_model_len,
+        "tokens": tokens,
+    }
+    if req.return_token_strs:
+        body["token_strs"] = [engine.detokenize([t]) for t in tokens]
+    return web.json_response(body)
 
 
 async def _detokenize(request: web.Request) -> web.Response:

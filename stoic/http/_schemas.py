@@ -5,8 +5,9 @@ routinely send but that do not change the output (``user``, ``metadata``, ``stor
 accepted and ignored; the sampling fields (``presence_penalty``, ``frequency_penalty``,
 ``logit_bias``, and vLLM's ``repetition_penalty``, ``min_p``, ``top_k``, ``min_tokens``...) map onto
 :class:`~stoic.engine.SamplingParams`, whose ranges the engine checks (a 400 naming the field);
-fields that would change the output and that stoic does not implement
-(tools...) are rejected by
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become a
+:class:`~stoic.http._tools.ToolPlan`; fields that would change the output and that stoic does
+not implement (the deprecated ``functions``, audio...) are rejected by
 :meth:`_GenerationRequest.check_supported` with a 400 naming the parameter; any other top-level
 field is a 400 ("unknown parameter"), so a typo such as ``max_token`` is never silently ignored.
 Inside messages, unknown fields are ignored (clients echo whole assistant messages back).
@@ -25,11 +26,13 @@ from ..config import FaultKind
 from ..engine import SamplingParams
 from ..errors import InvalidRequest
 from ._structured import constraint_of
+from ._tools import ToolPlan, ToolSyntax, tool_plan
 
 __all__ = [
     "MAX_CHOICES",
     "MAX_MESSAGES",
     "MAX_TOOLS",
+    "TOOL_CALL_SCHEMA",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -105,13 +108,65 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool | None = None
 
 
-class ChatMessage(_Model):
-    """One chat message. ``content`` is a string or a list of text parts (joined)."""
+#: one tool call of an assistant message (``type`` may be left out in a request)
+TOOL_CALL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+_TOOL_CALLS_SCHEMA = WithJsonSchema(
+    {"anyOf": [{"type": "array", "items": TOOL_CALL_SCHEMA}, {"type": "null"}]}
+)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[Any, _CONTENT_SCHEMA] = None
+
+def _tool_calls(value: Any) -> tuple[dict[str, Any], ...] | None:
+    """An assistant message's ``tool_calls`` (as the API returned them), normalised."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _invalid("tool_calls must be a list")
+    calls = []
+    for call in value:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(call.get("id"), str)
+            or call.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise _invalid(
+                "a tool call must be {'id': str, 'type': 'function', "
+                "'function': {'name': str, 'arguments': str}}"
+            )
+        calls.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": fn["arguments"]},
+            }
+        )
+    return tuple(calls) or None
+
+
+class ChatMessage(_Model):
+    """One chat message. ``content`` is a string or a list of text parts (joined); an
+    assistant message may carry ``tool_calls`` (then ``content`` may be null), a ``tool``
+    message answers one of them (``tool_call_id``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[Any, _CONTENT_SCHEMA] = Field(default=None, validate_default=True)
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: Annotated[Any, _TOOL_CALLS_SCHEMA] = None
+    tool_call_id: str | None = Field(default=None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -140,14 +195,32 @@ class ChatMessage(_Model):
 
     @field_validator("tool_calls", mode="before")
     @classmethod
-    def _no_tool_calls(cls, value: Any) -> None:
-        if value:
-            raise _invalid("tool calls are not supported")
-        return None
+    def _tool_calls(cls, value: Any, info: ValidationInfo) -> tuple[dict[str, Any], ...] | None:
+        calls = _tool_calls(value)
+        if calls and info.data.get("role") != "assistant":
+            raise _invalid("only assistant messages carry tool_calls")
+        return calls
+
+    @field_validator("tool_call_id", mode="after")
+    @classmethod
+    def _tool_call_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") == "tool":
+            raise _invalid("a tool message needs the tool_call_id it answers")
+        return value
 
     def to_engine(self) -> dict[str, Any]:
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        message: dict[str, Any] = {"role": role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+    @property
+    def has_tools(self) -> bool:
+        """The message is part of a tool exchange (a call or a result)."""
+        return self.role == "tool" or bool(self.tool_calls)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -205,7 +278,6 @@ class _GenerationRequest(_Model):
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     best_of: int | None = None
@@ -249,8 +321,28 @@ class _GenerationRequest(_Model):
             raise InvalidRequest("best_of is not supported (must equal n)", param="best_of")
 
     def _params(
-        self, max_tokens: int | None, *, logprobs: bool, top_logprobs: int
+        self,
+        max_tokens: int | None,
+        *,
+        logprobs: bool,
+        top_logprobs: int,
+        tools: ToolPlan | None = None,
     ) -> SamplingParams:
+        constraint = constraint_of(
+            self.response_format,
+            self.structured_outputs,
+            {
+                "guided_json": self.guided_json,
+                "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice,
+                "guided_grammar": self.guided_grammar,
+            },
+        )
+        skip_special = self.skip_special_tokens
+        if tools is not None:
+            constraint = tools.constraint(constraint)
+            # Mistral's calls begin with a special token; the parser must see it
+            skip_special = skip_special and not (tools.offered and tools.syntax.kind == "mistral")
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -263,22 +355,13 @@ class _GenerationRequest(_Model):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=skip_special,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias,
-            constraint=constraint_of(
-                self.response_format,
-                self.structured_outputs,
-                {
-                    "guided_json": self.guided_json,
-                    "guided_regex": self.guided_regex,
-                    "guided_choice": self.guided_choice,
-                    "guided_grammar": self.guided_grammar,
-                },
-            ),
+            constraint=constraint,
         )
 
 
@@ -296,6 +379,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -306,26 +390,36 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} are not supported", param=name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise InvalidRequest(f"{name} is not supported", param=name)
+        if self.functions:
+            raise InvalidRequest("functions are deprecated: use tools", param="functions")
+        if self.function_call not in (None, "none"):
+            raise InvalidRequest(
+                "function_call is deprecated: use tool_choice", param="function_call"
+            )
         if self.modalities is not None and self.modalities != ["text"]:
             raise InvalidRequest("only the 'text' modality is supported", param="modalities")
         for name in ("audio", "prediction"):
             if getattr(self, name) is not None:
                 raise InvalidRequest(f"{name} is not supported", param=name)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
+        """:raises InvalidRequest: naming the field that is out of place."""
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
         top = self.top_logprobs or 0
         if top and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        return self._params(max_tokens, logprobs=bool(self.logprobs), top_logprobs=top)
+        return self._params(max_tokens, logprobs=bool(self.logprobs), top_logprobs=top, tools=tools)
+
+    @property
+    def uses_tools(self) -> bool:
+        """The request offers tools or its conversation holds tool calls or results."""
+        return bool(self.tools) or any(m.has_tools for m in self.messages)
+
+    def tool_plan(self, syntax: ToolSyntax) -> ToolPlan:
+        """:raises InvalidRequest: a malformed tool or tool_choice."""
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, syntax)
 
     def engine_messages(self) -> list[dict[str, Any]]:
         return [m.to_engine() for m in self.messages]
@@ -402,6 +496,8 @@ class TokenizeRequest(_Model):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    #: also answer each token's text (``token_strs``)
+    return_token_strs: bool = False
 
     def engine_messages(self) -> list[dict[str, Any]] | None:
         return None if self.messages is None else [m.to_engine() for m in self.messages]

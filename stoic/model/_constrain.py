@@ -15,6 +15,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ._batch import SampledToken, SeqChunk
@@ -70,16 +71,23 @@ class GrammarStates:
 
     def bitmask(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """The allowed tokens of each of ``chunks`` (all constrained) as an int32 bitmask,
-        ``[len(chunks), ceil(n_vocab / 32)]``, on the CPU."""
+        ``[len(chunks), ceil(n_vocab / 32)]``, on the CPU.
+
+        Runs in the grammar thread while the forward pass runs, so it uses no torch operator:
+        numpy works on one thread, where a torch operator here would start a second OpenMP
+        team competing with the forward's for the same cores (on a small machine, a step
+        several times slower).
+        """
         matchers = [self.matcher(c) for c in chunks]
         words = -(-self.backend.n_vocab // 32)
-        out = torch.zeros((len(chunks), words), dtype=torch.int32)
+        buf = np.zeros((len(chunks), words), dtype=np.int32)
+        out = torch.from_numpy(buf)  # shares the memory; no operator runs
         self.backend.fill_masks(matchers, out)
-        empty = (out == 0).all(dim=1)
-        if bool(empty.any()):  # a matcher in an error state: only the end is left
+        empty = ~buf.any(axis=1)
+        if empty.any():  # a matcher in an error state: only the end is left
+            bits = buf.view(np.uint32)
             for t in self.backend.eos_token_ids:
-                bit = 1 << (t % 32)
-                out[empty, t // 32] |= bit - 2**32 if bit >= 2**31 else bit  # as an int32
+                bits[empty, t // 32] |= np.uint32(1 << (t % 32))
         return out
 
     def advance(self, chunks: Sequence[SeqChunk], token_ids: Sequence[int]) -> list[bool]:

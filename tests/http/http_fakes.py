@@ -49,10 +49,16 @@ class FakeHealth:
 
 
 class FakeStream:
-    """Yields ``tokens`` one-character deltas ("a", "b", ...), then finishes or raises ``error``."""
+    """Yields ``tokens`` one-character deltas ("a", "b", ...), then finishes or raises ``error``;
+    with a ``script``, yields its pieces as deltas and finishes with "stop"."""
 
     def __init__(
-        self, request_id: str, tokens: int, error: BaseException | None, delay: float = 0.0
+        self,
+        request_id: str,
+        tokens: int,
+        error: BaseException | None,
+        delay: float = 0.0,
+        script: tuple[str, ...] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = 3
@@ -61,11 +67,24 @@ class FakeStream:
         self._tokens = tokens
         self._error = error
         self._delay = delay
+        self._script = script
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._run()
 
     async def _run(self) -> AsyncIterator[Delta]:
+        if self._script is not None:
+            for i, piece in enumerate(self._script):
+                yield Delta(
+                    request_id=self.request_id,
+                    text=piece,
+                    token_ids=(i,),
+                    logprobs=None,
+                    finish_reason="stop" if i == len(self._script) - 1 else None,
+                    prompt_tokens=self.prompt_tokens,
+                    completion_tokens=i + 1,
+                )
+            return
         for i in range(self._tokens):
             await asyncio.sleep(self._delay)
             last = i == self._tokens - 1 and self._error is None
@@ -91,6 +110,11 @@ class FakeEngine:
 
     model_name: str = "fake-model"
     max_model_len: int = 128
+    chat_template: str | None = None
+    #: the text pieces every stream yields (instead of ``tokens`` letters)
+    script: tuple[str, ...] | None = None
+    #: the messages and template arguments of each submit call
+    submitted: list[tuple[Any, Any]] = field(default_factory=list)
     config: EngineConfig = field(default_factory=lambda: EngineConfig(model="fake"))
     tokens: int = 4
     #: seconds between two deltas
@@ -117,7 +141,10 @@ class FakeEngine:
             params.validate()
         if self.submit_error is not None:
             raise self.submit_error
-        stream = FakeStream(request_id or "fake", self.tokens, self.stream_error, self.delay)
+        self.submitted.append((messages, chat_template_kwargs))
+        stream = FakeStream(
+            request_id or "fake", self.tokens, self.stream_error, self.delay, self.script
+        )
         self.streams.append(stream)
         return stream
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from hypothesis import strategies as st
 
 import stoic
 from stoic.http import serve
@@ -103,3 +104,34 @@ async def stream_with_error_at_step(http: aiohttp.ClientSession, url: str, step:
     async with http.post(f"{url}/v1/completions", json=body) as r:
         assert r.status == 200
         return await read_sse(r)
+
+
+_schema_leaf = st.sampled_from(
+    [
+        {"type": "string", "maxLength": 5},
+        {"type": "integer", "minimum": -5, "maximum": 500},
+        {"type": "boolean"},
+        {"type": "number"},
+        {"type": "null"},
+        {"enum": ["a", "b", 3]},
+        {"type": "string", "pattern": "^[a-c]{1,3}$"},
+        {"type": "string", "format": "date"},
+    ]
+)
+#: small JSON schemas (objects, arrays, anyOf over string/number/enum/pattern leaves)
+json_schemas = st.recursive(
+    _schema_leaf,
+    lambda inner: (
+        st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), inner, max_size=3).map(
+            lambda props: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(props),
+                "additionalProperties": False,
+            }
+        )
+        | inner.map(lambda item: {"type": "array", "items": item, "maxItems": 2})
+        | st.lists(inner, min_size=2, max_size=2).map(lambda xs: {"anyOf": xs})
+    ),
+    max_leaves=5,
+)

@@ -86,13 +86,20 @@ _common: dict[str, st.SearchStrategy[Any]] = {
     "skip_special_tokens": st.booleans() | json_values,
     "model": st.sampled_from(["default", "SmolLM2-135M-Instruct", "other"]) | json_values,
 }
+_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {}}}},
+}
+_NAMED = {"type": "function", "function": {"name": "f"}}
 _chat_fields = {
     **_common,
     "messages": _messages | json_values,
     "max_tokens": _max_tokens,
     "logprobs": st.booleans() | json_values,
     "top_logprobs": st.integers(min_value=-1, max_value=25) | json_values,
-    "tools": json_values,
+    "tools": st.just([_TOOL]) | st.lists(st.just(_TOOL), max_size=2) | json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required", _NAMED]) | json_values,
+    "parallel_tool_calls": st.booleans() | json_values,
     "response_format": st.just({"type": "text"}) | json_values,
 }
 _completion_fields = {

@@ -304,7 +304,7 @@ async def test_chat_template_kwargs(
 
 async def test_routine_client_fields_are_ignored(client: openai.AsyncOpenAI) -> None:
     """Fields clients routinely send that do not change the output (user, metadata, store,
-    parallel_tool_calls, whole assistant messages echoed back) are accepted."""
+    parallel_tool_calls without tools, whole assistant messages echoed back) are accepted."""
     messages = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!", "refusal": None, "annotations": []},

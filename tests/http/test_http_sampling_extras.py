@@ -142,6 +142,12 @@ async def test_tokenize_and_detokenize_round_trip(
     }
     status, back = await _post(http, f"{server.url}/detokenize", {"tokens": body["tokens"]})
     assert (status, back) == (200, {"prompt": text})
+    status, strs = await _post(
+        http, f"{server.url}/tokenize", {"prompt": text, "return_token_strs": True}
+    )
+    assert status == 200 and strs["tokens"] == body["tokens"]
+    assert strs["token_strs"] == [engine.tokenizer.decode([t]) for t in body["tokens"]]
+    assert "".join(strs["token_strs"]) == text
 
 
 async def test_tokenize_messages_counts_the_chat_prompt(
@@ -169,7 +175,7 @@ async def test_tokenize_messages_counts_the_chat_prompt(
         ("tokenize", {"model": "default"}, 400, "prompt"),
         ("tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "prompt"),
         ("tokenize", {"prompt": 5}, 400, "prompt"),
-        ("tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs"),
+        ("tokenize", {"prompt": "a", "return_token_strs": 1}, 400, "return_token_strs"),
     ],
 )
 async def test_bad_tokenize_requests_are_client_errors(

@@ -14,9 +14,8 @@ import jsonschema
 import openai
 import pytest
 from conftest import Server
-from http_helpers import chat_body, completion_body, wait_idle
+from http_helpers import chat_body, completion_body, json_schemas, wait_idle
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 import stoic
@@ -241,36 +240,6 @@ async def test_bad_constraint_is_400_before_streaming(
     assert error["param"] == param, error
 
 
-_leaf = st.sampled_from(
-    [
-        {"type": "string", "maxLength": 5},
-        {"type": "integer", "minimum": -5, "maximum": 500},
-        {"type": "boolean"},
-        {"type": "number"},
-        {"type": "null"},
-        {"enum": ["a", "b", 3]},
-        {"type": "string", "pattern": "^[a-c]{1,3}$"},
-        {"type": "string", "format": "date"},
-    ]
-)
-_schemas = st.recursive(
-    _leaf,
-    lambda inner: (
-        st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), inner, max_size=3).map(
-            lambda props: {
-                "type": "object",
-                "properties": props,
-                "required": sorted(props),
-                "additionalProperties": False,
-            }
-        )
-        | inner.map(lambda item: {"type": "array", "items": item, "maxItems": 2})
-        | st.lists(inner, min_size=2, max_size=2).map(lambda xs: {"anyOf": xs})
-    ),
-    max_leaves=5,
-)
-
-
 async def test_generated_schemas_never_5xx(server: Server, engine: stoic.Engine) -> None:
     """Hypothesis-generated JSON schemas: every request is a 200 (whose output validates when
     it finished with "stop") or a 400; never a 5xx; the engine is idle afterwards."""
@@ -294,7 +263,7 @@ async def test_generated_schemas_never_5xx(server: Server, engine: stoic.Engine)
             database=None,
             suppress_health_check=[HealthCheck.too_slow],
         )
-        @given(_schemas)
+        @given(json_schemas)
         def check(schema: dict[str, Any]) -> None:
             asyncio.run_coroutine_threadsafe(post(http, schema), loop).result(timeout=65)
 
