@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from ._argtypes import non_negative_float, non_negative_int, port, positive_int
 from ._cache_cli import add_cache_parser, run_cache
 from ._http_args import add_http_args, http_options
 from ._logging import PROCESSORS, get_logger
+from ._version import installed_version
 from .config import EngineConfig, FaultSpec
 from .errors import ModelUnavailable, StoicError
 
@@ -291,21 +291,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _version() -> str:
-    """The installed distribution's version (``stoic.__version__`` when run from a bare tree)."""
-    try:
-        return importlib.metadata.version("stoic")
-    except importlib.metadata.PackageNotFoundError:
-        from . import __version__
-
-        return __version__
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stoic", description="An LLM inference server that keeps serving through failures."
     )
-    parser.add_argument("--version", action="version", version=f"stoic {_version()}")
+    parser.add_argument("--version", action="version", version=f"stoic {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     _add_serve_args(serve)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -12,6 +11,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from .._logging import get_logger
+from .._version import installed_version
 from ..config import FaultSpec
 from ..errors import InvalidRequest, ModelNotFound
 from ._auth import route_access
@@ -254,13 +254,6 @@ def _openapi(document: dict[str, Any]) -> _Handler:
     return handler
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("stoic")
-    except importlib.metadata.PackageNotFoundError:
-        return "0"
-
-
 def add_routes(app: web.Application, *, admin: bool) -> None:
     """Register every route on ``app`` (paths relative, so the app can be mounted anywhere),
     each with its access class (:mod:`stoic.http._auth`)."""
@@ -274,7 +267,7 @@ def add_routes(app: web.Application, *, admin: bool) -> None:
     route_access(app, router.add_post("/detokenize", _detokenize), "api")
     route_access(app, router.add_get("/health", _health), "open")
     route_access(app, router.add_get("/metrics", _metrics), "metrics")
-    document = openapi_document(admin=admin, version=_version())
+    document = openapi_document(admin=admin, version=installed_version())
     route_access(app, router.add_get("/openapi.json", _openapi(document)), "open")
     if admin:
         route_access(app, router.add_post("/admin/faults", _inject_fault), "admin")
