@@ -171,6 +171,9 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
+        # an engine front end with metrics of its own (stoic.ray's per-replica metrics)
+        for collector in getattr(engine, "metric_collectors", list)():
+            self.registry.register(collector)
 
     def watch_connections(self, open_connections: Callable[[], int]) -> None:
         """Export ``stoic_http_connections_open`` (read at scrape time from the server's site)."""
