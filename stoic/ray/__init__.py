@@ -15,21 +15,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._app import HttpIngress, build_app
     from ._ingress import MigratingStream, RayEngine
     from ._launch import ReplicaOptions, engine_deployment, run_replicas
     from ._replica import EngineReplica, check_engine_health
 
 __all__ = [
     "EngineReplica",
+    "HttpIngress",
     "MigratingStream",
     "RayEngine",
     "ReplicaOptions",
+    "build_app",
     "check_engine_health",
     "engine_deployment",
     "run_replicas",
 ]
 
 _HOMES = {
+    "HttpIngress": "._app",
+    "build_app": "._app",
     "EngineReplica": "._replica",
     "check_engine_health": "._replica",
     "MigratingStream": "._ingress",

@@ -19,6 +19,8 @@ class Posting:
     """One replica's latest report."""
 
     replica: str
+    #: the replica's process
+    pid: int
     #: :class:`~stoic.EngineStats`
     stats: Any
     #: :class:`~stoic.Health`
@@ -35,8 +37,8 @@ class StatsBoard:
         self._expiry = expiry
         self._postings: dict[str, Posting] = {}
 
-    def post(self, replica: str, stats: Any, health: Any) -> None:
-        self._postings[replica] = Posting(replica, stats, health, time.monotonic())
+    def post(self, replica: str, pid: int, stats: Any, health: Any) -> None:
+        self._postings[replica] = Posting(replica, pid, stats, health, time.monotonic())
 
     def leave(self, replica: str) -> None:
         """The replica stopped (its ``__del__``)."""

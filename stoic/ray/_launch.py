@@ -19,7 +19,7 @@ from ._ingress import RayEngine
 from ._replica import EngineReplica, ReplicaInfo
 from ._stats import ReplicaView
 
-__all__ = ["ReplicaOptions", "engine_deployment", "run_replicas"]
+__all__ = ["ReplicaOptions", "engine_deployment", "front_end", "make_board", "run_replicas"]
 
 _log = get_logger("stoic.ray")
 
@@ -124,6 +124,46 @@ def _idle_stats(config: EngineConfig) -> EngineStats:
     return EngineStats(**zero)
 
 
+def make_board(name: str) -> Any:
+    """The named :class:`~stoic.ray._board.StatsBoard` actor (created, or found)."""
+    import ray
+
+    return (
+        ray.remote(StatsBoard)
+        .options(name=name, namespace=BOARD_NAMESPACE, num_cpus=0, get_if_exists=True)
+        .remote()
+    )
+
+
+@contextlib.asynccontextmanager
+async def front_end(
+    handle: Any, config: EngineConfig, options: ReplicaOptions, board: Any
+) -> AsyncIterator[RayEngine]:
+    """The :class:`RayEngine` over the replicas behind ``handle`` (waits for one to answer),
+    reading their ``board`` while in use.
+
+    :raises ~stoic.errors.ModelUnavailable: the model's tokenizer cannot be loaded here.
+    """
+    codec = await asyncio.to_thread(TokenCodec.load, config)
+    info: ReplicaInfo = await handle.info.remote()
+    view = ReplicaView(board, _idle_stats(config))
+    with contextlib.suppress(Exception):
+        await view.refresh()
+    view_task = asyncio.create_task(view.run())
+    try:
+        yield RayEngine(
+            handle,
+            config,
+            codec,
+            model_name=info.model_name,
+            max_model_len=info.max_model_len,
+            view=view,
+            max_migrations=options.max_migrations,
+        )
+    finally:
+        view_task.cancel()
+
+
 @contextlib.asynccontextmanager
 async def run_replicas(
     config: EngineConfig,
@@ -155,36 +195,16 @@ async def run_replicas(
             started_ray = True
         ray.init(address=address, **(ray_init or {}))
     board_name = f"{app_name}-board"
-    board: Any = (
-        ray.remote(StatsBoard)
-        .options(name=board_name, namespace=BOARD_NAMESPACE, num_cpus=0, get_if_exists=True)
-        .remote()
-    )
-    view_task: asyncio.Task[None] | None = None
+    board = make_board(board_name)
     try:
         serve.start(proxy_location="Disabled")  # the ingress is stoic's own HTTP server
         app = engine_deployment(config, options, board_name)
         _log.info("ray.deploying", app=app_name, **options.serve_options(config))
         handle = await asyncio.to_thread(serve.run, app, name=app_name, route_prefix=None)
-        codec = await asyncio.to_thread(TokenCodec.load, config)
-        info: ReplicaInfo = await handle.info.remote()
-        view = ReplicaView(board, _idle_stats(config))
-        await view.refresh()
-        view_task = asyncio.create_task(view.run())
-        engine = RayEngine(
-            handle,
-            config,
-            codec,
-            model_name=info.model_name,
-            max_model_len=info.max_model_len,
-            view=view,
-            max_migrations=options.max_migrations,
-        )
-        _log.info("ray.serving", app=app_name, model=info.model_name)
-        yield engine
+        async with front_end(handle, config, options, board) as engine:
+            _log.info("ray.serving", app=app_name, model=engine.model_name)
+            yield engine
     finally:
-        if view_task is not None:
-            view_task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(serve.delete, app_name)
         with contextlib.suppress(Exception):

@@ -83,17 +83,20 @@ class EngineReplica:
         self.engine: Engine = await self._stack.enter_async_context(Engine.start(config))
         self._board: Any = None
         if board is not None:
-            import ray
-
-            self._board = ray.get_actor(board, namespace=BOARD_NAMESPACE)
-            self._poster = asyncio.create_task(self._post_forever())
+            self._poster = asyncio.create_task(self._post_forever(board))
         _log.info("ray.replica_started", replica=self.replica, pid=os.getpid())
 
-    async def _post_forever(self) -> None:
+    async def _post_forever(self, board: str) -> None:
+        """Post stats and health every :data:`POST_PERIOD` seconds (finding the board first:
+        in a config-file deployment the ingress creates it, maybe after this replica started)."""
+        import ray
+
         while True:
-            with contextlib.suppress(Exception):  # the board restarting: post again next time
+            with contextlib.suppress(Exception):  # no board yet, or it restarts: try again
+                if self._board is None:
+                    self._board = ray.get_actor(board, namespace=BOARD_NAMESPACE)
                 await self._board.post.remote(
-                    self.replica, self.engine.stats(), self.engine.health()
+                    self.replica, os.getpid(), self.engine.stats(), self.engine.health()
                 )
             await asyncio.sleep(POST_PERIOD)
 

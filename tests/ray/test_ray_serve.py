@@ -49,6 +49,10 @@ class Deployed:
         """Replica id -> its latest stats, read from the board now."""
         return {p.replica: p.stats for p in await self.engine.view.refresh()}
 
+    async def pid_of(self, replica: str) -> int:
+        (pid,) = [p.pid for p in await self.engine.view.refresh() if p.replica == replica]
+        return pid
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def deployed(tiny_model_dir: Path) -> AsyncIterator[Deployed]:
@@ -57,7 +61,13 @@ async def deployed(tiny_model_dir: Path) -> AsyncIterator[Deployed]:
         served_model_name="tiny",
         device="cpu",
         dtype="float32",
-        executor="thread",
+        # a worker process per replica: a crash of it is recovered in place (seconds: a cold
+        # worker), which must not make Serve replace the replica
+        executor="process",
+        recovery="resume",
+        # a second executor failure within a minute fails the engine (Serve then replaces it)
+        max_restarts=1,
+        restart_window=60.0,
         num_kv_blocks=128,
         max_model_len=512,
         enable_fault_injection=True,
@@ -173,13 +183,50 @@ async def test_requests_spread_over_both_replicas(deployed: Deployed) -> None:
     assert all(g > 0 for g in gained.values()), gained
 
 
+async def test_a_recovering_replica_is_not_replaced(deployed: Deployed) -> None:
+    """A replica whose executor worker crashes recovers in place (a cold worker: seconds, many
+    health periods): its health checks pass meanwhile, Serve keeps it, and the streams on it
+    resume there with their fault-free text."""
+    async with deployed.client() as client:
+        expected = await reference(client)
+        victim = await deployed.engine.inject_fault_on_replica(
+            FaultSpec(kind="crash", after_steps=2)
+        )
+        seen: set[str] = set()
+
+        async def watch() -> None:
+            while True:
+                stats = (await deployed.replicas()).get(victim)
+                seen.add(stats.state if stats is not None else "gone")
+                await asyncio.sleep(0.3)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            for _ in range(5):  # until a request reaches the armed replica
+                results = await asyncio.gather(*(stream_text(client, p) for p in PROMPTS))
+                assert [t for t, _ in results] == expected
+                if (await deployed.replicas())[victim].restarts:
+                    break
+            else:
+                raise AssertionError("no request reached the armed replica")
+            await asyncio.sleep(4.0)  # more than 3 health periods after the recovery
+        finally:
+            watcher.cancel()
+    assert "recovering" in seen
+    assert "gone" not in seen
+    replicas = await deployed.replicas()
+    assert replicas[victim].state == "serving"
+    assert dict(replicas[victim].restarts_by_kind)["crash"] == 1
+
+
 async def test_kill_of_a_replica_mid_stream_migrates_every_stream(deployed: Deployed) -> None:
     """kill -9 of a replica's process while streams run on it: every stream completes with its
     fault-free text (greedy float32), the client sees no error, and Serve starts a replacement."""
     async with deployed.client() as client:
         expected = await reference(client)
         replicas = await deployed.replicas()
-        victim, stats = sorted(replicas.items())[0]
+        victim = sorted(replicas)[0]
+        pid = await deployed.pid_of(victim)
         started = [asyncio.Event() for _ in PROMPTS]
         tasks = [
             asyncio.create_task(stream_text(client, p, e))
@@ -188,7 +235,7 @@ async def test_kill_of_a_replica_mid_stream_migrates_every_stream(deployed: Depl
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         migrated = deployed.engine.view.migrated
         killed_at = time.monotonic()
-        os.kill(stats.executor_pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         results = await asyncio.gather(*tasks)
     assert [text for text, _ in results] == expected
     assert deployed.engine.view.migrated > migrated
@@ -202,12 +249,13 @@ async def test_kill_of_a_replica_mid_stream_migrates_every_stream(deployed: Depl
 async def test_failed_engine_replica_is_replaced_and_its_streams_migrate(
     deployed: Deployed,
 ) -> None:
-    """A replica whose engine fails (an unrecoverable fault) is replaced by Serve; the streams
-    it held continue on the other replica with their fault-free text."""
+    """A replica whose engine fails (its executor fails more often than --max-restarts allows)
+    is replaced by Serve; the streams it held continue on the other replica with their
+    fault-free text."""
     async with deployed.client() as client:
         expected = await reference(client)
         victim = await deployed.engine.inject_fault_on_replica(
-            FaultSpec(kind="fatal", after_steps=3)
+            FaultSpec(kind="error", probability=1.0)
         )
         texts: list[str] = []
         for _ in range(5):  # until a request reaches the armed replica

@@ -21,6 +21,7 @@ from stoic.errors import (
     PartialOutput,
     StoicError,
 )
+from stoic.ray._app import app_options
 from stoic.ray._cli import replica_options
 from stoic.ray._launch import ReplicaOptions
 from stoic.ray._redecode import Continuation
@@ -240,3 +241,33 @@ def test_replica_flags_map_to_options() -> None:
     assert args.ray_address == "ray://head:10001"
     plain: argparse.Namespace = parser.parse_args(["serve"])
     assert plain.replicas is None
+
+
+def test_the_documented_config_file_describes_a_valid_application() -> None:
+    """The config file in docs/scale-out.md gives a valid engine config, autoscaling replica
+    options and the endpoint's address, as ``build_app`` reads them."""
+    yaml = pytest.importorskip("yaml")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scale-out.md").read_text()
+    block = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (app,) = yaml.safe_load(block)["applications"]
+    assert app["import_path"] == "stoic.ray:build_app"
+    config, options, host, port = app_options(app["args"])
+    assert (config.model, config.executor, config.max_num_seqs) == ("default", "process", 32)
+    assert (host, port) == ("0.0.0.0", 8000)
+    scaling = options.serve_options(config)["autoscaling_config"]
+    assert scaling == {
+        "min_replicas": 1,
+        "initial_replicas": 2,
+        "max_replicas": 4,
+        "target_ongoing_requests": 16,
+    }
+
+
+def test_application_args_with_unknown_keys_are_refused() -> None:
+    """A misspelt option in a config file is an error, not silently ignored."""
+    with pytest.raises(ValueError, match="max_num_seq"):
+        app_options({"engine": {"max_num_seq": 4}})
+    with pytest.raises(ValueError, match="replica"):
+        app_options({"replica": {}})
+    with pytest.raises(ValueError, match="replicaz"):
+        app_options({"replicas": {"replicaz": 2}})
