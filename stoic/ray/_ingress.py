@@ -21,7 +21,7 @@ from typing import Any
 from .._logging import get_logger
 from ..config import EngineConfig, FaultSpec
 from ..engine import Delta, SamplingParams, TokenCodec
-from ..errors import EngineFailed, EngineStopped, PartialOutput, StoicError
+from ..errors import EngineFailed, EngineStopped, Overloaded, PartialOutput, StoicError
 from ._redecode import Continuation
 from ._stats import ReplicaView
 from ._wire import Admitted, Failure, ReplicaRequest, unpack_error
@@ -32,6 +32,14 @@ _log = get_logger("stoic.ray")
 
 #: errors of a replica (not of the request) after which a request is sent to another replica
 _MIGRATE_ON: tuple[type[StoicError], ...] = (EngineFailed, EngineStopped)
+
+
+def _backpressure(exc: BaseException) -> bool:
+    """Whether ``exc`` is Serve refusing a request because its queue is full
+    (``max_queued_requests``)."""
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(exc, BackPressureError)
 
 
 def _replica_lost(exc: BaseException) -> bool:
@@ -239,6 +247,10 @@ class MigratingStream:
                 first = await call.__anext__()
             except BaseException as exc:
                 call.cancel()
+                if _backpressure(exc):  # Serve's queue is full: the single server's 429
+                    raise Overloaded(
+                        "every replica is busy and the queue is full; retry later"
+                    ) from exc
                 if not _replica_lost(exc):
                     raise
                 why = f"replica lost: {type(exc).__name__}"

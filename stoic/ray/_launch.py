@@ -87,6 +87,9 @@ class ReplicaOptions:
         options: dict[str, Any] = {
             "ray_actor_options": actor,
             "max_ongoing_requests": ongoing,
+            # beyond this many waiting for a replica, a 429 (the engine's --max-waiting, which
+            # a replica never reaches: Serve holds the requests it has no room for)
+            "max_queued_requests": config.max_waiting,
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
             # Serve stops routing to a stopping replica and waits for its requests; then the

@@ -180,12 +180,14 @@ def test_replica_stats_sum_counts_and_keep_the_best_state() -> None:
 
 
 def test_replica_options_size_serve_for_continuous_batching() -> None:
-    """Each replica holds a full batch (max_ongoing_requests = max_num_seqs); Serve's graceful
-    shutdown outlasts the engine's drain; autoscaling targets half a batch per replica."""
-    config = EngineConfig(max_num_seqs=32, drain_timeout=10.0)
+    """Each replica holds a full batch (max_ongoing_requests = max_num_seqs) and Serve queues
+    up to --max-waiting more; Serve's graceful shutdown outlasts the engine's drain;
+    autoscaling targets half a batch per replica."""
+    config = EngineConfig(max_num_seqs=32, drain_timeout=10.0, max_waiting=100)
     fixed = ReplicaOptions(replicas=3).serve_options(config)
     assert fixed["num_replicas"] == 3
     assert fixed["max_ongoing_requests"] == 32
+    assert fixed["max_queued_requests"] == 100
     assert fixed["graceful_shutdown_timeout_s"] > config.drain_timeout
     scaled = ReplicaOptions(replicas=2, max_replicas=4, min_replicas=1).serve_options(config)
     assert "num_replicas" not in scaled
