@@ -273,3 +273,36 @@ def test_application_args_with_unknown_keys_are_refused() -> None:
         app_options({"replica": {}})
     with pytest.raises(ValueError, match="replicaz"):
         app_options({"replicas": {"replicaz": 2}})
+
+
+def test_the_guarded_http_site_serves_on_uvloop() -> None:
+    """Serve replicas run uvloop, whose transports are not ``asyncio.Transport`` instances:
+    stoic's guarded site (the config-file ingress runs it there) still serves requests."""
+    uvloop = pytest.importorskip("uvloop")
+    import aiohttp
+    from aiohttp import web
+
+    from stoic.http import ServerLimits
+    from stoic.http._limits import GuardedSite
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def main() -> str:
+        app = web.Application()
+        app.router.add_get("/hello", hello)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = GuardedSite(runner, "127.0.0.1", 0, ServerLimits(), on_refuse=lambda _: None)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"http://127.0.0.1:{port}/hello") as response,
+            ):
+                return await response.text()
+        finally:
+            await runner.cleanup()
+
+    assert uvloop.run(main()) == "ok"
