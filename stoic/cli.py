@@ -29,6 +29,7 @@ from ._logging import PROCESSORS, get_logger
 from ._version import installed_version
 from .config import EngineConfig, FaultSpec
 from .errors import ModelUnavailable, StoicError
+from .ray._cli import add_ray_args
 
 __all__ = ["build_parser", "config_from_args", "configure_logging", "main"]
 
@@ -289,6 +290,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help='a fault armed at start, e.g. \'{"kind": "error", "after_steps": 5}\', or a poison '
         'request: \'{"kind": "error", "match": "XYZZY"}\' (repeatable; default: none)',
     )
+    add_ray_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -341,6 +343,10 @@ async def _serve(args: argparse.Namespace, access: AccessPolicy, limits: ServerL
     from .http import is_loopback, serve
 
     config = config_from_args(args)
+    if args.replicas is not None:  # scale-out on Ray Serve (stoic.ray)
+        from .ray._cli import serve_replicas
+
+        return await serve_replicas(args, config, access, limits)
     if not access.api_keys and not is_loopback(args.host):
         _log.warning(
             "stoic.no_api_key",

@@ -17,6 +17,7 @@ from ..model import Constraint, SamplingParams
 from ._engine import Engine
 from ._stats import EngineStats
 from ._stream import CompletionResult, RequestStream
+from ._tokens import TokenCodec
 
 #: every kind of executor failure (exported as metric labels)
 FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
@@ -34,6 +35,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "State",
+    "TokenCodec",
     "TokenLogprob",
 ]
 
@@ -48,6 +50,7 @@ for _name in (
     "Health",
     "RequestStream",
     "SamplingParams",
+    "TokenCodec",
     "TokenLogprob",
 ):
     globals()[_name].__module__ = __name__

@@ -26,10 +26,11 @@ from ..actors import (
 )
 from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
-from ..model import LoadedModel, SamplingParams, apply_chat_template, load_model
+from ..model import LoadedModel, SamplingParams, load_model
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
+from ._tokens import TokenCodec
 from ._wiring import EngineParts, kv_cache_spec, vocab_size, wire, worker_pool
 
 __all__ = ["Engine"]
@@ -60,6 +61,7 @@ class Engine:
         self._parts = parts
         self._health = health
         self._faults = faults
+        self._codec = TokenCodec(loaded.tokenizer, vocab_size(loaded))
 
     # -- lifecycle ------------------------------------------------------------------------------
     @classmethod
@@ -151,8 +153,7 @@ class Engine:
     @property
     def chat_template(self) -> str | dict[str, str] | None:
         """The tokenizer's chat template (named templates as a dict), or None."""
-        template: str | dict[str, str] | None = getattr(self.tokenizer, "chat_template", None)
-        return template
+        return self._codec.chat_template
 
     def tokenize(
         self,
@@ -170,31 +171,20 @@ class Engine:
         :raises InvalidRequest: neither or both given, the messages malformed, no chat template
             or the template raising.
         """
-        if (prompt is None) == (messages is None):
-            raise InvalidRequest("give either a prompt or messages", param="prompt")
-        if messages is not None:
-            return apply_chat_template(
-                self.tokenizer,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                template_kwargs=chat_template_kwargs,
-            )
-        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return ids
+        return self._codec.tokenize(
+            prompt,
+            messages=messages,
+            add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (special tokens included).
 
         :raises InvalidRequest: an id that is not a token of the vocabulary.
         """
-        vocab = vocab_size(self.loaded)
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequest(
-                    f"token id {t!r} is outside the vocabulary (size {vocab})", param="tokens"
-                )
-        text: str = self.tokenizer.decode(list(token_ids))
-        return text
+        return self._codec.detokenize(token_ids)
 
     async def submit(
         self,

@@ -15,6 +15,7 @@ import ipaddress
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from aiohttp import web
 
@@ -92,7 +93,9 @@ class _Guard(asyncio.Protocol):
         self.busy = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # a stream transport, though not an asyncio.Transport instance under uvloop (which Ray
+        # Serve's replicas run: stoic.ray's HttpIngress)
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
         site = self._site
         if len(site.connections) >= site.limits.max_connections:

@@ -178,6 +178,9 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
+        # an engine front end with metrics of its own (stoic.ray's per-replica metrics)
+        for collector in getattr(engine, "metric_collectors", list)():
+            self.registry.register(collector)
 
     def count_tool_calls(self, returned: int, rejected: int) -> None:
         """Count one choice's tool calls."""

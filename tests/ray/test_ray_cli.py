@@ -1,0 +1,88 @@
+"""``stoic serve --replicas 1`` end to end: the command, a local Ray, the default model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+pytest.importorskip("ray")
+
+#: Ray's start and the model's load on a busy 2-core machine
+READY_WITHIN = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_stoic_serve_replicas_serves_the_default_model(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """``stoic serve --replicas 1`` starts a local Ray and a replica of the default model,
+    answers the official SDK, reports the replica on /health and /metrics, and exits 0 on
+    SIGINT, leaving no replica process behind."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "stoic", "serve", "--replicas", "1", "--port", str(port)]
+    cmd += ["--dtype", "float32", "--executor", "thread", "--replica-cpus", "1"]
+    log = tmp_path / "stderr.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        started = time.monotonic()
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                status, body = _get(f"{url}/health")
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() - started < READY_WITHIN, "not serving in time"
+            time.sleep(1.0)
+        assert json.loads(body)["status"] == "ok"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert chat.choices[0].message.content
+        assert chat.usage is not None and 0 < chat.usage.completion_tokens <= 8
+        _status, metrics = _get(f"{url}/metrics")
+        assert 'stoic_replicas{state="serving"} 1.0' in metrics
+        assert "stoic_replica_generated_tokens{replica=" in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, log.read_text()[-3000:]
+    leftover = subprocess.run(
+        ["pgrep", "-f", "ServeReplica:stoic:EngineReplica"], capture_output=True, check=False
+    )
+    assert leftover.stdout == b""
