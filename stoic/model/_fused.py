@@ -167,9 +167,10 @@ def attention_inputs(
     ``hidden`` ``[1, N, width]`` (``cos``/``sin`` ``[1, 1, N, head_dim]``)."""
     n, dim = hidden.shape[1], cos.shape[-1]
     x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
-    q, k, v = F.linear(x, qkv, qkv_bias).split_with_sizes(sizes, -1)
-    q = _rotate(q.view(1, n, -1, dim).transpose(1, 2), cos, sin)
-    k = _rotate(k.view(1, n, -1, dim).transpose(1, 2), cos, sin)
+    qk, v = F.linear(x, qkv, qkv_bias).split_with_sizes([sizes[0] + sizes[1], sizes[2]], -1)
+    # queries and keys rotated together: one set of elementwise ops for both
+    qk = _rotate(qk.view(1, n, -1, dim).transpose(1, 2), cos, sin)
+    q, k = qk.split_with_sizes([sizes[0] // dim, sizes[1] // dim], 1)
     return q, k, v.view(1, n, -1, dim).transpose(1, 2)
 
 
