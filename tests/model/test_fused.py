@@ -105,3 +105,27 @@ def test_other_architectures_keep_the_transformers_forward() -> None:
     config = SimpleNamespace(model_type="qwen3", hidden_act="silu")
     model = SimpleNamespace(base_model=SimpleNamespace(layers=[object()]))
     assert fuse_llama(model, config) is None
+
+
+def test_decode_only_steps_attend_like_mixed_steps(
+    runners: tuple[ModelRunner, ModelRunner],
+) -> None:
+    """Two sequences' decode tokens give the same hidden states whether the step holds only
+    them (the decode-only attention path) or also a third sequence's prefill (the general path,
+    which gathers queries and scatters outputs); only the matrix products' row count differs."""
+    fused, _ = runners
+    a, b = tuple(range(100, 109)), tuple(range(300, 305))
+    prefill = StepBatch(
+        (
+            SeqChunk(0, a, 0, (0, 1, 2), True, GREEDY),
+            SeqChunk(1, b, 0, (4, 5), True, GREEDY),
+        )
+    )
+    decodes = (
+        SeqChunk(0, (41,), 9, (0, 1, 2), True, GREEDY),
+        SeqChunk(1, (51,), 5, (4, 5), True, GREEDY),
+    )
+    third = SeqChunk(2, tuple(range(200, 206)), 0, (8, 9), True, GREEDY)
+    alone, _ = _hidden_states(fused, [prefill, StepBatch(decodes)])
+    mixed, _ = _hidden_states(fused, [prefill, StepBatch((decodes[0], third, decodes[1]))])
+    assert torch.allclose(alone[1], mixed[1][[0, 2]], rtol=1e-5, atol=1e-5)
