@@ -9,7 +9,9 @@ that every variant produced the same tokens.
     python benchmarks/step_bench.py --dtype float32 --batch 1 32 --variants fused hf [--profile]
 
 Variants: ``fused`` (the default runner: :mod:`stoic.model._fused` where the model supports it),
-``hf`` (transformers' own forward over the same weights).
+``hf`` (transformers' own forward over the same weights), ``compiled`` (the fused runner with
+both halves of each layer under ``torch.compile``: an experiment that did not pay, kept to be
+re-measured; see docs/benchmarks.md).
 """
 
 from __future__ import annotations

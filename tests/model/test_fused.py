@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
-from stoic.model._fused import fuse_llama
+from stoic.model._fused import SPLIT_MLP_ROWS, fuse_llama
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -43,26 +43,25 @@ def _hidden_states(
 def test_fused_forward_equals_transformers_forward_bitwise(
     runners: tuple[ModelRunner, ModelRunner],
 ) -> None:
-    """Chunked prefill of two sequences, then batched decodes: the fused path's hidden states and
-    the keys and values it caches equal transformers' bit for bit in float32."""
+    """Chunked prefill of two sequences, then batched decodes (steps below and above the row
+    count where gate and up split): the fused path's hidden states and the keys and values it
+    caches equal transformers' bit for bit in float32."""
     fused, reference = runners
     assert fused._fused is not None and reference._fused is None
-    a, b = tuple(range(100, 111)), tuple(range(300, 306))
+    a, b = tuple(range(100, 120)), tuple(range(300, 306))
+    ta, tb = (0, 1, 2, 3, 4, 5), (6, 7, 8)
     steps = [
-        StepBatch((SeqChunk(0, a[:7], 0, (0, 1, 2, 3), False, GREEDY),)),
-        StepBatch(
-            (
-                SeqChunk(0, a[7:], 7, (0, 1, 2, 3), True, GREEDY),
-                SeqChunk(1, b, 0, (4, 5, 6), True, GREEDY),
-            )
-        ),
+        StepBatch((SeqChunk(0, a[:7], 0, ta, False, GREEDY),)),
+        # 19 tokens: at least SPLIT_MLP_ROWS, so gate and up run as two products
+        StepBatch((SeqChunk(0, a[7:], 7, ta, True, GREEDY), SeqChunk(1, b, 0, tb, True, GREEDY))),
     ]
+    assert steps[1].num_tokens >= SPLIT_MLP_ROWS > steps[0].num_tokens
     for i in range(3):
         steps.append(
             StepBatch(
                 (
-                    SeqChunk(0, (40 + i,), 11 + i, (0, 1, 2, 3), True, GREEDY),
-                    SeqChunk(1, (50 + i,), 6 + i, (4, 5, 6), True, GREEDY),
+                    SeqChunk(0, (40 + i,), 20 + i, ta, True, GREEDY),
+                    SeqChunk(1, (50 + i,), 6 + i, tb, True, GREEDY),
                 )
             )
         )
