@@ -14,6 +14,7 @@ import torch
 
 from ._batch import SeqChunk, StepBatch, StepOutput
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
+from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
 from ._loader import LoadedModel
 from ._paged import (
@@ -40,9 +41,14 @@ class ModelRunner:
     With a grammar ``backend``, constrained rows are sampled under their grammar's mask: the
     masks are computed in a thread of the runner's own while the forward runs (llguidance and
     torch both release the GIL), then applied to those rows' logits before sampling.
+
+    A Llama-architecture model runs through :class:`._fused.FusedLlama` (fused projections, the
+    same arithmetic) unless ``fused`` is False; any other model through transformers' forward.
     """
 
-    def __init__(self, loaded: LoadedModel, grammar: GrammarBackend | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, grammar: GrammarBackend | None = None, *, fused: bool = True
+    ) -> None:
         register_paged_attention()
         self.loaded = loaded
         model = loaded.model
@@ -59,6 +65,7 @@ class ModelRunner:
         )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._config = config
+        self._fused: FusedLlama | None = fuse_llama(model, config) if fused else None
         self.grammar = GrammarStates(grammar) if grammar is not None else None
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -97,9 +104,12 @@ class ModelRunner:
             masks = self._mask_thread().submit(
                 self.grammar.bitmask, [chunks[i] for i in constrained]
             )
-        hidden = self._base(
-            input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta
-        ).last_hidden_state
+        if self._fused is not None:
+            hidden = self._fused.forward(input_ids, positions, meta)
+        else:
+            hidden = self._base(
+                input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta
+            ).last_hidden_state
         sampled: dict[int, Any] = {}
         if sample_rows:
             rows = torch.tensor([r for r, _ in sample_rows], device=device)

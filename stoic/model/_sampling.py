@@ -45,9 +45,9 @@ def sample(
     raw = logits
     logits = adjust_logits(logits, chunks, eos_token_ids)
 
-    greedy = torch.tensor([c.params.greedy for c in chunks], device=device)
     chosen = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all(c.params.greedy for c in chunks):
+        greedy = torch.tensor([c.params.greedy for c in chunks], device=device)
         temps = torch.tensor([c.params.temperature or 1.0 for c in chunks], device=device)
         scaled = logits / temps[:, None]
         min_ps = [c.params.min_p for c in chunks]

@@ -1,0 +1,153 @@
+"""Decode-step benchmark: the model runner alone (no actors, no HTTP), time per decode step.
+
+Prefills ``batch`` sequences of ``--context`` tokens, then times greedy decode steps of all of
+them together. Variants of the runner are measured in one process, interleaved round by round
+(A B, B A, ...) so that the noise of a shared machine hits each alike; the table gives each
+variant's median milliseconds per step, tokens/s and its ratio to the first variant, and checks
+that every variant produced the same tokens.
+
+    python benchmarks/step_bench.py --dtype float32 --batch 1 32 --variants fused hf [--profile]
+
+Variants: ``fused`` (the default runner: :mod:`stoic.model._fused` where the model supports it),
+``hf`` (transformers' own forward over the same weights), ``compiled`` (the fused runner with
+both halves of each layer under ``torch.compile``: an experiment that did not pay, kept to be
+re-measured; see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from stoic.model import (
+    LoadedModel,
+    ModelRunner,
+    PagedKVCache,
+    SamplingParams,
+    SeqChunk,
+    StepBatch,
+    load_model,
+)
+
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+BLOCK = 16
+
+
+def _compiled(loaded: LoadedModel) -> ModelRunner:
+    """The fused runner with both halves of each layer compiled (inductor, dynamic shapes)."""
+    from stoic.model import _fused
+
+    runner = ModelRunner(loaded)
+    assert runner._fused is not None
+    runner._fused.attention_inputs = torch.compile(_fused.attention_inputs, dynamic=True)
+    runner._fused.mlp_block = torch.compile(_fused.mlp_block, dynamic=True)
+    return runner
+
+
+VARIANTS: dict[str, Callable[[LoadedModel], ModelRunner]] = {
+    "fused": lambda loaded: ModelRunner(loaded),
+    "hf": lambda loaded: ModelRunner(loaded, fused=False),
+    "compiled": _compiled,
+}
+
+
+class Stream:
+    """``batch`` sequences decoding on one runner and its own cache."""
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int, steps: int) -> None:
+        self.runner = runner
+        self.context = context
+        per_seq = -(-(context + steps + 1) // BLOCK)
+        self.cache = PagedKVCache(runner.kv_spec(num_blocks=batch * per_seq, block_size=BLOCK))
+        self.tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        self.last: list[int] = []
+        self.tokens: list[list[int]] = []
+        self.times: list[float] = []
+        for i, table in enumerate(self.tables):
+            prompt = tuple((7 * i + 13 * j) % 5000 + 100 for j in range(context))
+            chunk = SeqChunk(i, prompt, 0, table, True, GREEDY)
+            self.last.append(
+                runner.execute(StepBatch((chunk,), table), self.cache).sampled[i].token_id
+            )
+        self.generated = 0
+
+    def step(self) -> None:
+        pos = self.context + self.generated
+        chunks = tuple(
+            SeqChunk(i, (self.last[i],), pos, t, True, GREEDY, num_generated=self.generated + 1)
+            for i, t in enumerate(self.tables)
+        )
+        started = time.perf_counter()
+        out = self.runner.execute(StepBatch(chunks), self.cache)
+        self.times.append(time.perf_counter() - started)
+        self.last = [out.sampled[i].token_id for i in range(len(self.tables))]
+        self.tokens.append(self.last)
+        self.generated += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--round", type=int, default=4, help="steps per variant per round")
+    parser.add_argument("--variants", nargs="+", default=["fused", "hf"], choices=VARIANTS)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler table per variant")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+    runners = {name: VARIANTS[name](loaded) for name in args.variants}
+    print(f"dtype {args.dtype}, context {args.context}, threads {torch.get_num_threads()}")
+    print("| batch | variant | ms/step (median) | p90 | tokens/s | vs first |")
+    print("|---|---|---|---|---|---|")
+    for batch in args.batch:
+        streams = {}
+        for name, runner in runners.items():
+            started = time.perf_counter()
+            streams[name] = Stream(runner, batch, args.context, args.steps)
+            streams[name].step()
+            print(f"  {name}: prefill and first step {time.perf_counter() - started:.1f} s")
+        order = list(streams)
+        for _ in range(2):  # warm-up, not timed
+            for s in streams.values():
+                s.step()
+                s.times.clear()
+        while streams[order[0]].generated < args.steps:
+            for name in order:
+                for _ in range(args.round):
+                    streams[name].step()
+            order.reverse()
+        first = statistics.median(streams[args.variants[0]].times)
+        for name, s in streams.items():
+            med = statistics.median(s.times)
+            p90 = sorted(s.times)[int(len(s.times) * 0.9)]
+            print(
+                f"| {batch} | {name} | {med * 1e3:.2f} | {p90 * 1e3:.2f} | {batch / med:.1f} "
+                f"| {med / first:.2f}x |"
+            )
+        reference = streams[args.variants[0]].tokens
+        for name, s in streams.items():
+            if s.tokens != reference:
+                print(f"  note: {name}'s tokens differ from {args.variants[0]}'s")
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for name, s in streams.items():
+                s.generated = 0
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(8):
+                        s.step()
+                print(f"profile of {name}, batch {batch}, 8 steps:")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
