@@ -178,9 +178,11 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
-        # an engine front end with metrics of its own (stoic.ray's per-replica metrics)
-        for collector in getattr(engine, "metric_collectors", list)():
-            self.registry.register(collector)
+        # an engine front end with metrics of its own (stoic.ray's per-replica metrics); looked
+        # up on the type, so a stand-in whose __getattr__ forwards or raises is not asked
+        if callable(getattr(type(engine), "metric_collectors", None)):
+            for collector in engine.metric_collectors():  # type: ignore[attr-defined]
+                self.registry.register(collector)
 
     def count_tool_calls(self, returned: int, rejected: int) -> None:
         """Count one choice's tool calls."""
