@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   install everything, then serve the embedded default model on 127.0.0.1:8000
 #   make test    install everything (with the dev tools), then run lint, types and the test suite
-#                (10-15 minutes on 2 CPU cores; each test file's line shows as it runs)
+#                (15-20 minutes on 2 CPU cores; each test file's line shows as it runs)
 #   make test-fast   lint, types and the tests that load no model (about a minute)
 # Both are idempotent: the virtual environment is reused while pyproject.toml is unchanged.
 
