@@ -54,28 +54,24 @@ class Scan:
     rejected: int = 0
 
 
+#: what matters to a JSON value's extent: a string (its end group empty when the text ends
+#: inside it) or a bracket; everything between is skipped by the regex engine, not in Python
+_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?P<closed>"?)|[{}\[\]]')
+
+
 def _value_end(text: str, start: int) -> int | None:
     """Index just past the JSON object or array starting at ``text[start]``, or None if the
     text ends inside it."""
     depth = 0
-    in_string = escaped = False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+    for match in _STRUCTURE.finditer(text, start):
+        token = match.group()
+        if token[0] == '"':
+            if not match.group("closed"):
+                return None
+            continue
+        depth += 1 if token in "{[" else -1
+        if depth == 0:
+            return match.end()
     return None
 
 
