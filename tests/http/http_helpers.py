@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stoic
@@ -135,3 +136,28 @@ json_schemas = st.recursive(
     ),
     max_leaves=5,
 )
+
+
+async def check_examples(
+    strategy: st.SearchStrategy[Any],
+    check: Callable[[aiohttp.ClientSession, Any], Awaitable[None]],
+    *,
+    max_examples: int,
+) -> None:
+    """Run ``check`` on derandomized hypothesis examples of ``strategy``, one at a time, on the
+    running event loop (hypothesis drives them from a worker thread); each gets 65 seconds."""
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+
+        @settings(
+            max_examples=max_examples,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        @given(strategy)
+        def run(example: Any) -> None:
+            asyncio.run_coroutine_threadsafe(check(http, example), loop).result(timeout=65)
+
+        await asyncio.to_thread(run)

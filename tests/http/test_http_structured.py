@@ -14,8 +14,7 @@ import jsonschema
 import openai
 import pytest
 from conftest import Server
-from http_helpers import chat_body, completion_body, json_schemas, wait_idle
-from hypothesis import HealthCheck, given, settings
+from http_helpers import chat_body, check_examples, completion_body, json_schemas, wait_idle
 from pydantic import BaseModel, Field
 
 import stoic
@@ -243,7 +242,6 @@ async def test_bad_constraint_is_400_before_streaming(
 async def test_generated_schemas_never_5xx(server: Server, engine: stoic.Engine) -> None:
     """Hypothesis-generated JSON schemas: every request is a 200 (whose output validates when
     it finished with "stop") or a 400; never a 5xx; the engine is idle afterwards."""
-    loop = asyncio.get_running_loop()
 
     async def post(http: aiohttp.ClientSession, schema: dict[str, Any]) -> None:
         body = chat_body(max_tokens=24, temperature=1.0, seed=1)
@@ -254,18 +252,5 @@ async def test_generated_schemas_never_5xx(server: Server, engine: stoic.Engine)
         if r.status == 200 and data["choices"][0]["finish_reason"] == "stop":
             jsonschema.validate(json.loads(data["choices"][0]["message"]["content"]), schema)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-
-        @settings(
-            max_examples=20,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        )
-        @given(json_schemas)
-        def check(schema: dict[str, Any]) -> None:
-            asyncio.run_coroutine_threadsafe(post(http, schema), loop).result(timeout=65)
-
-        await asyncio.to_thread(check)
+    await check_examples(json_schemas, post, max_examples=20)
     await wait_idle(engine)

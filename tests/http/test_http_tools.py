@@ -5,7 +5,6 @@ named, ``none`` and conversations with tool results; with a scripted fake engine
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -16,8 +15,7 @@ import openai
 import pytest
 from conftest import Server
 from http_fakes import FakeEngine
-from http_helpers import json_schemas, wait_idle
-from hypothesis import HealthCheck, given, settings
+from http_helpers import check_examples, json_schemas, wait_idle
 
 import stoic
 
@@ -338,7 +336,6 @@ async def test_generated_parameter_schemas_never_5xx(server: Server, engine: sto
     """Hypothesis-generated parameter schemas with tool_choice required: every request is a
     200 (whose calls validate against the schema) or a 400; never a 5xx; the engine is idle
     afterwards."""
-    loop = asyncio.get_running_loop()
 
     async def post(http: aiohttp.ClientSession, schema: dict[str, Any]) -> None:
         params = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
@@ -352,18 +349,5 @@ async def test_generated_parameter_schemas_never_5xx(server: Server, engine: sto
             for call in data["choices"][0]["message"].get("tool_calls") or []:
                 jsonschema.validate(json.loads(call["function"]["arguments"]), params)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-
-        @settings(
-            max_examples=15,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        )
-        @given(json_schemas)
-        def check(schema: dict[str, Any]) -> None:
-            asyncio.run_coroutine_threadsafe(post(http, schema), loop).result(timeout=65)
-
-        await asyncio.to_thread(check)
+    await check_examples(json_schemas, post, max_examples=15)
     await wait_idle(engine)
