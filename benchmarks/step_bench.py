@@ -8,8 +8,10 @@ that every variant produced the same tokens.
 
     python benchmarks/step_bench.py --dtype float32 --batch 1 32 --variants fused hf [--profile]
 
-Variants: ``fused`` (the default runner: :mod:`stoic.model._fused` where the model supports it),
-``hf`` (transformers' own forward over the same weights), ``compiled`` (the fused runner with
+Variants: ``fused`` (the default runner: :mod:`stoic.model._fused` where the model supports it,
+and, for a GGUF model, its quantised blocks for steps of few tokens: ``--quantization auto``),
+``dequantized`` (the same on the de-quantised float weights only: ``--quantization none``),
+``hf`` (transformers' own forward over the float weights), ``compiled`` (the dequantized runner with
 both halves of each layer under ``torch.compile``: an experiment that did not pay, kept to be
 re-measured; see docs/benchmarks.md).
 """
@@ -41,7 +43,7 @@ def _compiled(loaded: LoadedModel) -> ModelRunner:
     """The fused runner with both halves of each layer compiled (inductor, dynamic shapes)."""
     from stoic.model import _fused
 
-    runner = ModelRunner(loaded)
+    runner = ModelRunner(loaded, quantization="none")
     assert runner._fused is not None
     runner._fused.attention_inputs = torch.compile(_fused.attention_inputs, dynamic=True)
     runner._fused.mlp_block = torch.compile(_fused.mlp_block, dynamic=True)
@@ -50,7 +52,8 @@ def _compiled(loaded: LoadedModel) -> ModelRunner:
 
 VARIANTS: dict[str, Callable[[LoadedModel], ModelRunner]] = {
     "fused": lambda loaded: ModelRunner(loaded),
-    "hf": lambda loaded: ModelRunner(loaded, fused=False),
+    "dequantized": lambda loaded: ModelRunner(loaded, quantization="none"),
+    "hf": lambda loaded: ModelRunner(loaded, fused=False, quantization="none"),
     "compiled": _compiled,
 }
 
@@ -97,7 +100,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--round", type=int, default=4, help="steps per variant per round")
-    parser.add_argument("--variants", nargs="+", default=["fused", "hf"], choices=VARIANTS)
+    parser.add_argument(
+        "--variants", nargs="+", default=["fused", "dequantized", "hf"], choices=VARIANTS
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table per variant")
     args = parser.parse_args()

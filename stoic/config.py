@@ -60,6 +60,12 @@ class FaultSpec:
             raise InvalidRequest("seconds must be between 0 and 3600", param="seconds")
 
 
+#: ``--quantization``: ``"auto"`` (a GGUF model's quantised weights, where this machine's CPU and C
+#: compiler allow), ``"gguf"`` (the same, required: the start fails without), ``"none"`` (only
+#: the de-quantised float weights)
+Quantization = Literal["auto", "gguf", "none"]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything :meth:`stoic.Engine.start` needs. Defaults suit the default model on a CPU."""
@@ -74,6 +80,10 @@ class EngineConfig:
     dtype: str = "auto"
     #: where converted GGUF models are cached (default ``$STOIC_CACHE_DIR`` or ``~/.cache/stoic``)
     cache_dir: Path | None = None
+    #: steps of few tokens (decode) on a GGUF model's quantised weights, on a CPU: ``"auto"``
+    #: where the CPU (AVX2) and a C compiler allow, ``"gguf"`` required, ``"none"`` never. The
+    #: numbers are the de-quantised weights' own (docs/operations.md, "Quantised weights")
+    quantization: Quantization = "auto"
     #: tokens per KV block
     block_size: int = 16
     #: KV blocks; ``None`` sizes the cache from ``kv_cache_memory_gib`` (CPU) or
@@ -128,6 +138,10 @@ class EngineConfig:
             raise ValueError(f"executor must be 'process' or 'thread', not {self.executor!r}")
         for spec in self.faults:
             self.check_fault(spec)
+        if self.quantization not in ("auto", "gguf", "none"):
+            raise ValueError(
+                f"quantization must be 'auto', 'gguf' or 'none', not {self.quantization!r}"
+            )
         if self.recovery not in ("fail", "resume"):
             raise ValueError(f"recovery must be 'fail' or 'resume', not {self.recovery!r}")
         if self.max_resumes < 0:

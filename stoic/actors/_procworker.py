@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import FaultSpec
+from ..config import FaultSpec, Quantization
 from ._faults import enact_fault
 
 if TYPE_CHECKING:
@@ -58,6 +58,9 @@ class WorkerSpec:
     threads: int | None = None
     #: the tokenizer, for structured outputs' grammar masks (None: none)
     grammar: GrammarVocab | None = None
+    #: the GGUF file ``model`` was converted from (its quantised blocks), and ``--quantization``
+    gguf: Path | None = None
+    quantization: Quantization = "none"
 
 
 def _die_with_parent(parent: int) -> None:
@@ -131,8 +134,12 @@ def worker_main(conn: Connection, parent: int) -> None:
         cache_root=spec.cache_dir,
         tokenizer=False,  # the server detokenises; the stop ids come with the spec
     )
-    loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids)
-    runner = ModelRunner(loaded, LLGuidanceBackend(spec.grammar) if spec.grammar else None)
+    loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids, gguf=spec.gguf)
+    runner = ModelRunner(
+        loaded,
+        LLGuidanceBackend(spec.grammar) if spec.grammar else None,
+        quantization=spec.quantization,
+    )
     kv_spec = runner.kv_spec(spec.num_blocks, spec.block_size)
     kv = PagedKVCache(kv_spec)
     _warm_up(runner, kv)

@@ -110,6 +110,8 @@ def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec)
         eos_token_ids=loaded.eos_token_ids,
         threads=torch.get_num_threads(),
         grammar=grammar_vocab(loaded),
+        gguf=loaded.gguf,
+        quantization=config.quantization,
     )
     return WorkerPool(spec, spares=config.executor_spares)
 
@@ -157,7 +159,7 @@ async def wire(
         mailbox_size=4096,
     )
     if isinstance(executor, StepWorker):
-        runner = ModelRunner(loaded, grammar)
+        runner = ModelRunner(loaded, grammar, quantization=config.quantization)
         thread = executor
 
         def factory() -> Any:

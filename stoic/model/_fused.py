@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ._paged import StepMetadata, paged_attention
+from ._qkernels import Kernels
+from ._quant import QLinear, QuantizedMatrix
 
 __all__ = ["FusedLlama", "fuse_llama"]
 
@@ -42,12 +44,10 @@ class _Layer:
     attn: Any  # the layer's attention module (for ``layer_idx`` and ``scaling``)
     norm_in: torch.Tensor
     norm_post: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: QLinear
+    o: QLinear
+    gate_up: QLinear
+    down: QLinear
 
 
 def _fuse_rows(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -77,9 +77,17 @@ def _supported(config: Any, base: Any) -> bool:
     return bool(layers) and hasattr(base, "rotary_emb") and hasattr(base, "embed_tokens")
 
 
-def fuse_llama(model: Any, config: Any) -> FusedLlama | None:
+def fuse_llama(
+    model: Any,
+    config: Any,
+    quantized: dict[str, QuantizedMatrix] | None = None,
+    kernels: Kernels | None = None,
+) -> FusedLlama | None:
     """The lean forward of ``model`` (a transformers causal LM), or None when its architecture is
     not one this module implements (the caller then keeps transformers' forward).
+
+    With ``quantized`` blocks (:func:`._quant.read_llama_blocks`) and ``kernels``, a projection
+    whose blocks all match the model's weights runs small steps on them (:class:`QLinear`).
 
     Mutates ``model``: its q/k/v and gate/up weights become views of the fused tensors (same
     values, same outputs).
@@ -87,7 +95,7 @@ def fuse_llama(model: Any, config: Any) -> FusedLlama | None:
     base = model.base_model
     if not _supported(config, base):
         return None
-    return FusedLlama(base, config)
+    return FusedLlama(base, config, quantized or {}, kernels)
 
 
 class FusedLlama:
@@ -97,7 +105,13 @@ class FusedLlama:
     token ids, their positions, the step's metadata) and returns the final hidden states.
     """
 
-    def __init__(self, base: Any, config: Any) -> None:
+    def __init__(
+        self,
+        base: Any,
+        config: Any,
+        quantized: dict[str, QuantizedMatrix] | None = None,
+        kernels: Kernels | None = None,
+    ) -> None:
         self._embed = base.embed_tokens
         self._rotary = base.rotary_emb
         self._final_norm = base.norm.weight
@@ -109,7 +123,15 @@ class FusedLlama:
         self.attention_inputs: Callable[..., tuple[torch.Tensor, ...]] = attention_inputs
         self.mlp_block: Callable[..., torch.Tensor] = mlp_block
         self._layers: list[_Layer] = []
-        for layer in base.layers[: config.num_hidden_layers]:
+        blocks = quantized or {}
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None, *keys: str) -> QLinear:
+            found = QuantizedMatrix.stack([blocks.get(k) for k in keys])
+            if found is not None and (kernels is None or not found.matches(kernels, weight)):
+                found = None
+            return QLinear(weight, bias, found, kernels)
+
+        for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj])
@@ -118,14 +140,18 @@ class FusedLlama:
                     attn=attn,
                     norm_in=layer.input_layernorm.weight,
                     norm_post=layer.post_attention_layernorm.weight,
-                    qkv=qkv,
-                    qkv_bias=qkv_bias,
-                    o=attn.o_proj.weight,
-                    o_bias=attn.o_proj.bias,
-                    gate_up=gate_up,
-                    down=mlp.down_proj.weight,
+                    qkv=linear(qkv, qkv_bias, f"{i}.q", f"{i}.k", f"{i}.v"),
+                    o=linear(attn.o_proj.weight, attn.o_proj.bias, f"{i}.o"),
+                    gate_up=linear(gate_up, None, f"{i}.gate", f"{i}.up"),
+                    down=linear(mlp.down_proj.weight, None, f"{i}.down"),
                 )
             )
+
+    @property
+    def quantized_projections(self) -> tuple[int, int]:
+        """(projections with quantised blocks, all projections): 4 a layer."""
+        linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        return sum(p.quantized is not None for p in linears), len(linears)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata
@@ -139,7 +165,7 @@ class FusedLlama:
         sizes = [self._heads * dim, self._kv_heads * dim, self._kv_heads * dim]
         for layer in self._layers:
             q, k, v = self.attention_inputs(
-                hidden, layer.norm_in, layer.qkv, layer.qkv_bias, cos, sin, sizes, self._eps
+                hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps
             )
             out, _ = paged_attention(
                 layer.attn, q, k, v, None, scaling=layer.attn.scaling, stoic_step=step
@@ -148,7 +174,6 @@ class FusedLlama:
                 hidden,
                 out,
                 layer.o,
-                layer.o_bias,
                 layer.norm_post,
                 layer.gate_up,
                 layer.down,
@@ -161,8 +186,7 @@ class FusedLlama:
 def attention_inputs(
     hidden: torch.Tensor,
     norm: torch.Tensor,
-    qkv: torch.Tensor,
-    qkv_bias: torch.Tensor | None,
+    qkv: QLinear,
     cos: torch.Tensor,
     sin: torch.Tensor,
     sizes: list[int],
@@ -172,7 +196,7 @@ def attention_inputs(
     ``hidden`` ``[1, N, width]`` (``cos``/``sin`` ``[1, 1, N, head_dim]``)."""
     n, dim = hidden.shape[1], cos.shape[-1]
     x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
-    qk, v = F.linear(x, qkv, qkv_bias).split_with_sizes([sizes[0] + sizes[1], sizes[2]], -1)
+    qk, v = qkv(x).split_with_sizes([sizes[0] + sizes[1], sizes[2]], -1)
     # queries and keys rotated together: one set of elementwise ops for both
     qk = _rotate(qk.view(1, n, -1, dim).transpose(1, 2), cos, sin)
     q, k = qk.split_with_sizes([sizes[0] // dim, sizes[1] // dim], 1)
@@ -182,23 +206,22 @@ def attention_inputs(
 def mlp_block(
     hidden: torch.Tensor,
     attn_out: torch.Tensor,
-    o: torch.Tensor,
-    o_bias: torch.Tensor | None,
+    o: QLinear,
     norm: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: QLinear,
+    down: QLinear,
     eps: float,
 ) -> torch.Tensor:
     """The rest of a layer after attention (``attn_out`` ``[1, N, heads, head_dim]``): output
     projection and residual, then norm, gated MLP and residual; returns ``[1, N, width]``."""
     n = hidden.shape[1]
-    hidden = hidden + F.linear(attn_out.reshape(1, n, -1), o, o_bias)
+    hidden = hidden + o(attn_out.reshape(1, n, -1))
     x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
-    if hidden.shape[1] < SPLIT_MLP_ROWS:
-        gate, up = F.linear(x, gate_up).chunk(2, -1)
+    if n < SPLIT_MLP_ROWS or gate_up.uses_kernel(n):
+        gate, up = gate_up(x).chunk(2, -1)
     else:  # the same rows of the same tensor, as two products (faster at many rows)
-        gate, up = (F.linear(x, w) for w in gate_up.chunk(2, 0))
-    return hidden + F.linear(F.silu(gate) * up, down)
+        gate, up = (F.linear(x, w) for w in gate_up.weight.chunk(2, 0))
+    return hidden + down(F.silu(gate) * up)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

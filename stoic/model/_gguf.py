@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["GgufError", "GgufHeader", "read_gguf_header"]
+__all__ = ["GgufError", "GgufHeader", "GgufTensor", "read_gguf_header"]
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
@@ -34,6 +34,19 @@ class GgufError(ValueError):
 
 
 @dataclass(frozen=True)
+class GgufTensor:
+    """One entry of the tensor table."""
+
+    name: str
+    #: dimensions, innermost first (a ``[rows, cols]`` matrix is ``(cols, rows)``)
+    dims: tuple[int, ...]
+    #: the GGML type id (0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 8 Q8_0, ...)
+    ggml_type: int
+    #: from the start of the tensor data (:attr:`GgufHeader.data_start`)
+    offset: int
+
+
+@dataclass(frozen=True)
 class GgufHeader:
     """What a GGUF file's header says. Array values are not kept, only their lengths."""
 
@@ -45,6 +58,15 @@ class GgufHeader:
     array_lengths: dict[str, int] = field(repr=False)
     #: offset just past the tensor table: everything before it is metadata
     end: int
+    #: the tensor table, by name
+    tensors: dict[str, GgufTensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def data_start(self) -> int:
+        """Where the tensor data begins: :attr:`end` rounded up to ``general.alignment``."""
+        align = self.metadata.get("general.alignment", 32)
+        align = align if isinstance(align, int) and align > 0 else 32
+        return -(-self.end // align) * align
 
     @property
     def architecture(self) -> str | None:
@@ -147,12 +169,16 @@ def _parse(r: _Reader) -> GgufHeader:
                 arrays[key] = r.skip_array()
             else:
                 metadata[key] = r.scalar(kind)
+        tensors: dict[str, GgufTensor] = {}
         for _ in range(tensor_count):
-            r.string()
-            dims = r.u32()
-            r.skip(8 * dims + 4 + 8)  # shape, ggml type, data offset
+            name, ndims = r.string(), r.u32()
+            if ndims > 8:
+                raise GgufError(f"tensor {name!r} has {ndims} dimensions")
+            dims = tuple(r.u64() for _ in range(ndims))
+            ggml_type, offset = r.u32(), r.u64()
+            tensors[name] = GgufTensor(name, dims, ggml_type, offset)
     except struct.error:
         raise GgufError("its header is truncated or corrupt") from None
     if "general.architecture" not in metadata:
         raise GgufError("its metadata has no general.architecture")
-    return GgufHeader(version, tensor_count, metadata, arrays, r.pos)
+    return GgufHeader(version, tensor_count, metadata, arrays, r.pos, tensors)

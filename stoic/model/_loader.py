@@ -72,6 +72,10 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     #: the model's (text) configuration: layers, heads, vocabulary
     config: Any = None
+    #: the GGUF file the weights were de-quantised from (None: a model directory)
+    gguf: Path | None = None
+    #: where converted models and built kernels are cached (None: the default)
+    cache_root: Path | None = None
 
 
 def default_gguf_path() -> Path:
@@ -245,6 +249,7 @@ def load_model(
     """
     # resolved first: a conversion logs its start before transformers is imported (seconds)
     name, path = resolve_model_path(model, cache_root)
+    gguf = default_gguf_path() if model == "default" else Path(model).expanduser()
     check_model_dir(path, weights=weights, tokenizer=tokenizer)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -308,4 +313,6 @@ def load_model(
         max_model_len=max_len,
         eos_token_ids=frozenset(eos),
         config=config,
+        gguf=gguf if gguf.is_file() else None,
+        cache_root=cache_root,
     )

@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
+from .._logging import get_logger
+from ..config import Quantization
+from ..errors import ModelUnavailable
 from ._batch import SeqChunk, StepBatch, StepOutput
+from ._cache import default_cache_dir
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
@@ -27,7 +31,10 @@ from ._paged import (
     group_decodes,
     register_paged_attention,
 )
+from ._quant import QLinear, prepare_quantized
 from ._sampling import sample
+
+_log = get_logger("stoic.model")
 
 __all__ = ["ModelRunner"]
 
@@ -44,10 +51,22 @@ class ModelRunner:
 
     A Llama-architecture model runs through :class:`._fused.FusedLlama` (fused projections, the
     same arithmetic) unless ``fused`` is False; any other model through transformers' forward.
+
+    ``quantization`` (``--quantization``, :mod:`._quant`): with ``"auto"`` a model loaded from a
+    GGUF file multiplies steps of few tokens by the file's quantised blocks where this machine
+    can; ``"gguf"`` requires it; ``"none"`` keeps the de-quantised weights only.
+
+    :raises ModelUnavailable: with ``quantization="gguf"``, if the quantised kernels cannot be
+        used for this model here.
     """
 
     def __init__(
-        self, loaded: LoadedModel, grammar: GrammarBackend | None = None, *, fused: bool = True
+        self,
+        loaded: LoadedModel,
+        grammar: GrammarBackend | None = None,
+        *,
+        fused: bool = True,
+        quantization: Quantization = "auto",
     ) -> None:
         register_paged_attention()
         self.loaded = loaded
@@ -57,7 +76,7 @@ class ModelRunner:
         else:  # pragma: no cover - older transformers
             model.config._attn_implementation = ATTN_IMPLEMENTATION
         self._base: Any = model.base_model
-        self._head: Any = model.get_output_embeddings()
+        head: Any = model.get_output_embeddings()
         config = (
             model.config.get_text_config()
             if hasattr(model.config, "get_text_config")
@@ -65,9 +84,46 @@ class ModelRunner:
         )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._config = config
-        self._fused: FusedLlama | None = fuse_llama(model, config) if fused else None
+        blocks, kernels = prepare_quantized(
+            loaded.gguf,
+            config,
+            loaded.device,
+            quantization,
+            loaded.cache_root or default_cache_dir(),
+        )
+        self._fused: FusedLlama | None = (
+            fuse_llama(model, config, blocks, kernels) if fused else None
+        )
+        quantized_head = blocks.get("head")
+        if quantized_head is not None and (
+            kernels is None or not quantized_head.matches(kernels, head.weight)
+        ):
+            quantized_head = None
+        self._head = QLinear(head.weight, head.bias, quantized_head, kernels)
+        self.quantized = self._quantized_summary(quantization)
         self.grammar = GrammarStates(grammar) if grammar is not None else None
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _quantized_summary(self, mode: Quantization) -> dict[str, Any]:
+        """What runs on quantised blocks (logged as ``model.quantized``).
+
+        :raises ModelUnavailable: with ``mode="gguf"``, if nothing does.
+        """
+        done, total = self._fused.quantized_projections if self._fused is not None else (0, 0)
+        head = self._head.quantized
+        summary: dict[str, Any] = {
+            "projections": done,
+            "of": total,
+            "head": head.kind if head is not None else None,
+        }
+        if done or head is not None:
+            _log.info("model.quantized", **summary)
+        elif mode == "gguf":
+            raise ModelUnavailable(
+                "quantization 'gguf' cannot be used: no matrix of the model matched its "
+                "quantised blocks"
+            )
+        return summary
 
     def _mask_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._masker is None:

@@ -1,4 +1,5 @@
-"""stoic's greedy output equals transformers' own ``generate`` on the default model."""
+"""stoic's greedy output equals transformers' own ``generate`` on the default model, on its
+de-quantised weights and on its GGUF file's quantised ones."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from engine_helpers import wait_idle
 
 import stoic
-from stoic.model import load_model
+from stoic.model import default_cache_dir, load_model
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
 
@@ -61,10 +62,27 @@ def reference(default_model_dir: Path) -> dict[str, Any]:
     return {"model": model, "prompts": prompts, "outputs": outputs, "eos": loaded.eos_token_ids}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(default_model_dir: Path) -> Any:
+@pytest_asyncio.fixture(
+    scope="module", loop_scope="module", params=["none", "gguf", "gguf-process"]
+)
+async def engine(request: pytest.FixtureRequest, default_model_dir: Path) -> Any:
+    """The engine on the de-quantised weights (the converted directory), and on the GGUF file
+    with ``quantization="gguf"`` (decode steps multiply by the file's 4-/8-bit blocks; the start
+    fails if they cannot be used), in a thread and in a worker process."""
+    if request.param != "none":
+        from stoic.model._qkernels import KernelsUnavailable, load_kernels
+
+        try:
+            load_kernels(default_cache_dir())
+        except KernelsUnavailable as e:
+            pytest.skip(f"quantised kernels unavailable here: {e}")
     config = stoic.EngineConfig(
-        model=str(default_model_dir), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64
+        model="default" if request.param != "none" else str(default_model_dir),
+        quantization="none" if request.param == "none" else "gguf",
+        executor="process" if request.param == "gguf-process" else "thread",
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
     )
     async with stoic.Engine.start(config) as eng:
         yield eng

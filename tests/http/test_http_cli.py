@@ -32,6 +32,7 @@ def test_cli_arguments_map_to_config() -> None:
             "--recovery", "resume",
             "--max-resumes", "5",
             "--fault", '{"kind": "error", "match": "XYZZY"}',
+            "--quantization", "none",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -41,6 +42,7 @@ def test_cli_arguments_map_to_config() -> None:
     assert (config.max_restarts, config.restart_window, config.step_timeout) == (2, 10.0, 5.0)
     assert config.enable_fault_injection and config.drain_timeout == 3.0
     assert (config.recovery, config.max_resumes) == ("resume", 5)
+    assert config.quantization == "none"
     assert config.faults == (
         FaultSpec(kind="error", after_steps=2),
         FaultSpec(kind="oom", probability=0.5, seed=1),
@@ -61,6 +63,7 @@ def test_cli_arguments_map_to_config() -> None:
         ["serve", "--max-num-seqs", "0"],
         ["serve", "--recovery", "retry"],
         ["serve", "--max-resumes", "-1"],
+        ["serve", "--quantization", "int3"],
         ["serve", "--fault", '{"kind": "error", "match": ""}'],
         ["serve", "--fault", '{"kind": "error", "match": "x", "after_steps": 1}'],
     ],

@@ -31,12 +31,17 @@ def _hidden_states(
     cache.zero_blocks(tuple(range(16)))
     captured: list[torch.Tensor] = []
     head = runner._head
-    handle = head.register_forward_hook(lambda _m, args, _out: captured.append(args[0].clone()))
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        captured.append(x.clone())
+        return head(x)
+
+    runner._head = spy  # type: ignore[assignment]
     try:
         for batch in steps:
             runner.execute(batch, cache)
     finally:
-        handle.remove()
+        runner._head = head
     return captured, cache
 
 
@@ -89,13 +94,15 @@ def test_fused_projections_share_the_models_weights(
     for module, layer in zip(base.layers, fused._fused._layers, strict=True):
         attn, mlp = module.self_attn, module.mlp
         q_rows = attn.q_proj.weight.shape[0]
-        assert attn.q_proj.weight.data_ptr() == layer.qkv.data_ptr()
-        assert torch.equal(layer.qkv[q_rows:][: attn.k_proj.weight.shape[0]], attn.k_proj.weight)
+        assert attn.q_proj.weight.data_ptr() == layer.qkv.weight.data_ptr()
+        assert torch.equal(
+            layer.qkv.weight[q_rows:][: attn.k_proj.weight.shape[0]], attn.k_proj.weight
+        )
         assert attn.v_proj.weight.untyped_storage().data_ptr() == (
-            layer.qkv.untyped_storage().data_ptr()
+            layer.qkv.weight.untyped_storage().data_ptr()
         )
         assert mlp.up_proj.weight.untyped_storage().data_ptr() == (
-            layer.gate_up.untyped_storage().data_ptr()
+            layer.gate_up.weight.untyped_storage().data_ptr()
         )
 
 

@@ -1,0 +1,232 @@
+"""A GGUF model's quantised weights, used as they are for steps of few tokens.
+
+On a CPU a decode step of one sequence reads every weight once: it is bound by memory
+bandwidth, and float32 weights are 6x the bytes of the GGUF file's 4-bit ones (SmolLM2-135M:
+540 MB against 96 MB a token). So where :func:`quantized_weights` can, the projections of a
+Llama model's layers and its LM head keep, next to the float32 (or bfloat16) copy transformers
+de-quantised, the file's own blocks; :class:`QLinear` multiplies a step of at most
+:data:`MAX_KERNEL_ROWS` tokens by the blocks (:mod:`._qkernels`), a bigger one (a prefill
+chunk, where the product is compute-bound and float32 BLAS is faster) by the float copy.
+
+Nothing is lost: the kernels de-quantise each block in registers to exactly the float32 numbers
+the float copy holds (checked at load, row samples of every matrix, bitwise), so the two paths
+differ only in the order of the sums, as two BLAS kernels do. Types: Q4_0, Q4_1, Q8_0 (what
+:data:`._qkernels.GGML_TYPES` lists); a matrix of any other type (K-quants, F16) stays on the
+float path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+import torch.nn.functional as F
+
+from .._logging import get_logger
+from ..config import Quantization
+from ._gguf import GgufHeader, GgufTensor, read_gguf_header
+from ._qkernels import GGML_TYPES, Kernels
+
+__all__ = [
+    "MAX_KERNEL_ROWS",
+    "QLinear",
+    "QuantizedMatrix",
+    "prepare_quantized",
+    "read_llama_blocks",
+]
+
+#: steps of at most this many tokens use the quantised kernels. Measured on an AVX2 CPU (2
+#: cores, the default model, every matrix in turn so none stays in cache): the kernels took
+#: 0.23x the float32 product's time at 1 row, 0.14x at 4, 0.31x at 8, 0.48x at 16, 0.79x at 32
+#: (docs/benchmarks.md); prefill chunks are larger and compute-bound.
+MAX_KERNEL_ROWS = 32
+_LLAMA_TENSORS = {
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "o": "attn_output",
+    "gate": "ffn_gate",
+    "up": "ffn_up",
+    "down": "ffn_down",
+}
+_log = get_logger("stoic.model")
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """``rows`` x ``cols`` weights as GGML blocks: uint8 ``[rows, cols / 32 * block_bytes]``."""
+
+    kind: str
+    blocks: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @staticmethod
+    def stack(parts: list[QuantizedMatrix | None]) -> QuantizedMatrix | None:
+        """The matrices one below the other (a fused projection), or None when any is missing
+        or they differ in type or width."""
+        if not parts or any(p is None for p in parts):
+            return None
+        first = parts[0]
+        assert first is not None
+        if any(p is None or p.kind != first.kind or p.cols != first.cols for p in parts):
+            return None
+        return QuantizedMatrix(
+            first.kind, torch.cat([p.blocks for p in parts if p is not None]), first.cols
+        )
+
+    def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
+        """Whether these blocks hold ``weight`` (the de-quantised copy), judged on a sample of
+        rows spread over the matrix (a wrong name mapping or row permutation shows in any)."""
+        if tuple(weight.shape) != (self.rows, self.cols):
+            return False
+        picks = sorted(
+            {0, 1, 2, 3, self.rows // 3, self.rows // 2 + 1, self.rows - 2, self.rows - 1}
+        )
+        index = torch.tensor([r for r in picks if 0 <= r < self.rows])
+        mine = kernels.dequantize(self.kind, self.blocks.index_select(0, index), self.cols)
+        theirs = weight.detach().index_select(0, index.to(weight.device)).cpu()
+        return torch.equal(mine.to(theirs.dtype), theirs)
+
+
+class QLinear:
+    """``F.linear`` over ``weight`` and ``bias``; with ``quantized`` blocks and ``kernels``, a
+    step of at most ``max_rows`` rows is multiplied by the blocks instead (same numbers)."""
+
+    __slots__ = ("_bias32", "bias", "kernels", "max_rows", "quantized", "weight")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        quantized: QuantizedMatrix | None = None,
+        kernels: Kernels | None = None,
+        max_rows: int = MAX_KERNEL_ROWS,
+    ) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.quantized = quantized if kernels is not None else None
+        self.kernels = kernels
+        self.max_rows = max_rows
+        self._bias32 = None if bias is None else bias.detach().float().contiguous()
+
+    def uses_kernel(self, rows: int) -> bool:
+        return self.quantized is not None and rows <= self.max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1]
+        rows = x.numel() // width if width else 0
+        if self.quantized is None or rows > self.max_rows or rows == 0:
+            return F.linear(x, self.weight, self.bias)
+        assert self.kernels is not None
+        flat = x.reshape(rows, width)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        if torch._C._autograd._profiler_enabled():  # the product shows in torch.profiler's table
+            with torch.profiler.record_function(f"stoic::{self.quantized.kind}_mm"):
+                y = self.kernels.mm(
+                    self.quantized.kind, flat.contiguous(), self.quantized.blocks, self._bias32
+                )
+        else:
+            y = self.kernels.mm(
+                self.quantized.kind, flat.contiguous(), self.quantized.blocks, self._bias32
+            )
+        return y.to(x.dtype).view(*x.shape[:-1], self.quantized.rows)
+
+
+def _unpermute(rows: int, heads: int) -> torch.Tensor:
+    """The row order transformers gives a Q or K projection read from a GGUF file (llama.cpp
+    stores them permuted for its rotary layout; transformers' ``reverse_permute_weights``)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _read_matrix(
+    file: BinaryIO, header: GgufHeader, tensor: GgufTensor, order: torch.Tensor | None = None
+) -> QuantizedMatrix | None:
+    kinds = {type_id: (name, size) for name, (type_id, size) in GGML_TYPES.items()}
+    if tensor.ggml_type not in kinds or len(tensor.dims) != 2 or tensor.dims[0] % 32:
+        return None
+    kind, block_bytes = kinds[tensor.ggml_type]
+    cols, rows = tensor.dims
+    blocks = torch.empty(rows, cols // 32 * block_bytes, dtype=torch.uint8)
+    file.seek(header.data_start + tensor.offset)
+    if file.readinto(blocks.numpy()) != blocks.numel():  # type: ignore[attr-defined]
+        raise ValueError(f"tensor {tensor.name} runs past the end of the file")
+    if order is not None:
+        blocks = blocks.index_select(0, order)
+    return QuantizedMatrix(kind, blocks, cols)
+
+
+def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
+    """The quantised matrices of a Llama-layout GGUF file, keyed ``"{layer}.{q|k|v|o|gate|up|
+    down}"`` and ``"head"`` (``output.weight``, else the tied ``token_embd.weight``), rows in
+    transformers' order. Matrices of types the kernels lack are left out.
+
+    :raises OSError: if the file cannot be read; ``ValueError`` if it is not GGUF or truncated.
+    """
+    header = read_gguf_header(gguf)
+    tensors = header.tensors
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    out: dict[str, QuantizedMatrix] = {}
+    with gguf.open("rb") as file:
+        for i in range(int(config.num_hidden_layers)):
+            for short, name in _LLAMA_TENSORS.items():
+                tensor = tensors.get(f"blk.{i}.{name}.weight")
+                if tensor is None:
+                    continue
+                order = None
+                if short in ("q", "k") and len(tensor.dims) == 2:
+                    order = _unpermute(tensor.dims[1], heads if short == "q" else kv_heads)
+                found = _read_matrix(file, header, tensor, order)
+                if found is not None:
+                    out[f"{i}.{short}"] = found
+        head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+        found = _read_matrix(file, header, head) if head is not None else None
+        if found is not None:
+            out["head"] = found
+    return out
+
+
+def prepare_quantized(
+    gguf: Path | None, config: Any, device: torch.device, mode: Quantization, cache_root: Path
+) -> tuple[dict[str, QuantizedMatrix], Kernels | None]:
+    """The quantised blocks and the kernels for a model loaded from ``gguf`` on ``device``, or
+    ``({}, None)`` when ``mode`` is ``"none"`` or (``"auto"``) they cannot be used here: why is
+    logged (``model.quantization.off``).
+
+    :raises ModelUnavailable: with ``mode="gguf"``, if they cannot be used (one line: why).
+    """
+    from ..errors import ModelUnavailable
+    from ._qkernels import KernelsUnavailable, load_kernels
+
+    if mode == "none":
+        return {}, None
+    why: str | None = None
+    if gguf is None:
+        why = "the model was not loaded from a GGUF file"
+    elif device.type != "cpu":
+        why = f"the quantised kernels run on a CPU, the model is on {device}"
+    else:
+        try:
+            kernels = load_kernels(cache_root)
+            blocks = read_llama_blocks(gguf, config)
+        except KernelsUnavailable as e:
+            why = str(e)
+        except (OSError, ValueError) as e:
+            why = f"cannot read the quantised weights of {gguf}: {e}"
+        else:
+            if not blocks:
+                why = f"no matrix of {gguf} is of a type the kernels compute on ({', '.join(GGML_TYPES)})"
+            else:
+                return blocks, kernels
+    if mode == "gguf":
+        raise ModelUnavailable(f"quantization 'gguf' cannot be used: {why}")
+    _log.info("model.quantization.off", reason=why)
+    return {}, None

@@ -1,0 +1,191 @@
+"""Quantised-weight products (:mod:`stoic.model._qkernels`, :mod:`stoic.model._quant`): the
+GGUF file's own blocks hold exactly the numbers of the de-quantised model, and multiplying by
+them gives the float32 product up to the order of the sums."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from stoic.errors import ModelUnavailable
+from stoic.model import ModelRunner, default_cache_dir, default_gguf_path, load_model
+from stoic.model._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
+from stoic.model._quant import QLinear, QuantizedMatrix, prepare_quantized, read_llama_blocks
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Kernels:
+    try:
+        return load_kernels(default_cache_dir())
+    except KernelsUnavailable as e:
+        pytest.skip(f"quantised kernels unavailable here: {e}")
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random bytes shaped as ``rows`` x ``cols`` weights of ``kind``, with finite fp16 scales."""
+    _, size = GGML_TYPES[kind]
+    gen = np.random.default_rng(seed)
+    raw = gen.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
+    halves = 2 if kind == "Q4_1" else 1  # d (and m) lead every block
+    scales = gen.uniform(-0.05, 0.05, size=(rows, cols // 32, halves)).astype(np.float16)
+    raw[:, :, : 2 * halves] = scales.view(np.uint8).reshape(rows, cols // 32, 2 * halves)
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
+def _gguf_py(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """What transformers' GGUF loader de-quantises ``blocks`` to (gguf-py), float32."""
+    values = dequantize(blocks.numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(np.asarray(values, dtype=np.float32))
+
+
+@pytest.mark.parametrize("kind", sorted(GGML_TYPES))
+def test_kernels_dequantise_to_the_numbers_gguf_py_gives(kernels: Kernels, kind: str) -> None:
+    """Every weight the kernels compute with is bit for bit the float32 value of transformers'
+    de-quantised copy (so quantised and float paths multiply the same matrix)."""
+    blocks = _random_blocks(kind, 7, 96, seed=1)
+    assert torch.equal(kernels.dequantize(kind, blocks, 96), _gguf_py(kind, blocks))
+
+
+@pytest.mark.parametrize("kind", sorted(GGML_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+def test_product_equals_the_float_product_up_to_rounding(
+    kernels: Kernels, kind: str, rows: int
+) -> None:
+    """``x @ W.T + b`` over the blocks equals the float64 product with the de-quantised matrix
+    within float32 rounding, for row counts on and off the kernel's 4-row tiles."""
+    blocks = _random_blocks(kind, 37, 160, seed=rows)
+    weight = _gguf_py(kind, blocks)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(37)
+    want = (x.double() @ weight.double().T + bias.double()).float()
+    got = kernels.mm(kind, x, blocks, bias)
+    assert got.shape == (rows, 37)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.mm(kind, x, blocks, None), want - bias, rtol=1e-5, atol=1e-5)
+
+
+def test_mismatched_shapes_are_refused_before_computing(kernels: Kernels) -> None:
+    """A width that is not the blocks', not a multiple of 32, a non-float32 or strided input:
+    ValueError, nothing read past the tensors."""
+    blocks = _random_blocks("Q8_0", 4, 64, seed=0)
+    for x in (
+        torch.randn(2, 96),
+        torch.randn(2, 48),
+        torch.randn(2, 64, dtype=torch.float64),
+        torch.randn(64, 2).T,
+    ):
+        with pytest.raises(ValueError, match="cannot multiply"):
+            kernels.mm("Q8_0", x, blocks, None)
+    with pytest.raises(ValueError, match="cannot multiply"):
+        kernels.mm("Q8_0", torch.randn(1, 64), blocks, torch.randn(5))
+
+
+def test_qlinear_uses_the_blocks_for_small_steps_only(kernels: Kernels) -> None:
+    """At most ``max_rows`` rows go through the kernel, more through ``F.linear`` on the float
+    weight (told apart here by giving the two different matrices); other dtypes come back in
+    their own dtype."""
+    blocks = _random_blocks("Q4_1", 16, 64, seed=3)
+    weight = _gguf_py("Q4_1", blocks)
+    linear = QLinear(
+        torch.zeros_like(weight), None, QuantizedMatrix("Q4_1", blocks, 64), kernels, 4
+    )
+    small = torch.randn(1, 4, 64)
+    torch.testing.assert_close(linear(small), small @ weight.T, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(linear(torch.randn(1, 5, 64))) == 0
+    half = linear(small.bfloat16())
+    assert half.dtype == torch.bfloat16 and half.shape == (1, 4, 16)
+    assert not QLinear(weight, None, None, kernels).uses_kernel(1)
+
+
+@pytest.fixture(scope="module")
+def default_fp32() -> object:
+    return load_model("default", dtype="float32", device="cpu")
+
+
+@pytest.mark.model
+def test_default_gguf_blocks_hold_the_converted_weights(
+    kernels: Kernels, default_fp32: object
+) -> None:
+    """Every projection and the LM head of the default model, read from the GGUF file (Q/K rows
+    un-permuted as transformers does), de-quantises to exactly the loaded float32 weights."""
+    loaded = default_fp32
+    blocks = read_llama_blocks(default_gguf_path(), loaded.config)  # type: ignore[attr-defined]
+    base = loaded.model.base_model  # type: ignore[attr-defined]
+    assert len(blocks) == 7 * len(base.layers) + 1
+    assert blocks["head"].kind == "Q8_0" and blocks["0.q"].kind == "Q4_1"
+    for i, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for key, module in {
+            "q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
+            "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj,
+        }.items():  # fmt: skip
+            m = blocks[f"{i}.{key}"]
+            assert torch.equal(kernels.dequantize(m.kind, m.blocks, m.cols), module.weight), key
+    head = loaded.model.get_output_embeddings().weight  # type: ignore[attr-defined]
+    m = blocks["head"]
+    assert torch.equal(kernels.dequantize(m.kind, m.blocks, m.cols), head)
+
+
+@pytest.mark.model
+def test_blocks_in_the_wrong_row_order_are_not_used(kernels: Kernels, default_fp32: object) -> None:
+    """A matrix whose rows do not match the model's (a mapping mistake, or Q rows left in
+    llama.cpp's order) is detected at load by the sampled-row check and stays on the float path."""
+    loaded = default_fp32
+    blocks = read_llama_blocks(default_gguf_path(), loaded.config)  # type: ignore[attr-defined]
+    q = blocks["0.q"]
+    weight = loaded.model.base_model.layers[0].self_attn.q_proj.weight  # type: ignore[attr-defined]
+    assert q.matches(kernels, weight)
+    swapped = QuantizedMatrix(q.kind, q.blocks.roll(1, 0), q.cols)
+    assert not swapped.matches(kernels, weight)
+    assert not q.matches(kernels, weight[:-1])
+
+
+@pytest.mark.model
+def test_runner_uses_the_blocks_for_every_projection(
+    default_fp32: object, kernels: Kernels
+) -> None:
+    """With the GGUF file at hand, every fused projection and the LM head run on blocks."""
+    runner = ModelRunner(default_fp32, quantization="gguf")  # type: ignore[arg-type]
+    layers = default_fp32.config.num_hidden_layers  # type: ignore[attr-defined]
+    assert runner.quantized == {"projections": 4 * layers, "of": 4 * layers, "head": "Q8_0"}
+
+
+@pytest.mark.model
+def test_model_directories_run_dequantised_and_gguf_mode_refuses_them(tiny_model_dir: Path) -> None:
+    """A model directory has no blocks: ``auto`` runs as before, ``gguf`` fails with why."""
+    loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    assert ModelRunner(loaded).quantized["projections"] == 0
+    with pytest.raises(ModelUnavailable, match="not loaded from a GGUF file"):
+        ModelRunner(loaded, quantization="gguf")
+
+
+def test_without_a_compiler_auto_falls_back_and_gguf_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No C compiler: :func:`load_kernels` says so, ``auto`` uses no blocks, ``gguf`` refuses
+    with the reason."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(KernelsUnavailable, match="no C compiler"):
+        load_kernels(tmp_path)
+    config = object()
+    cpu = torch.device("cpu")
+    assert prepare_quantized(default_gguf_path(), config, cpu, "auto", tmp_path) == ({}, None)
+    assert prepare_quantized(default_gguf_path(), config, cpu, "none", tmp_path) == ({}, None)
+    with pytest.raises(ModelUnavailable, match="no C compiler"):
+        prepare_quantized(default_gguf_path(), config, cpu, "gguf", tmp_path)
+
+
+def test_a_failing_compiler_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that fails: KernelsUnavailable naming it, nothing left in the cache."""
+    fake = tmp_path / "fakecc"
+    fake.write_text("#!/bin/sh\necho 'fakecc: error: nope' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.raises(KernelsUnavailable, match="failed to build the kernels: fakecc: error"):
+        load_kernels(tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("*.so"))
