@@ -35,55 +35,62 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* the 32 unsigned nibbles of a 4-bit block as four vectors of floats */
-static inline void nibbles(const uint8_t *qs, __m256 q[4]) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
+/* The layouts the products read: GGML blocks repacked once at load (stoic_repack) so that a
+ * block costs fewer instructions to expand, with scales (and offsets) as float32:
+ *   S8: {float d; i8 q[32]}             w = q * d         (from Q8_0)
+ *   U4: {float d; float m; u8 q[16]}    w = q * d + m     (from Q4_1)
+ *   Z4: {float d; u8 q[16]}             w = (q - 8) * d   (from Q4_0)
+ * In U4 and Z4, byte k < 8 holds weight k (low nibble) and k + 8 (high), byte 8 + k weights
+ * 16 + k and 24 + k: one vpmovzxbd of 8 bytes, a mask and a shift give 16 weights in order.
+ * Why: on 2 AVX2 cores the products over the GGML blocks themselves were bound by instructions
+ * (one thread read 2.9 GB/s of Q4_1 where it streams 12 GB/s); one byte a weight (40-byte
+ * blocks) halved the instructions at 8-64 rows but read 1.7x the bytes and gained nothing at
+ * one row; this layout needs about as few instructions in 24 bytes.
+ */
+#define S8 100
+#define U4 101
+#define Z4 102
+#define S8_BYTES 36
+#define U4_BYTES 24
+#define Z4_BYTES 20
 
-/* A block as its quantised values q (four vectors of floats), scale d and offset m: w = q * d + m */
-static inline void unpack_q4_0(const uint8_t *b, __m256 q[4], float *d, float *m) {
-    *d = half_to_float(b);
-    *m = -8.0f * *d; /* (q - 8) * d */
-    nibbles(b + 2, q);
-}
-
-static inline void unpack_q4_1(const uint8_t *b, __m256 q[4], float *d, float *m) {
-    *d = half_to_float(b);
-    *m = half_to_float(b + 2);
-    nibbles(b + 4, q);
-}
-
-static inline void unpack_q8_0(const uint8_t *b, __m256 q[4], float *d, float *m) {
-    *d = half_to_float(b);
-    *m = 0.0f;
-    __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
-    __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));
-}
-
-/* The weights exactly as gguf-py de-quantises them (q * d, then + m: two roundings). */
-#define DEFINE_DEQUANT(NAME, UNPACK)                                                           \
-    static inline void NAME(const uint8_t *b, __m256 w[4]) {                                  \
-        float d, m;                                                                           \
-        UNPACK(b, w, &d, &m);                                                                 \
-        const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);                          \
-        for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], dv), mv);        \
+/* 32 4-bit weights from the 16 bytes at q, in order, as floats */
+static inline void widen_u4(const uint8_t *q, __m256 w[4]) {
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    for (int h = 0; h < 2; h++) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * h)));
+        w[2 * h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+        w[2 * h + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
     }
-DEFINE_DEQUANT(dequant_q4_1, unpack_q4_1)
-DEFINE_DEQUANT(dequant_q8_0, unpack_q8_0)
+}
 
-static inline void dequant_q4_0(const uint8_t *b, __m256 w[4]) {
+static inline void widen_s8(const uint8_t *q, __m256 w[4]) {
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i))));
+}
+
+static inline void dequant_s8(const uint8_t *b, __m256 w[4]) {
+    float d;
+    memcpy(&d, b, 4);
+    const __m256 dv = _mm256_set1_ps(d);
+    widen_s8(b + 4, w);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], dv);
+}
+
+static inline void dequant_u4(const uint8_t *b, __m256 w[4]) {
     float d, m;
-    unpack_q4_0(b, w, &d, &m);
+    memcpy(&d, b, 4);
+    memcpy(&m, b + 4, 4);
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    widen_u4(b + 8, w);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], dv), mv);
+}
+
+static inline void dequant_z4(const uint8_t *b, __m256 w[4]) {
+    float d;
+    memcpy(&d, b, 4);
     const __m256 dv = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
+    widen_u4(b + 4, w);
     for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(_mm256_sub_ps(w[i], eight), dv);
 }
 
@@ -134,36 +141,85 @@ static inline void dequant_q4_0(const uint8_t *b, __m256 w[4]) {
         }                                                                                     \
     }
 
-DEFINE_MM(mm_q4_0, 18, dequant_q4_0)
-DEFINE_MM(mm_q4_1, 20, dequant_q4_1)
-DEFINE_MM(mm_q8_0, 34, dequant_q8_0)
+DEFINE_MM(mm_s8, S8_BYTES, dequant_s8)
+DEFINE_MM(mm_u4, U4_BYTES, dequant_u4)
+DEFINE_MM(mm_z4, Z4_BYTES, dequant_z4)
 
-/* y = x @ W^T (+ bias). Returns 0, or -1 for a type it does not know or K not a multiple of 32. */
+/* The repacked size of one block of GGML type `type` (0: a type it does not know). */
+int64_t stoic_repacked_bytes(int type) {
+    return type == Q4_1 ? U4_BYTES : type == Q4_0 ? Z4_BYTES : type == Q8_0 ? S8_BYTES : 0;
+}
+
+/* GGML's nibble order (byte j: weights j and j + 16) into U4/Z4's (byte k < 8: k and k + 8) */
+static inline void reorder_nibbles(const uint8_t *in, uint8_t *out) {
+    uint8_t v[32];
+    for (int j = 0; j < 16; j++) {
+        v[j] = in[j] & 0x0F;
+        v[j + 16] = in[j] >> 4;
+    }
+    for (int k = 0; k < 8; k++) {
+        out[k] = (uint8_t)(v[k] | (v[k + 8] << 4));
+        out[8 + k] = (uint8_t)(v[16 + k] | (v[24 + k] << 4));
+    }
+}
+
+/* dst = the N rows of K / 32 GGML blocks at src, repacked (U4 for Q4_1, Z4 for Q4_0, S8 for
+ * Q8_0). The values are the same: every w the products compute equals gguf-py's de-quantisation
+ * (stoic_dequantize shows it). */
+int stoic_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    if (K % QK != 0 || !stoic_repacked_bytes(type)) return -1;
+    const int64_t blocks = N * (K / QK);
+    for (int64_t i = 0; i < blocks; i++) {
+        if (type == Q4_1) {
+            const uint8_t *b = src + i * 20;
+            uint8_t *o = dst + i * U4_BYTES;
+            const float d = half_to_float(b), m = half_to_float(b + 2);
+            memcpy(o, &d, 4);
+            memcpy(o + 4, &m, 4);
+            reorder_nibbles(b + 4, o + 8);
+        } else if (type == Q4_0) {
+            const uint8_t *b = src + i * 18;
+            uint8_t *o = dst + i * Z4_BYTES;
+            const float d = half_to_float(b);
+            memcpy(o, &d, 4);
+            reorder_nibbles(b + 2, o + 4);
+        } else {
+            const uint8_t *b = src + i * 34;
+            uint8_t *o = dst + i * S8_BYTES;
+            const float d = half_to_float(b);
+            memcpy(o, &d, 4);
+            memcpy(o + 4, b + 2, 32);
+        }
+    }
+    return 0;
+}
+
+/* y = x @ W^T (+ bias) for W repacked as `type` (S8, U4 or Z4). Returns 0, or -1 for another type or
+ * K not a multiple of 32. */
 int stoic_qmm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
               const float *bias, float *y, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
     switch (type) {
-    case Q4_0: mm_q4_0(x, M, K, w, N, bias, y, threads); return 0;
-    case Q4_1: mm_q4_1(x, M, K, w, N, bias, y, threads); return 0;
-    case Q8_0: mm_q8_0(x, M, K, w, N, bias, y, threads); return 0;
+    case S8: mm_s8(x, M, K, w, N, bias, y, threads); return 0;
+    case U4: mm_u4(x, M, K, w, N, bias, y, threads); return 0;
+    case Z4: mm_z4(x, M, K, w, N, bias, y, threads); return 0;
     default: return -1;
     }
 }
 
-/* out[N, K] = W, de-quantised exactly as the products see it (for checks and tests). */
+/* out[N, K] = the weights of N rows of GGML blocks, as the products see them (repacked, then
+ * de-quantised by the products' own code): for checks and tests. */
 int stoic_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
-    if (K % QK != 0) return -1;
-    const int64_t nb = K / QK;
     const int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0;
-    if (!bytes) return -1;
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < nb; b++) {
-            __m256 v[4];
-            const uint8_t *blk = w + (n * nb + b) * bytes;
-            if (type == Q4_0) dequant_q4_0(blk, v);
-            else if (type == Q4_1) dequant_q4_1(blk, v);
-            else dequant_q8_0(blk, v);
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + n * K + b * QK + 8 * i, v[i]);
-        }
+    if (K % QK != 0 || !bytes) return -1;
+    uint8_t packed[S8_BYTES];
+    for (int64_t i = 0; i < N * (K / QK); i++) {
+        __m256 v[4];
+        stoic_repack(type, w + i * bytes, 1, QK, packed);
+        if (type == Q4_1) dequant_u4(packed, v);
+        else if (type == Q4_0) dequant_z4(packed, v);
+        else dequant_s8(packed, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * QK + 8 * j, v[j]);
+    }
     return 0;
 }

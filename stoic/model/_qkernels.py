@@ -34,10 +34,16 @@ __all__ = ["GGML_TYPES", "Kernels", "KernelsUnavailable", "load_kernels"]
 
 #: GGML type ids the kernels compute on, with their block size in bytes (32 weights a block)
 GGML_TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+#: the repacked layout (``_qkernels.c``) the products read for each GGML type
+_LAYOUTS = {"Q4_0": 102, "Q4_1": 101, "Q8_0": 100}
+_FLAGS = (
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
+    "-Wall", "-Werror",
+)  # fmt: skip
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 _COMPILE_TIMEOUT_S = 120.0
 _log = get_logger("stoic.model")
+get_threads = torch.get_num_threads
 
 
 class KernelsUnavailable(RuntimeError):
@@ -51,44 +57,54 @@ class Kernels:
     path: Path
     _qmm: Callable[..., int]
     _dequantize: Callable[..., int]
+    _repack: Callable[..., int]
+    _packed_bytes: Callable[[int], int]
 
     def mm(
         self, kind: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for ``x`` ``[M, K]`` float32 contiguous and ``W`` held as
         ``blocks`` (uint8 ``[N, K / 32 * block_bytes]`` of GGML type ``kind``); float32
-        ``[M, N]``.
+        ``[M, N]``. Repacks the blocks on every call: a step uses :meth:`bind`.
 
         :raises ValueError: if the shapes or dtypes do not fit (nothing is computed).
         """
+        return self.bind(kind, blocks, bias)(x)
+
+    def bind(
+        self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
+        products' layout once (float32 scales, nibbles reordered: 0.625-1.125 bytes a weight),
+        so a decode step pays a ctypes call and an output allocation.
+
+        :raises ValueError: if the blocks or the bias do not fit (here), or when called with an
+            ``x`` of another width, dtype or layout.
+        """
         type_id, block_bytes = GGML_TYPES[kind]
-        m, k = x.shape
-        n = blocks.shape[0]
-        if (
-            x.dtype != torch.float32
-            or not x.is_contiguous()
-            or k % 32
-            or blocks.dtype != torch.uint8
-            or not blocks.is_contiguous()
-            or blocks.shape[1] != k // 32 * block_bytes
-            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))
-        ):
-            raise ValueError(f"cannot multiply x {tuple(x.shape)} by {kind} {tuple(blocks.shape)}")
-        y = torch.empty(m, n, dtype=torch.float32)
-        rc = self._qmm(
-            type_id,
-            x.data_ptr(),
-            m,
-            k,
-            blocks.data_ptr(),
-            n,
-            None if bias is None else bias.contiguous().data_ptr(),
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if rc != 0:  # pragma: no cover - excluded by the checks above
-            raise ValueError(f"the {kind} kernel refused x {tuple(x.shape)}")
-        return y
+        n, row_bytes = blocks.shape
+        cols = row_bytes // block_bytes * 32
+        if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_bytes % block_bytes:
+            raise ValueError(f"not {kind} blocks: {blocks.dtype} {tuple(blocks.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+            raise ValueError(f"a bias of {tuple(bias.shape)} for {n} outputs")
+        packed = torch.empty(n, cols // 32 * self._packed_bytes(type_id), dtype=torch.uint8)
+        if self._repack(type_id, blocks.data_ptr(), n, cols, packed.data_ptr()) != 0:
+            raise ValueError(f"cannot repack {kind} blocks {tuple(blocks.shape)}")
+        bias = None if bias is None else bias.contiguous()
+        qmm, w_ptr, layout = self._qmm, packed.data_ptr(), _LAYOUTS[kind]
+        b_ptr = None if bias is None else bias.data_ptr()
+        f32 = torch.float32
+
+        def product(x: torch.Tensor, _keep: tuple[object, ...] = (packed, bias)) -> torch.Tensor:
+            if x.dtype != f32 or x.dim() != 2 or x.shape[1] != cols or not x.is_contiguous():
+                raise ValueError(f"cannot multiply x {tuple(x.shape)} by {kind} {(n, cols)}")
+            m = x.shape[0]
+            y = torch.empty(m, n, dtype=f32)
+            qmm(layout, x.data_ptr(), m, cols, w_ptr, n, b_ptr, y.data_ptr(), get_threads())
+            return y
+
+        return product
 
     def dequantize(self, kind: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
         """The float32 ``[N, cols]`` matrix ``blocks`` holds, as :meth:`mm` sees it."""
@@ -179,10 +195,17 @@ def load_kernels(cache_root: Path) -> Kernels:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelsUnavailable(f"cannot load {target}: {e}") from e
-    qmm, deq = lib.stoic_qmm, lib.stoic_dequantize
+    qmm, deq, repack, size = (
+        lib.stoic_qmm,
+        lib.stoic_dequantize,
+        lib.stoic_repack,
+        lib.stoic_repacked_bytes,
+    )
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     qmm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    qmm.restype = ctypes.c_int
     deq.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
-    deq.restype = ctypes.c_int
-    return Kernels(target, qmm, deq)
+    repack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    size.argtypes = [ctypes.c_int]
+    qmm.restype = deq.restype = repack.restype = ctypes.c_int
+    size.restype = i64
+    return Kernels(target, qmm, deq, repack, size)

@@ -17,6 +17,7 @@ float path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -98,7 +99,7 @@ class QLinear:
     """``F.linear`` over ``weight`` and ``bias``; with ``quantized`` blocks and ``kernels``, a
     step of at most ``max_rows`` rows is multiplied by the blocks instead (same numbers)."""
 
-    __slots__ = ("_bias32", "bias", "kernels", "max_rows", "quantized", "weight")
+    __slots__ = ("_product", "_rows", "bias", "max_rows", "quantized", "weight")
 
     def __init__(
         self,
@@ -111,32 +112,36 @@ class QLinear:
         self.weight = weight
         self.bias = bias
         self.quantized = quantized if kernels is not None else None
-        self.kernels = kernels
         self.max_rows = max_rows
-        self._bias32 = None if bias is None else bias.detach().float().contiguous()
+        self._product: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._rows = 0
+        if self.quantized is not None and kernels is not None:
+            bias32 = None if bias is None else bias.detach().float()
+            self._product = kernels.bind(self.quantized.kind, self.quantized.blocks, bias32)
+            self._rows = self.quantized.rows
 
     def uses_kernel(self, rows: int) -> bool:
-        return self.quantized is not None and rows <= self.max_rows
+        return self._product is not None and rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
-        if self.quantized is None or rows > self.max_rows or rows == 0:
+        product = self._product
+        if product is None or rows > self.max_rows or rows == 0:
             return F.linear(x, self.weight, self.bias)
-        assert self.kernels is not None
         flat = x.reshape(rows, width)
         if flat.dtype != torch.float32:
             flat = flat.float()
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
         if torch._C._autograd._profiler_enabled():  # the product shows in torch.profiler's table
-            with torch.profiler.record_function(f"stoic::{self.quantized.kind}_mm"):
-                y = self.kernels.mm(
-                    self.quantized.kind, flat.contiguous(), self.quantized.blocks, self._bias32
-                )
+            with torch.profiler.record_function("stoic::quantized_mm"):
+                y = product(flat)
         else:
-            y = self.kernels.mm(
-                self.quantized.kind, flat.contiguous(), self.quantized.blocks, self._bias32
-            )
-        return y.to(x.dtype).view(*x.shape[:-1], self.quantized.rows)
+            y = product(flat)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self._rows)
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:

@@ -81,8 +81,10 @@ def test_mismatched_shapes_are_refused_before_computing(kernels: Kernels) -> Non
     ):
         with pytest.raises(ValueError, match="cannot multiply"):
             kernels.mm("Q8_0", x, blocks, None)
-    with pytest.raises(ValueError, match="cannot multiply"):
+    with pytest.raises(ValueError, match="a bias of"):
         kernels.mm("Q8_0", torch.randn(1, 64), blocks, torch.randn(5))
+    with pytest.raises(ValueError, match="not Q8_0 blocks"):
+        kernels.mm("Q8_0", torch.randn(1, 64), blocks[:, :-1].contiguous(), None)
 
 
 def test_qlinear_uses_the_blocks_for_small_steps_only(kernels: Kernels) -> None:
