@@ -26,7 +26,13 @@ from ..actors import (
 )
 from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
-from ..model import LoadedModel, SamplingParams, load_model
+from ..model import (
+    LoadedModel,
+    SamplingParams,
+    default_cache_dir,
+    load_model,
+    require_quantized,
+)
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
@@ -75,7 +81,8 @@ class Engine:
         cancellation that arrives during the drain ends the drain at once (the streams still
         running end with :class:`~stoic.errors.EngineStopped`), but still leaves no actor running.
 
-        :raises ModelUnavailable: if the model cannot be found or loaded locally.
+        :raises ModelUnavailable: if the model cannot be found or loaded locally, or
+            ``quantization="gguf"`` cannot be honoured.
         """
         cfg = config or EngineConfig()
         in_process = cfg.executor == "thread"
@@ -91,6 +98,10 @@ class Engine:
                 weights=in_process,
             )
         )
+        if cfg.quantization == "gguf":  # refused here, not in a worker process starting
+            await anyio.to_thread.run_sync(
+                require_quantized, loaded.gguf, loaded.device, cfg.cache_dir or default_cache_dir()
+            )
         spec = kv_cache_spec(cfg, loaded)
         health = EngineHealth()
         faults = FaultInjector(cfg.faults)

@@ -15,6 +15,7 @@ from ._loader import (
 )
 from ._paged import KVCacheSpec, PagedKVCache
 from ._params import SamplingParams
+from ._quant import require_quantized
 from ._runner import ModelRunner
 from ._source import check_model_source
 
@@ -39,6 +40,7 @@ __all__ = [
     "default_cache_dir",
     "default_gguf_path",
     "load_model",
+    "require_quantized",
     "resolve_device",
     "resolve_dtype",
 ]

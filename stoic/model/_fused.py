@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._cdecode import CDecoder, layer_weights
 from ._paged import StepMetadata, paged_attention
 from ._qkernels import Kernels
 from ._quant import QLinear, QuantizedMatrix
@@ -147,6 +148,20 @@ class FusedLlama:
                 )
             )
 
+        #: decode-only steps' layers in C (:mod:`._cdecode`), when every projection runs on
+        #: quantised blocks and the shapes allow; None: the torch path for every step
+        self.c_decoder: CDecoder | None = None
+        weights = layer_weights(self._layers) if kernels is not None else None
+        dtype = self._final_norm.dtype
+        if (
+            kernels is not None
+            and weights is not None
+            and CDecoder.supports(dtype, self._head_dim, self._heads, self._kv_heads)
+        ):
+            self.c_decoder = CDecoder(
+                kernels, weights, self._heads, self._kv_heads, self._head_dim, self._eps
+            )
+
     @property
     def quantized_projections(self) -> tuple[int, int]:
         """(projections with quantised blocks, all projections): 4 a layer."""
@@ -161,6 +176,9 @@ class FusedLlama:
         cos, sin = self._rotary(hidden, positions)
         # [1, 1, N, D]: broadcast over the heads of [1, heads, N, D]
         cos, sin = cos[:, None], sin[:, None]
+        if self.c_decoder is not None and self.c_decoder.accepts(step, hidden.shape[1]):
+            hidden = self.c_decoder.forward(hidden, cos, sin, step)
+            return F.rms_norm(hidden, (hidden.shape[-1],), self._final_norm, self._eps)
         dim = self._head_dim
         sizes = [self._heads * dim, self._kv_heads * dim, self._kv_heads * dim]
         for layer in self._layers:

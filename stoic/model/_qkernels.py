@@ -23,14 +23,14 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .._logging import get_logger
 
-__all__ = ["GGML_TYPES", "Kernels", "KernelsUnavailable", "load_kernels"]
+__all__ = ["GGML_TYPES", "Kernels", "KernelsUnavailable", "Product", "load_kernels"]
 
 #: GGML type ids the kernels compute on, with their block size in bytes (32 weights a block)
 GGML_TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
@@ -38,7 +38,9 @@ GGML_TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_
 _LAYOUTS = {"Q4_0": 102, "Q4_1": 101, "Q8_0": 100}
 _FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
-    "-Wall", "-Werror",
+    # a missing declaration is an error (the library would load and fail at its first call);
+    # other warnings are not: they differ between compiler versions
+    "-Wall", "-Werror=implicit-function-declaration",
 )  # fmt: skip
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 _COMPILE_TIMEOUT_S = 120.0
@@ -50,15 +52,81 @@ class KernelsUnavailable(RuntimeError):
     """The quantised kernels cannot run here; the message says why (one line)."""
 
 
-@dataclass(frozen=True)
+class Product:
+    """``x @ W.T (+ bias)`` by a matrix repacked for the kernels (:meth:`Kernels.bind`): a call
+    costs a ctypes call and an output allocation."""
+
+    __slots__ = ("_bias", "_packed", "_qmm", "cols", "kind", "layout", "rows")
+
+    def __init__(
+        self,
+        qmm: Callable[..., int],
+        kind: str,
+        packed: torch.Tensor,
+        cols: int,
+        bias: torch.Tensor | None,
+    ) -> None:
+        self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
+        self.layout = _LAYOUTS[kind]
+        self.rows, self.cols = int(packed.shape[0]), cols
+
+    @property
+    def pointer(self) -> int:
+        """Where the repacked blocks are (for the layer kernels); valid while this lives."""
+        return int(self._packed.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """:raises ValueError: if ``x`` is not float32 ``[M, cols]`` contiguous."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
+            raise ValueError(
+                f"cannot multiply x {tuple(x.shape)} by {self.kind} {(self.rows, self.cols)}"
+            )
+        if not x.is_contiguous():
+            raise ValueError(f"cannot multiply a strided x {tuple(x.shape)}")
+        m = x.shape[0]
+        y = torch.empty(m, self.rows, dtype=torch.float32)
+        bias = None if self._bias is None else self._bias.data_ptr()
+        self._qmm(
+            self.layout, x.data_ptr(), m, self.cols, self.pointer, self.rows, bias,
+            y.data_ptr(), get_threads(),
+        )  # fmt: skip
+        return y
+
+
 class Kernels:
     """The loaded library. Thread-safe: calls share nothing but their arguments."""
 
-    path: Path
-    _qmm: Callable[..., int]
-    _dequantize: Callable[..., int]
-    _repack: Callable[..., int]
-    _packed_bytes: Callable[[int], int]
+    def __init__(self, path: Path, lib: ctypes.CDLL) -> None:
+        self.path = path
+        i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        signatures: dict[str, list[Any]] = {
+            "stoic_qmm": [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32],
+            "stoic_dequantize": [i32, ptr, i64, i64, ptr],
+            "stoic_repack": [i32, ptr, i64, i64, ptr],
+            "stoic_repacked_bytes": [i32],
+            # hidden M D norm eps layout qkv heads kv_heads dh cos sin q k v threads
+            "stoic_layer_pre": [ptr, i64, i64, ptr, f32, i32, ptr, i64, i64, i64, ptr, ptr,
+                                ptr, ptr, ptr, i32],
+            # q k v k_pool v_pool write tables lens M heads kv_heads dh block max_blocks scale
+            # out threads
+            "stoic_decode_attention": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                       i64, i64, i64, f32, ptr, i32],
+            # hidden attn M D A layout_o o norm eps layout_gu gate_up F layout_down down threads
+            "stoic_layer_post": [ptr, ptr, i64, i64, i64, i32, ptr, ptr, f32, i32, ptr, i64,
+                                 i32, ptr, i32],
+        }  # fmt: skip
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = i64 if name == "stoic_repacked_bytes" else i32
+        self._qmm: Callable[..., int] = lib.stoic_qmm
+        self._dequantize: Callable[..., int] = lib.stoic_dequantize
+        self._repack: Callable[..., int] = lib.stoic_repack
+        self._packed_bytes: Callable[[int], int] = lib.stoic_repacked_bytes
+        #: the layer kernels (:mod:`._cdecode` calls them)
+        self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
+        self.attention: Callable[..., int] = lib.stoic_decode_attention
+        self.layer_post: Callable[..., int] = lib.stoic_layer_post
 
     def mm(
         self, kind: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None
@@ -71,15 +139,11 @@ class Kernels:
         """
         return self.bind(kind, blocks, bias)(x)
 
-    def bind(
-        self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    def bind(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
-        products' layout once (float32 scales, nibbles reordered: 0.625-1.125 bytes a weight),
-        so a decode step pays a ctypes call and an output allocation.
+        products' layout once (float32 scales, nibbles reordered: 0.625-1.125 bytes a weight).
 
-        :raises ValueError: if the blocks or the bias do not fit (here), or when called with an
-            ``x`` of another width, dtype or layout.
+        :raises ValueError: if the blocks or the bias do not fit.
         """
         type_id, block_bytes = GGML_TYPES[kind]
         n, row_bytes = blocks.shape
@@ -91,20 +155,7 @@ class Kernels:
         packed = torch.empty(n, cols // 32 * self._packed_bytes(type_id), dtype=torch.uint8)
         if self._repack(type_id, blocks.data_ptr(), n, cols, packed.data_ptr()) != 0:
             raise ValueError(f"cannot repack {kind} blocks {tuple(blocks.shape)}")
-        bias = None if bias is None else bias.contiguous()
-        qmm, w_ptr, layout = self._qmm, packed.data_ptr(), _LAYOUTS[kind]
-        b_ptr = None if bias is None else bias.data_ptr()
-        f32 = torch.float32
-
-        def product(x: torch.Tensor, _keep: tuple[object, ...] = (packed, bias)) -> torch.Tensor:
-            if x.dtype != f32 or x.dim() != 2 or x.shape[1] != cols or not x.is_contiguous():
-                raise ValueError(f"cannot multiply x {tuple(x.shape)} by {kind} {(n, cols)}")
-            m = x.shape[0]
-            y = torch.empty(m, n, dtype=f32)
-            qmm(layout, x.data_ptr(), m, cols, w_ptr, n, b_ptr, y.data_ptr(), get_threads())
-            return y
-
-        return product
+        return Product(self._qmm, kind, packed, cols, None if bias is None else bias.contiguous())
 
     def dequantize(self, kind: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
         """The float32 ``[N, cols]`` matrix ``blocks`` holds, as :meth:`mm` sees it."""
@@ -147,7 +198,7 @@ def _build(cc: str, source: bytes, target: Path) -> None:
         src.write_bytes(source)
         out = Path(tmp) / target.name
         proc = subprocess.run(
-            [cc, *_FLAGS, "-o", str(out), str(src)],
+            [cc, *_FLAGS, "-o", str(out), str(src), "-lm"],
             capture_output=True,
             text=True,
             timeout=_COMPILE_TIMEOUT_S,
@@ -195,17 +246,7 @@ def load_kernels(cache_root: Path) -> Kernels:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelsUnavailable(f"cannot load {target}: {e}") from e
-    qmm, deq, repack, size = (
-        lib.stoic_qmm,
-        lib.stoic_dequantize,
-        lib.stoic_repack,
-        lib.stoic_repacked_bytes,
-    )
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    qmm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    deq.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
-    repack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
-    size.argtypes = [ctypes.c_int]
-    qmm.restype = deq.restype = repack.restype = ctypes.c_int
-    size.restype = i64
-    return Kernels(target, qmm, deq, repack, size)
+    try:
+        return Kernels(target, lib)
+    except AttributeError as e:  # a library built from another source
+        raise KernelsUnavailable(f"{target} lacks a kernel: {e}") from e

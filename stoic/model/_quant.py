@@ -17,7 +17,6 @@ float path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from .._logging import get_logger
 from ..config import Quantization
 from ._gguf import GgufHeader, GgufTensor, read_gguf_header
-from ._qkernels import GGML_TYPES, Kernels
+from ._qkernels import GGML_TYPES, Kernels, Product
 
 __all__ = [
     "MAX_KERNEL_ROWS",
@@ -113,12 +112,17 @@ class QLinear:
         self.bias = bias
         self.quantized = quantized if kernels is not None else None
         self.max_rows = max_rows
-        self._product: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._product: Product | None = None
         self._rows = 0
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
             self._product = kernels.bind(self.quantized.kind, self.quantized.blocks, bias32)
             self._rows = self.quantized.rows
+
+    @property
+    def product(self) -> Product | None:
+        """The bound product by the blocks (None: none)."""
+        return self._product
 
     def uses_kernel(self, rows: int) -> bool:
         return self._product is not None and rows <= self.max_rows
@@ -199,6 +203,34 @@ def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
     return out
 
 
+def _unavailable(gguf: Path | None, device: torch.device, cache_root: Path) -> str | None:
+    """Why the kernels cannot serve a model loaded from ``gguf`` on ``device`` (None: they can;
+    the kernels are then built)."""
+    from ._qkernels import KernelsUnavailable, load_kernels
+
+    if gguf is None:
+        return "the model was not loaded from a GGUF file"
+    if device.type != "cpu":
+        return f"the quantised kernels run on a CPU, the model is on {device}"
+    try:
+        load_kernels(cache_root)
+    except KernelsUnavailable as e:
+        return str(e)
+    return None
+
+
+def require_quantized(gguf: Path | None, device: torch.device, cache_root: Path) -> None:
+    """Check, before any worker process starts, that ``--quantization gguf`` can be honoured.
+
+    :raises ModelUnavailable: if it cannot (one line: why).
+    """
+    from ..errors import ModelUnavailable
+
+    why = _unavailable(gguf, device, cache_root)
+    if why is not None:
+        raise ModelUnavailable(f"quantization 'gguf' cannot be used: {why}")
+
+
 def prepare_quantized(
     gguf: Path | None, config: Any, device: torch.device, mode: Quantization, cache_root: Path
 ) -> tuple[dict[str, QuantizedMatrix], Kernels | None]:
@@ -209,28 +241,22 @@ def prepare_quantized(
     :raises ModelUnavailable: with ``mode="gguf"``, if they cannot be used (one line: why).
     """
     from ..errors import ModelUnavailable
-    from ._qkernels import KernelsUnavailable, load_kernels
+    from ._qkernels import load_kernels
 
     if mode == "none":
         return {}, None
-    why: str | None = None
-    if gguf is None:
-        why = "the model was not loaded from a GGUF file"
-    elif device.type != "cpu":
-        why = f"the quantised kernels run on a CPU, the model is on {device}"
-    else:
+    why = _unavailable(gguf, device, cache_root)
+    if why is None:
+        assert gguf is not None
         try:
-            kernels = load_kernels(cache_root)
             blocks = read_llama_blocks(gguf, config)
-        except KernelsUnavailable as e:
-            why = str(e)
         except (OSError, ValueError) as e:
             why = f"cannot read the quantised weights of {gguf}: {e}"
         else:
-            if not blocks:
-                why = f"no matrix of {gguf} is of a type the kernels compute on ({', '.join(GGML_TYPES)})"
-            else:
-                return blocks, kernels
+            if blocks:
+                return blocks, load_kernels(cache_root)
+            kinds = ", ".join(GGML_TYPES)
+            why = f"no matrix of {gguf} is of a type the kernels compute on ({kinds})"
     if mode == "gguf":
         raise ModelUnavailable(f"quantization 'gguf' cannot be used: {why}")
     _log.info("model.quantization.off", reason=why)

@@ -11,6 +11,7 @@ import torch
 
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
 from stoic.model._fused import SPLIT_MLP_ROWS, fuse_llama
+from stoic.model.testing import final_hidden_states
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -25,24 +26,7 @@ def runners(tiny_model_dir: Path) -> tuple[ModelRunner, ModelRunner]:
 def _hidden_states(
     runner: ModelRunner, steps: list[StepBatch]
 ) -> tuple[list[torch.Tensor], PagedKVCache]:
-    """The final hidden states of the sampled rows of every step that samples, run in order on a
-    fresh (zeroed) cache, and that cache."""
-    cache = PagedKVCache(runner.kv_spec(num_blocks=16, block_size=4))
-    cache.zero_blocks(tuple(range(16)))
-    captured: list[torch.Tensor] = []
-    head = runner._head
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        captured.append(x.clone())
-        return head(x)
-
-    runner._head = spy  # type: ignore[assignment]
-    try:
-        for batch in steps:
-            runner.execute(batch, cache)
-    finally:
-        runner._head = head
-    return captured, cache
+    return final_hidden_states(runner, steps, num_blocks=16, block_size=4)
 
 
 def test_fused_forward_equals_transformers_forward_bitwise(

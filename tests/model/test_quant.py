@@ -4,6 +4,7 @@ them gives the float32 product up to the order of the sums."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +192,33 @@ def test_a_failing_compiler_is_reported(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(KernelsUnavailable, match="failed to build the kernels: fakecc: error"):
         load_kernels(tmp_path / "cache")
     assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+@pytest.mark.model
+async def test_gguf_mode_is_refused_before_any_worker_starts(tiny_model_dir: Path) -> None:
+    """``quantization="gguf"`` with a model directory: the engine start fails with the reason in
+    the server process (a configuration error), not in a worker process starting."""
+    import stoic
+
+    config = stoic.EngineConfig(model=str(tiny_model_dir), quantization="gguf", executor="process")
+    with pytest.raises(ModelUnavailable, match="not loaded from a GGUF file"):
+        async with stoic.Engine.start(config):
+            pytest.fail("the engine started")
+
+
+def test_kernels_build_wherever_the_machine_allows(tmp_path: Path) -> None:
+    """On an x86-64 CPU with AVX2, FMA and F16C and a C compiler, the kernels build (from
+    nothing) and load: a broken build fails here instead of skipping every test above."""
+    from stoic.model import _qkernels
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("not an x86-64 machine")
+    missing = {"avx2", "fma", "f16c"} - _qkernels._cpu_flags()
+    if missing or _qkernels._compiler() is None:
+        pytest.skip(f"no compiler, or the CPU lacks {missing}")
+    kernels = load_kernels(tmp_path)
+    assert kernels.path.is_relative_to(tmp_path) and kernels.path.exists()
+    blocks = _random_blocks("Q4_0", 3, 32, seed=5)
+    x = torch.randn(2, 32)
+    want = x @ _gguf_py("Q4_0", blocks).T
+    torch.testing.assert_close(kernels.mm("Q4_0", x, blocks, None), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,169 @@
+"""A decode step's decoder layers in C: three kernel calls a layer (:mod:`._qkernels`).
+
+On a CPU, one sequence's decode step through :class:`._fused.FusedLlama` ran ~40 torch
+operators a layer (norms, rotary, the paged attention's gathers and masks, SiLU, residuals); at
+one row each costs its dispatch, not its arithmetic, and together they took as long as all the
+quantised matrix products of the step. :class:`CDecoder` runs the same formulas as
+``stoic_layer_pre`` (RMSNorm, the fused ``[q; k; v]`` product, rotary), ``stoic_decode_attention``
+(the new keys and values written into the paged pools, then attention over each sequence's blocks
+in place: no gather) and ``stoic_layer_post`` (output projection, residual, RMSNorm, gated MLP,
+residual).
+
+It serves decode-only steps of at most :data:`._quant.MAX_KERNEL_ROWS` tokens, in float32, for
+models whose every projection runs on quantised blocks, without attention sliding windows; the
+torch path serves everything else. Its results differ from the torch path's by float32 rounding
+(``tests/model/test_cdecode.py``); greedy outputs equal transformers' ``generate``
+(``tests/engine/test_correctness.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._paged import StepMetadata
+from ._qkernels import Kernels, Product
+from ._quant import MAX_KERNEL_ROWS
+
+__all__ = ["CDecoder", "LayerWeights"]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What the layer kernels read of one layer."""
+
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    qkv: Product
+    o: Product
+    gate_up: Product
+    down: Product
+    #: the layer's index in the KV cache, and its attention scale
+    cache_layer: int
+    scaling: float
+
+
+class CDecoder:
+    """Runs a decode-only step's layers with the C kernels."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        layers: list[LayerWeights],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ) -> None:
+        self._k = kernels
+        self._layers = layers
+        self._heads, self._kv_heads, self._dim = heads, kv_heads, head_dim
+        self._eps = eps
+
+    @staticmethod
+    def supports(dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> bool:
+        """Whether a model of these shapes can run here at all."""
+        return dtype == torch.float32 and head_dim % 8 == 0 and heads % kv_heads == 0
+
+    def accepts(self, step: StepMetadata, tokens: int) -> bool:
+        """Whether this step is one :meth:`forward` runs (decode only, few tokens)."""
+        return not step.prefills and bool(step.decodes) and 0 < tokens <= MAX_KERNEL_ROWS
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepMetadata
+    ) -> torch.Tensor:
+        """The hidden states after the last layer (before the final norm), ``[1, M, width]``,
+        for ``hidden`` ``[1, M, width]`` and ``cos``/``sin`` ``[1, M, head_dim]``.
+
+        :raises RuntimeError: if a kernel fails (out of memory); the cache may be part-written,
+            as after any failed step.
+        """
+        m, width = hidden.shape[1], hidden.shape[2]
+        h, kvh, dim = self._heads, self._kv_heads, self._dim
+        hidden = hidden.reshape(m, width).contiguous()
+        cos, sin = cos.reshape(m, dim).contiguous(), sin.reshape(m, dim).contiguous()
+        q = torch.empty(m, h, dim)
+        k = torch.empty(m, kvh, dim)
+        v = torch.empty(m, kvh, dim)
+        out = torch.empty(m, h, dim)
+        tables, lens = _block_tables(step, m)
+        write = step.write_index.contiguous()
+        cache = step.cache
+        threads = torch.get_num_threads()
+        eps = self._eps
+        pre, attend, post = self._k.layer_pre, self._k.attention, self._k.layer_post
+        hp, cp, sp = hidden.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        tp, lp, wp = tables.data_ptr(), lens.data_ptr(), write.data_ptr()
+        block = cache.spec.block_size
+        max_blocks = tables.shape[2]
+        for layer in self._layers:
+            qkv, o, gu, down = layer.qkv, layer.o, layer.gate_up, layer.down
+            rc = pre(
+                hp, m, width, layer.norm_in.data_ptr(), eps, qkv.layout, qkv.pointer,
+                h, kvh, dim, cp, sp, qp, kp, vp, threads,
+            )  # fmt: skip
+            if rc == 0:
+                rc = attend(
+                    qp, kp, vp,
+                    cache.keys[layer.cache_layer].data_ptr(),
+                    cache.values[layer.cache_layer].data_ptr(),
+                    wp, tp, lp, m, h, kvh, dim, block, max_blocks, layer.scaling, op, threads,
+                )  # fmt: skip
+            if rc == 0:
+                rc = post(
+                    hp, op, m, width, h * dim, o.layout, o.pointer,
+                    layer.norm_post.data_ptr(), eps, gu.layout, gu.pointer, gu.rows // 2,
+                    down.layout, down.pointer, threads,
+                )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"decode kernel failed ({rc}) in layer {layer.cache_layer}")
+        return hidden.view(1, m, width)
+
+
+def _block_tables(step: StepMetadata, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's pool rows ``[M, kv_heads, max_blocks]`` and context length ``[M]``, in the
+    step's token order, from its decode groups (each padded to its own longest)."""
+    groups = step.decodes
+    widest = max(g.max_blocks for g in groups)
+    kv_heads = groups[0].gather_index.shape[1]
+    if len(groups) == 1 and groups[0].q_index.numel() == tokens:
+        only = groups[0]
+        tables = only.gather_index.index_select(0, torch.argsort(only.q_index))
+        lens = only.context_lens.index_select(0, torch.argsort(only.q_index))
+        return tables.contiguous(), lens.to(torch.int64).contiguous()
+    tables = torch.zeros(tokens, kv_heads, widest, dtype=torch.int64)
+    lens = torch.zeros(tokens, dtype=torch.int64)
+    for g in groups:
+        tables[g.q_index, :, : g.max_blocks] = g.gather_index
+        lens[g.q_index] = g.context_lens.to(torch.int64)
+    return tables, lens
+
+
+def layer_weights(layers: list[Any]) -> list[LayerWeights] | None:
+    """The :class:`LayerWeights` of ``layers`` (:class:`._fused._Layer`), or None when a
+    projection has no quantised blocks or a bias (the C layer has neither)."""
+    out = []
+    for layer in layers:
+        parts = [layer.qkv.product, layer.o.product, layer.gate_up.product, layer.down.product]
+        if any(p is None for p in parts) or any(
+            lin.bias is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ):
+            return None
+        qkv, o, gu, down = parts
+        assert qkv is not None and o is not None and gu is not None and down is not None
+        out.append(
+            LayerWeights(
+                layer.norm_in.detach().contiguous(),
+                layer.norm_post.detach().contiguous(),
+                qkv,
+                o,
+                gu,
+                down,
+                int(getattr(layer.attn, "layer_idx", 0)),
+                float(layer.attn.scaling),
+            )
+        )
+    return out

@@ -1,0 +1,93 @@
+"""Decode steps' layers in C (:mod:`stoic.model._cdecode`): the same hidden states, cached keys
+and values as the torch path, up to float32 rounding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model._qkernels import KernelsUnavailable, load_kernels
+from stoic.model.testing import final_hidden_states
+
+pytestmark = pytest.mark.model
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    from stoic.model import default_cache_dir
+
+    try:
+        load_kernels(default_cache_dir())
+    except KernelsUnavailable as e:
+        pytest.skip(f"quantised kernels unavailable here: {e}")
+    loaded = load_model("default", dtype="float32", device="cpu")
+    runner = ModelRunner(loaded, quantization="gguf")
+    assert runner._fused is not None and runner._fused.c_decoder is not None
+    return runner
+
+
+def _run(runner: ModelRunner, steps: list[StepBatch], c_path: bool) -> tuple[list[Any], Any]:
+    """The hidden states of every sampling step and the cache, with or without the C layers."""
+    fused = runner._fused
+    assert fused is not None
+    saved = fused.c_decoder
+    if not c_path:
+        fused.c_decoder = None
+    try:
+        return final_hidden_states(runner, steps, num_blocks=32, block_size=4)
+    finally:
+        fused.c_decoder = saved
+
+
+def test_c_layers_equal_the_torch_path(runner: ModelRunner) -> None:
+    """Three sequences of different lengths (5, 23 and 9 tokens: blocks of 4, several decode
+    groups) prefilled on the torch path, then decode steps of all three and of two: every
+    step's hidden states and the keys and values written agree within float32 rounding."""
+    tables = [(0, 1, 2, 3, 4), (8, 9, 10, 11, 12, 13, 14, 15), (20, 21, 22, 23, 24)]
+    prompts = [tuple(range(100, 105)), tuple(range(300, 323)), tuple(range(700, 709))]
+    steps = [
+        StepBatch(tuple(SeqChunk(i, p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)))
+    ]
+    for n in range(4):
+        chunks = [
+            SeqChunk(i, (50 + n + i,), len(p) + n, tables[i], True, GREEDY)
+            for i, p in enumerate(prompts)
+            if n < 2 or i != 1  # the longest leaves after two steps
+        ]
+        steps.append(StepBatch(tuple(chunks)))
+    (got, got_cache), (want, want_cache) = _run(runner, steps, True), _run(runner, steps, False)
+    assert len(got) == len(want) == len(steps)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    for g, w in zip(
+        (*got_cache.keys, *got_cache.values), (*want_cache.keys, *want_cache.values), strict=True
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_and_mixed_steps_stay_on_the_torch_path(runner: ModelRunner) -> None:
+    """A step with a prefill chunk, or more tokens than the kernels take, is not the C path's."""
+    fused = runner._fused
+    assert fused is not None and fused.c_decoder is not None
+    calls: list[int] = []
+    original = fused.c_decoder.forward
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args)
+
+    fused.c_decoder.forward = counting  # type: ignore[method-assign]
+    try:
+        table = (0, 1, 2, 3, 4, 5, 6, 7)
+        cache = PagedKVCache(runner.kv_spec(num_blocks=8, block_size=4))
+        cache.zero_blocks(tuple(range(8)))
+        runner.execute(StepBatch((SeqChunk(0, tuple(range(9)), 0, table, True, GREEDY),)), cache)
+        assert calls == []
+        runner.execute(StepBatch((SeqChunk(0, (5,), 9, table, True, GREEDY),)), cache)
+        assert calls == [1]
+    finally:
+        fused.c_decoder.forward = original  # type: ignore[method-assign]
