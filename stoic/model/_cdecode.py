@@ -65,7 +65,12 @@ class CDecoder:
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> bool:
         """Whether a model of these shapes can run here at all."""
-        return dtype == torch.float32 and head_dim % 8 == 0 and heads % kv_heads == 0
+        return (
+            dtype == torch.float32
+            and head_dim % 8 == 0
+            and head_dim <= 256  # MAX_HEAD_DIM in _qkernels.c
+            and heads % kv_heads == 0
+        )
 
     def accepts(self, step: StepMetadata, tokens: int) -> bool:
         """Whether this step is one :meth:`forward` runs (decode only, few tokens)."""

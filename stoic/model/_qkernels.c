@@ -232,6 +232,8 @@ int stoic_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *ou
 #include <math.h>
 #include <stdlib.h>
 
+#define MAX_HEAD_DIM 256
+
 static inline float dot(const float *a, const float *b, int64_t n) { /* n % 8 == 0 */
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8)
@@ -299,7 +301,7 @@ int stoic_decode_attention(const float *q, const float *k, const float *v, float
                            const int64_t *lens, int64_t M, int64_t heads, int64_t kv_heads,
                            int64_t dh, int64_t block, int64_t max_blocks, float scale, float *out,
                            int threads) {
-    if (dh % 8 != 0 || heads % kv_heads != 0) return -1;
+    if (dh % 8 != 0 || dh > MAX_HEAD_DIM || heads % kv_heads != 0) return -1;
     for (int64_t h = 0; h < kv_heads; h++)
         for (int64_t m = 0; m < M; m++) {
             const int64_t row = write[h * M + m];
@@ -326,15 +328,19 @@ int stoic_decode_attention(const float *q, const float *k, const float *v, float
             scores[t] = expf(scores[t] - top);
             total += scores[t];
         }
-        float *o = out + (m * heads + h) * dh;
-        for (int64_t i = 0; i < dh; i += 8) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t t = 0; t < len; t++) {
-                const float *vp = v_pool + (table[t / block] * block + t % block) * dh;
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[t]), _mm256_loadu_ps(vp + i), acc);
-            }
-            _mm256_storeu_ps(o + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+        /* one pass over the values, all of a row's lanes at once */
+        __m256 acc[MAX_HEAD_DIM / 8];
+        const int64_t lanes = dh / 8;
+        for (int64_t i = 0; i < lanes; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; t++) {
+            const float *vp = v_pool + (table[t / block] * block + t % block) * dh;
+            const __m256 p = _mm256_set1_ps(scores[t]);
+            for (int64_t i = 0; i < lanes; i++)
+                acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * i), acc[i]);
         }
+        float *o = out + (m * heads + h) * dh;
+        const __m256 inv = _mm256_set1_ps(total);
+        for (int64_t i = 0; i < lanes; i++) _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(acc[i], inv));
         free(scores);
     }
     return failed ? -2 : 0;
