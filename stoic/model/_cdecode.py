@@ -18,6 +18,7 @@ torch path serves everything else. Its results differ from the torch path's by f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,12 @@ class CDecoder:
         tp, lp, wp = tables.data_ptr(), lens.data_ptr(), write.data_ptr()
         block = cache.spec.block_size
         max_blocks = tables.shape[2]
+        if torch._C._autograd._profiler_enabled():  # each kernel named in torch.profiler's table
+            pre, attend, post = (
+                _recorded("stoic::layer_pre", pre),
+                _recorded("stoic::decode_attention", attend),
+                _recorded("stoic::layer_post", post),
+            )
         for layer in self._layers:
             qkv, o, gu, down = layer.qkv, layer.o, layer.gate_up, layer.down
             rc = pre(
@@ -126,6 +133,14 @@ class CDecoder:
             if rc != 0:
                 raise RuntimeError(f"decode kernel failed ({rc}) in layer {layer.cache_layer}")
         return hidden.view(1, m, width)
+
+
+def _recorded(name: str, fn: Callable[..., int]) -> Callable[..., int]:
+    def call(*args: Any) -> int:
+        with torch.profiler.record_function(name):
+            return fn(*args)
+
+    return call
 
 
 def _block_tables(step: StepMetadata, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

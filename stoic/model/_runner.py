@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -84,6 +85,7 @@ class ModelRunner:
         )
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._config = config
+        started = time.monotonic()
         blocks, kernels = prepare_quantized(
             loaded.gguf,
             config,
@@ -100,12 +102,13 @@ class ModelRunner:
         ):
             quantized_head = None
         self._head = QLinear(head.weight, head.bias, quantized_head, kernels)
-        self.quantized = self._quantized_summary(quantization)
+        self.quantized = self._quantized_summary(quantization, time.monotonic() - started)
         self.grammar = GrammarStates(grammar) if grammar is not None else None
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def _quantized_summary(self, mode: Quantization) -> dict[str, Any]:
-        """What runs on quantised blocks (logged as ``model.quantized``).
+    def _quantized_summary(self, mode: Quantization, seconds: float) -> dict[str, Any]:
+        """What runs on quantised blocks (logged as ``model.quantized``, with the seconds the
+        blocks took to read, check and repack, and whether decode steps run the C layers).
 
         :raises ModelUnavailable: with ``mode="gguf"``, if nothing does.
         """
@@ -115,9 +118,10 @@ class ModelRunner:
             "projections": done,
             "of": total,
             "head": head.kind if head is not None else None,
+            "c_layers": self._fused is not None and self._fused.c_decoder is not None,
         }
         if done or head is not None:
-            _log.info("model.quantized", **summary)
+            _log.info("model.quantized", seconds=round(seconds, 2), **summary)
         elif mode == "gguf":
             raise ModelUnavailable(
                 "quantization 'gguf' cannot be used: no matrix of the model matched its "

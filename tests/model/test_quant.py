@@ -155,7 +155,12 @@ def test_runner_uses_the_blocks_for_every_projection(
     """With the GGUF file at hand, every fused projection and the LM head run on blocks."""
     runner = ModelRunner(default_fp32, quantization="gguf")  # type: ignore[arg-type]
     layers = default_fp32.config.num_hidden_layers  # type: ignore[attr-defined]
-    assert runner.quantized == {"projections": 4 * layers, "of": 4 * layers, "head": "Q8_0"}
+    assert runner.quantized == {
+        "projections": 4 * layers,
+        "of": 4 * layers,
+        "head": "Q8_0",
+        "c_layers": True,
+    }
 
 
 @pytest.mark.model
