@@ -8,9 +8,9 @@ de-quantised, the file's own blocks; :class:`QLinear` multiplies a step of at mo
 :data:`MAX_KERNEL_ROWS` tokens by the blocks (:mod:`._qkernels`), a bigger one (a prefill
 chunk, where the product is compute-bound and float32 BLAS is faster) by the float copy.
 
-Nothing is lost: the kernels de-quantise each block in registers to exactly the float32 numbers
-the float copy holds (checked at load, row samples of every matrix, bitwise), so the two paths
-differ only in the order of the sums, as two BLAS kernels do. Types: Q4_0, Q4_1, Q8_0 (what
+Nothing is lost: the blocks hold the float copy's weights (checked at load, row samples of every
+matrix de-quantised by the kernels and compared bitwise), and the products differ from the
+float ones within float32 rounding, as two BLAS kernels do (``_qkernels.c`` says how). Types: Q4_0, Q4_1, Q8_0 (what
 :data:`._qkernels.GGML_TYPES` lists); a matrix of any other type (K-quants, F16) stays on the
 float path.
 """
