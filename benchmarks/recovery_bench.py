@@ -66,6 +66,7 @@ async def main() -> None:
     parser.add_argument("--executor", choices=["thread", "process"], default="thread")
     parser.add_argument("--spares", type=int, default=0, help="--executor-spares")
     parser.add_argument("--failure", choices=["oom", "kill"], default="oom")
+    parser.add_argument("--quantization", choices=["auto", "gguf", "none"], default="auto")
     parser.add_argument(
         "--settle",
         type=float,
@@ -89,6 +90,7 @@ async def main() -> None:
         restart_window=1.0,
         executor=args.executor,
         executor_spares=args.spares,
+        quantization=args.quantization,
     )
     rows: list[tuple[float, float]] = []
     async with stoic.Engine.start(config) as engine:
@@ -101,7 +103,8 @@ async def main() -> None:
         await asyncio.sleep(0.1)  # block frees are one message hop behind the last stream
         stats = engine.stats()
     print(
-        f"\n{args.executor} executor, failure {args.failure}, spares {args.spares}; "
+        f"\n{args.executor} executor, failure {args.failure}, spares {args.spares}, "
+        f"quantization {args.quantization}; "
         f"rounds: {args.rounds}; restarts: {stats.restarts}; "
         f"blocks used after: {stats.kv_blocks_used}\n"
     )
