@@ -236,7 +236,8 @@ def prepare_quantized(
 ) -> tuple[dict[str, QuantizedMatrix], Kernels | None]:
     """The quantised blocks and the kernels for a model loaded from ``gguf`` on ``device``, or
     ``({}, None)`` when ``mode`` is ``"none"`` or (``"auto"``) they cannot be used here: why is
-    logged (``model.quantization.off``).
+    logged (``model.quantization.off``: a warning for a GGUF model on a CPU, where they were
+    expected).
 
     :raises ModelUnavailable: with ``mode="gguf"``, if they cannot be used (one line: why).
     """
@@ -259,5 +260,10 @@ def prepare_quantized(
             why = f"no matrix of {gguf} is of a type the kernels compute on ({kinds})"
     if mode == "gguf":
         raise ModelUnavailable(f"quantization 'gguf' cannot be used: {why}")
-    _log.info("model.quantization.off", reason=why)
+    if gguf is not None and device.type == "cpu":
+        # a GGUF model on a CPU was expected to decode on its blocks: a warning (which a worker
+        # process also relays to the server's log), not the quiet note a model directory gets
+        _log.warning("model.quantization.off", reason=why, gguf=str(gguf))
+    else:
+        _log.info("model.quantization.off", reason=why)
     return {}, None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
@@ -167,7 +168,10 @@ def test_runner_uses_the_blocks_for_every_projection(
 def test_model_directories_run_dequantised_and_gguf_mode_refuses_them(tiny_model_dir: Path) -> None:
     """A model directory has no blocks: ``auto`` runs as before, ``gguf`` fails with why."""
     loaded = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
-    assert ModelRunner(loaded).quantized["projections"] == 0
+    with structlog.testing.capture_logs() as logs:
+        assert ModelRunner(loaded).quantized["projections"] == 0
+    off = [e for e in logs if e["event"] == "model.quantization.off"]
+    assert [e["log_level"] for e in off] == ["info"]  # expected for a directory: no warning
     with pytest.raises(ModelUnavailable, match="not loaded from a GGUF file"):
         ModelRunner(loaded, quantization="gguf")
 
@@ -175,15 +179,19 @@ def test_model_directories_run_dequantised_and_gguf_mode_refuses_them(tiny_model
 def test_without_a_compiler_auto_falls_back_and_gguf_refuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No C compiler: :func:`load_kernels` says so, ``auto`` uses no blocks, ``gguf`` refuses
-    with the reason."""
+    """No C compiler: :func:`load_kernels` says so, ``auto`` uses no blocks and warns with the
+    reason (a GGUF model on a CPU expected them), ``none`` says nothing, ``gguf`` refuses."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(KernelsUnavailable, match="no C compiler"):
         load_kernels(tmp_path)
     config = object()
     cpu = torch.device("cpu")
-    assert prepare_quantized(default_gguf_path(), config, cpu, "auto", tmp_path) == ({}, None)
-    assert prepare_quantized(default_gguf_path(), config, cpu, "none", tmp_path) == ({}, None)
+    with structlog.testing.capture_logs() as logs:
+        assert prepare_quantized(default_gguf_path(), config, cpu, "auto", tmp_path) == ({}, None)
+        assert prepare_quantized(default_gguf_path(), config, cpu, "none", tmp_path) == ({}, None)
+    off = [e for e in logs if e["event"] == "model.quantization.off"]
+    assert len(off) == 1 and off[0]["log_level"] == "warning"
+    assert "no C compiler" in off[0]["reason"]
     with pytest.raises(ModelUnavailable, match="no C compiler"):
         prepare_quantized(default_gguf_path(), config, cpu, "gguf", tmp_path)
 
