@@ -175,7 +175,11 @@ class WorkerProcess:
         assert message[0] == "ready", message
         self.ready = True
         _log.info(
-            "executor.worker_ready", pid=self.pid, seconds=round(time.monotonic() - self.started, 2)
+            "executor.worker_ready",
+            pid=self.pid,
+            seconds=round(time.monotonic() - self.started, 2),
+            # the worker's own model.quantized line is not relayed (it logs warnings only)
+            quantized=message[2] if len(message) > 2 else None,
         )
 
     async def step(

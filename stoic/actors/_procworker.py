@@ -8,7 +8,8 @@ tensor):
 
 * parent -> child ``("spec", WorkerSpec)`` first: what to load (a worker may be started, and
   import what it needs, before it is told);
-* child -> parent ``("ready", pid)`` once the model is loaded and the KV pools exist;
+* child -> parent ``("ready", pid, quantized)`` once the model is loaded and the KV pools
+  exist (``quantized``: what runs on quantised blocks, :attr:`ModelRunner.quantized`);
 * parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
   output)`` or ``("error", step_id, kind, type_name, message)``;
 * parent -> child ``("reset",)``: drop and recreate the KV pools; child -> parent ``("reset",)``;
@@ -143,7 +144,7 @@ def worker_main(conn: Connection, parent: int) -> None:
     kv_spec = runner.kv_spec(spec.num_blocks, spec.block_size)
     kv = PagedKVCache(kv_spec)
     _warm_up(runner, kv)
-    _send(conn, ("ready", os.getpid()))
+    _send(conn, ("ready", os.getpid(), runner.quantized))
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())

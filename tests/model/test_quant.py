@@ -235,3 +235,20 @@ def test_kernels_build_wherever_the_machine_allows(tmp_path: Path) -> None:
     x = torch.randn(2, 32)
     want = x @ _gguf_py("Q4_0", blocks).T
     torch.testing.assert_close(kernels.mm("Q4_0", x, blocks, None), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.model
+async def test_a_worker_process_reports_what_runs_on_blocks(kernels: Kernels) -> None:
+    """With the process executor the worker's ``model.quantized`` line is not relayed, so the
+    server's ``executor.worker_ready`` event carries the summary: every projection and the head
+    on blocks, the C layers on."""
+    import stoic
+
+    config = stoic.EngineConfig(executor="process", quantization="gguf", dtype="float32")
+    with structlog.testing.capture_logs() as logs:
+        async with stoic.Engine.start(config) as engine:
+            done = await engine.complete([1, 2, 3], stoic.SamplingParams(max_tokens=2))
+            assert len(done.token_ids) >= 1
+    ready = [e for e in logs if e["event"] == "executor.worker_ready"]
+    assert ready and ready[0]["quantized"]["projections"] == ready[0]["quantized"]["of"] > 0
+    assert ready[0]["quantized"]["head"] == "Q8_0" and ready[0]["quantized"]["c_layers"]
