@@ -149,11 +149,6 @@ def _block_tables(step: StepMetadata, tokens: int) -> tuple[torch.Tensor, torch.
     groups = step.decodes
     widest = max(g.max_blocks for g in groups)
     kv_heads = groups[0].gather_index.shape[1]
-    if len(groups) == 1 and groups[0].q_index.numel() == tokens:
-        only = groups[0]
-        tables = only.gather_index.index_select(0, torch.argsort(only.q_index))
-        lens = only.context_lens.index_select(0, torch.argsort(only.q_index))
-        return tables.contiguous(), lens.to(torch.int64).contiguous()
     tables = torch.zeros(tokens, kv_heads, widest, dtype=torch.int64)
     lens = torch.zeros(tokens, dtype=torch.int64)
     for g in groups:

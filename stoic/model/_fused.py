@@ -128,9 +128,7 @@ class FusedLlama:
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None, *keys: str) -> QLinear:
             found = QuantizedMatrix.stack([blocks.get(k) for k in keys])
-            if found is not None and (kernels is None or not found.matches(kernels, weight)):
-                found = None
-            return QLinear(weight, bias, found, kernels)
+            return QLinear.checked(weight, bias, found, kernels)
 
         for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
@@ -153,11 +151,10 @@ class FusedLlama:
         self.c_decoder: CDecoder | None = None
         weights = layer_weights(self._layers) if kernels is not None else None
         dtype = self._final_norm.dtype
-        if (
-            kernels is not None
-            and weights is not None
-            and CDecoder.supports(dtype, self._head_dim, self._heads, self._kv_heads)
+        if weights is not None and CDecoder.supports(
+            dtype, self._head_dim, self._heads, self._kv_heads
         ):
+            assert kernels is not None
             self.c_decoder = CDecoder(
                 kernels, weights, self._heads, self._kv_heads, self._head_dim, self._eps
             )

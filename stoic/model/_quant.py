@@ -51,6 +51,8 @@ _LLAMA_TENSORS = {
     "up": "ffn_up",
     "down": "ffn_down",
 }
+#: GGML type id -> (type name, block bytes), for the types the kernels compute on
+_KINDS = {type_id: (name, size) for name, (type_id, size) in GGML_TYPES.items()}
 _log = get_logger("stoic.model")
 
 
@@ -98,7 +100,7 @@ class QLinear:
     """``F.linear`` over ``weight`` and ``bias``; with ``quantized`` blocks and ``kernels``, a
     step of at most ``max_rows`` rows is multiplied by the blocks instead (same numbers)."""
 
-    __slots__ = ("_product", "_rows", "bias", "max_rows", "quantized", "weight")
+    __slots__ = ("_product", "bias", "max_rows", "quantized", "weight")
 
     def __init__(
         self,
@@ -113,11 +115,23 @@ class QLinear:
         self.quantized = quantized if kernels is not None else None
         self.max_rows = max_rows
         self._product: Product | None = None
-        self._rows = 0
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
             self._product = kernels.bind(self.quantized.kind, self.quantized.blocks, bias32)
-            self._rows = self.quantized.rows
+
+    @classmethod
+    def checked(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantized: QuantizedMatrix | None,
+        kernels: Kernels | None,
+    ) -> QLinear:
+        """A :class:`QLinear` that uses ``quantized`` only if the blocks hold ``weight``
+        (:meth:`QuantizedMatrix.matches`); otherwise the float path alone."""
+        if quantized is not None and (kernels is None or not quantized.matches(kernels, weight)):
+            quantized = None
+        return cls(weight, bias, quantized, kernels)
 
     @property
     def product(self) -> Product | None:
@@ -145,7 +159,7 @@ class QLinear:
             y = product(flat)
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self._rows)
+        return y.view(*x.shape[:-1], product.rows)
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:
@@ -158,10 +172,9 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
 def _read_matrix(
     file: BinaryIO, header: GgufHeader, tensor: GgufTensor, order: torch.Tensor | None = None
 ) -> QuantizedMatrix | None:
-    kinds = {type_id: (name, size) for name, (type_id, size) in GGML_TYPES.items()}
-    if tensor.ggml_type not in kinds or len(tensor.dims) != 2 or tensor.dims[0] % 32:
+    if tensor.ggml_type not in _KINDS or len(tensor.dims) != 2 or tensor.dims[0] % 32:
         return None
-    kind, block_bytes = kinds[tensor.ggml_type]
+    kind, block_bytes = _KINDS[tensor.ggml_type]
     cols, rows = tensor.dims
     blocks = torch.empty(rows, cols // 32 * block_bytes, dtype=torch.uint8)
     file.seek(header.data_start + tensor.offset)
@@ -203,9 +216,9 @@ def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
     return out
 
 
-def _unavailable(gguf: Path | None, device: torch.device, cache_root: Path) -> str | None:
-    """Why the kernels cannot serve a model loaded from ``gguf`` on ``device`` (None: they can;
-    the kernels are then built)."""
+def _kernels_for(gguf: Path | None, device: torch.device, cache_root: Path) -> Kernels | str:
+    """The kernels for a model loaded from ``gguf`` on ``device`` (built once), or why they
+    cannot serve it."""
     from ._qkernels import KernelsUnavailable, load_kernels
 
     if gguf is None:
@@ -213,10 +226,9 @@ def _unavailable(gguf: Path | None, device: torch.device, cache_root: Path) -> s
     if device.type != "cpu":
         return f"the quantised kernels run on a CPU, the model is on {device}"
     try:
-        load_kernels(cache_root)
+        return load_kernels(cache_root)
     except KernelsUnavailable as e:
         return str(e)
-    return None
 
 
 def require_quantized(gguf: Path | None, device: torch.device, cache_root: Path) -> None:
@@ -226,9 +238,9 @@ def require_quantized(gguf: Path | None, device: torch.device, cache_root: Path)
     """
     from ..errors import ModelUnavailable
 
-    why = _unavailable(gguf, device, cache_root)
-    if why is not None:
-        raise ModelUnavailable(f"quantization 'gguf' cannot be used: {why}")
+    found = _kernels_for(gguf, device, cache_root)
+    if isinstance(found, str):
+        raise ModelUnavailable(f"quantization 'gguf' cannot be used: {found}")
 
 
 def prepare_quantized(
@@ -242,12 +254,13 @@ def prepare_quantized(
     :raises ModelUnavailable: with ``mode="gguf"``, if they cannot be used (one line: why).
     """
     from ..errors import ModelUnavailable
-    from ._qkernels import load_kernels
 
     if mode == "none":
         return {}, None
-    why = _unavailable(gguf, device, cache_root)
-    if why is None:
+    kernels = _kernels_for(gguf, device, cache_root)
+    if isinstance(kernels, str):
+        why = kernels
+    else:
         assert gguf is not None
         try:
             blocks = read_llama_blocks(gguf, config)
@@ -255,7 +268,7 @@ def prepare_quantized(
             why = f"cannot read the quantised weights of {gguf}: {e}"
         else:
             if blocks:
-                return blocks, load_kernels(cache_root)
+                return blocks, kernels
             kinds = ", ".join(GGML_TYPES)
             why = f"no matrix of {gguf} is of a type the kernels compute on ({kinds})"
     if mode == "gguf":

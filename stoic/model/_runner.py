@@ -96,12 +96,7 @@ class ModelRunner:
         self._fused: FusedLlama | None = (
             fuse_llama(model, config, blocks, kernels) if fused else None
         )
-        quantized_head = blocks.get("head")
-        if quantized_head is not None and (
-            kernels is None or not quantized_head.matches(kernels, head.weight)
-        ):
-            quantized_head = None
-        self._head = QLinear(head.weight, head.bias, quantized_head, kernels)
+        self._head = QLinear.checked(head.weight, head.bias, blocks.get("head"), kernels)
         self.quantized = self._quantized_summary(quantization, time.monotonic() - started)
         self.grammar = GrammarStates(grammar) if grammar is not None else None
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None

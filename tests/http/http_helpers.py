@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -143,21 +143,26 @@ async def check_examples(
     check: Callable[[aiohttp.ClientSession, Any], Awaitable[None]],
     *,
     max_examples: int,
+    request_timeout: float = 60.0,
+    suppress: Sequence[HealthCheck] = (),
 ) -> None:
     """Run ``check`` on derandomized hypothesis examples of ``strategy``, one at a time, on the
-    running event loop (hypothesis drives them from a worker thread); each gets 65 seconds."""
+    running event loop (hypothesis drives them from a worker thread), with a client session
+    whose requests time out after ``request_timeout`` seconds; each example gets 5 seconds more.
+    ``suppress``: health checks to skip besides ``too_slow``."""
     loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=request_timeout)) as http:
 
         @settings(
             max_examples=max_examples,
             deadline=None,
             derandomize=True,
             database=None,
-            suppress_health_check=[HealthCheck.too_slow],
+            suppress_health_check=[HealthCheck.too_slow, *suppress],
         )
         @given(strategy)
         def run(example: Any) -> None:
-            asyncio.run_coroutine_threadsafe(check(http, example), loop).result(timeout=65)
+            call = check(http, example)
+            asyncio.run_coroutine_threadsafe(call, loop).result(timeout=request_timeout + 5)
 
         await asyncio.to_thread(run)

@@ -6,7 +6,6 @@ Hypothesis runs in a worker thread; each example's request runs on the session e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from typing import Any
@@ -14,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Server
-from http_helpers import completion_body, wait_idle
-from hypothesis import HealthCheck, given, settings
+from http_helpers import check_examples, completion_body, wait_idle
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 import stoic
@@ -162,23 +161,19 @@ def _check(status: int, content_type: str, text: str) -> None:
 async def test_random_bodies_never_5xx(server: Server, engine: stoic.Engine) -> None:
     """Every random body gets a 2xx, or a 4xx with OpenAI error JSON, within 30 s; never a 5xx
     nor an error event; afterwards the engine is idle and the server still serves."""
-    loop = asyncio.get_running_loop()
+
+    async def check(http: aiohttp.ClientSession, request: tuple[str, Any]) -> None:
+        route, body = request
+        _check(*await _post(http, f"{server.url}/v1/{route}", body))
+
+    await check_examples(
+        requests,
+        check,
+        max_examples=EXAMPLES,
+        request_timeout=30.0,
+        suppress=[HealthCheck.data_too_large],
+    )
+    await wait_idle(engine)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-
-        @settings(
-            max_examples=EXAMPLES,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        )
-        @given(requests)
-        def check(request: tuple[str, Any]) -> None:
-            route, body = request
-            call = _post(http, f"{server.url}/v1/{route}", body)
-            _check(*asyncio.run_coroutine_threadsafe(call, loop).result(timeout=35))
-
-        await asyncio.to_thread(check)
-        await wait_idle(engine)
         status, _, text = await _post(http, f"{server.url}/v1/completions", completion_body())
-        assert status == 200, text
+    assert status == 200, text

@@ -15,7 +15,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from stoic.errors import ModelUnavailable
-from stoic.model import ModelRunner, default_cache_dir, default_gguf_path, load_model
+from stoic.model import (
+    LoadedModel,
+    ModelRunner,
+    default_cache_dir,
+    default_gguf_path,
+    load_model,
+)
 from stoic.model._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
 from stoic.model._quant import QLinear, QuantizedMatrix, prepare_quantized, read_llama_blocks
 
@@ -107,19 +113,19 @@ def test_qlinear_uses_the_blocks_for_small_steps_only(kernels: Kernels) -> None:
 
 
 @pytest.fixture(scope="module")
-def default_fp32() -> object:
+def default_fp32() -> LoadedModel:
     return load_model("default", dtype="float32", device="cpu")
 
 
 @pytest.mark.model
 def test_default_gguf_blocks_hold_the_converted_weights(
-    kernels: Kernels, default_fp32: object
+    kernels: Kernels, default_fp32: LoadedModel
 ) -> None:
     """Every projection and the LM head of the default model, read from the GGUF file (Q/K rows
     un-permuted as transformers does), de-quantises to exactly the loaded float32 weights."""
     loaded = default_fp32
-    blocks = read_llama_blocks(default_gguf_path(), loaded.config)  # type: ignore[attr-defined]
-    base = loaded.model.base_model  # type: ignore[attr-defined]
+    blocks = read_llama_blocks(default_gguf_path(), loaded.config)
+    base = loaded.model.base_model
     assert len(blocks) == 7 * len(base.layers) + 1
     assert blocks["head"].kind == "Q8_0" and blocks["0.q"].kind == "Q4_1"
     for i, layer in enumerate(base.layers):
@@ -130,19 +136,21 @@ def test_default_gguf_blocks_hold_the_converted_weights(
         }.items():  # fmt: skip
             m = blocks[f"{i}.{key}"]
             assert torch.equal(kernels.dequantize(m.kind, m.blocks, m.cols), module.weight), key
-    head = loaded.model.get_output_embeddings().weight  # type: ignore[attr-defined]
+    head = loaded.model.get_output_embeddings().weight
     m = blocks["head"]
     assert torch.equal(kernels.dequantize(m.kind, m.blocks, m.cols), head)
 
 
 @pytest.mark.model
-def test_blocks_in_the_wrong_row_order_are_not_used(kernels: Kernels, default_fp32: object) -> None:
+def test_blocks_in_the_wrong_row_order_are_not_used(
+    kernels: Kernels, default_fp32: LoadedModel
+) -> None:
     """A matrix whose rows do not match the model's (a mapping mistake, or Q rows left in
     llama.cpp's order) is detected at load by the sampled-row check and stays on the float path."""
     loaded = default_fp32
-    blocks = read_llama_blocks(default_gguf_path(), loaded.config)  # type: ignore[attr-defined]
+    blocks = read_llama_blocks(default_gguf_path(), loaded.config)
     q = blocks["0.q"]
-    weight = loaded.model.base_model.layers[0].self_attn.q_proj.weight  # type: ignore[attr-defined]
+    weight = loaded.model.base_model.layers[0].self_attn.q_proj.weight
     assert q.matches(kernels, weight)
     swapped = QuantizedMatrix(q.kind, q.blocks.roll(1, 0), q.cols)
     assert not swapped.matches(kernels, weight)
@@ -151,11 +159,11 @@ def test_blocks_in_the_wrong_row_order_are_not_used(kernels: Kernels, default_fp
 
 @pytest.mark.model
 def test_runner_uses_the_blocks_for_every_projection(
-    default_fp32: object, kernels: Kernels
+    default_fp32: LoadedModel, kernels: Kernels
 ) -> None:
     """With the GGUF file at hand, every fused projection and the LM head run on blocks."""
-    runner = ModelRunner(default_fp32, quantization="gguf")  # type: ignore[arg-type]
-    layers = default_fp32.config.num_hidden_layers  # type: ignore[attr-defined]
+    runner = ModelRunner(default_fp32, quantization="gguf")
+    layers = default_fp32.config.num_hidden_layers
     assert runner.quantized == {
         "projections": 4 * layers,
         "of": 4 * layers,
