@@ -95,7 +95,10 @@ class Stream:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, auto (as serve)")
+    parser.add_argument(
+        "--dense-dtype", default=None, help="the weights' type in products over many rows"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=48)
@@ -108,9 +111,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+    loaded = load_model(args.model, dtype=args.dtype, device="cpu", dense_dtype=args.dense_dtype)
     runners = {name: VARIANTS[name](loaded) for name in args.variants}
-    print(f"dtype {args.dtype}, context {args.context}, threads {torch.get_num_threads()}")
+    dense = loaded.dense_dtype or loaded.dtype
+    print(
+        f"dtype {loaded.dtype}, dense {dense}, context {args.context}, threads {torch.get_num_threads()}"
+    )
     print("| batch | variant | ms/step (median) | p90 | tokens/s | vs first |")
     print("|---|---|---|---|---|---|")
     for batch in args.batch:

@@ -128,7 +128,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on a GPU (float16 where bfloat16 is unsupported); on a CPU, float32 "
         "or bfloat16, whichever a short matrix-product probe measures faster (bfloat16 must "
-        "win by 10%%; run once per CPU model and torch version, cached) (default %(default)s)",
+        "win by 10%%; run once per CPU model and torch version, cached); a .gguf Llama model "
+        "decoding on its quantised weights keeps float32 activations and KV cache and takes the "
+        "probe's choice for its prefill products only (bfloat16 tiles on a CPU with AMX). "
+        "float32 for exact results (default %(default)s)",
     )
     g.add_argument(
         "--quantization",
@@ -375,6 +378,7 @@ async def _serve(args: argparse.Namespace, access: AccessPolicy, limits: ServerL
             model=engine.model_name,
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
+            dense_dtype=str(loaded.dense_dtype or loaded.dtype).removeprefix("torch."),
             kv_blocks=stats.kv_blocks_total,
             kv_tokens=stats.kv_blocks_total * config.block_size,
             max_model_len=engine.max_model_len,

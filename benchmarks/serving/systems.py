@@ -197,11 +197,25 @@ def transformers_system(work: Path, model_dir: Path, max_tokens: int, cb: bool) 
     return System(name, argv, port, str(model_dir), extra, work / f"transformers-{int(cb)}.log")
 
 
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
 def llama_system(work: Path, binary: str, gguf: Path, slots: int) -> System:
     port = free_port()
     threads = str(os.cpu_count() or 1)
     argv = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--parallel", str(slots), "--ctx-size", str(slots * 1024), "--threads", threads]
+    if _has_amx():
+        # llama.cpp's AMX weight buffers (built in by GGML_NATIVE on a CPU with AMX) crash this
+        # build at the first product (SIGSEGV in ggml_backend_amx_mul_mat, llama-cpp-python
+        # 0.3.36's vendored llama.cpp); --no-repack keeps ggml's plain blocks, run by its
+        # AVX-512/VNNI dot products
+        argv.append("--no-repack")
     extra = {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     return System("llama.cpp server", argv, port, "default", extra, work / "llama.log")
 

@@ -62,6 +62,8 @@ class WorkerSpec:
     #: the GGUF file ``model`` was converted from (its quantised blocks), and ``--quantization``
     gguf: Path | None = None
     quantization: Quantization = "none"
+    #: the dense products' dtype the server resolved (``LoadedModel.dense_dtype``; None: ``dtype``)
+    dense_dtype: str | None = None
 
 
 def _die_with_parent(parent: int) -> None:
@@ -133,6 +135,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         device=spec.device,
         dtype=spec.dtype,
         cache_root=spec.cache_dir,
+        dense_dtype=spec.dense_dtype,
         tokenizer=False,  # the server detokenises; the stop ids come with the spec
     )
     loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids, gguf=spec.gguf)

@@ -96,6 +96,7 @@ class Engine:
                 cache_root=cfg.cache_dir,
                 served_name=cfg.served_model_name,
                 weights=in_process,
+                quantization=cfg.quantization,
             )
         )
         if cfg.quantization == "gguf":  # refused here, not in a worker process starting
@@ -141,6 +142,7 @@ class Engine:
             model=loaded.name,
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
+            dense_dtype=str(loaded.dense_dtype or loaded.dtype).removeprefix("torch."),
             kv_blocks=spec.num_blocks,
             block_size=spec.block_size,
             kv_tokens=spec.capacity_tokens,

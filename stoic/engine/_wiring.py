@@ -112,6 +112,9 @@ def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec)
         grammar=grammar_vocab(loaded),
         gguf=loaded.gguf,
         quantization=config.quantization,
+        dense_dtype=(
+            str(loaded.dense_dtype).removeprefix("torch.") if loaded.dense_dtype else None
+        ),
     )
     return WorkerPool(spec, spares=config.executor_spares)
 

@@ -9,7 +9,8 @@ quantised matrix products of the step. :class:`CDecoder` runs the same formulas 
 in place: no gather) and ``stoic_layer_post`` (output projection, residual, RMSNorm, gated MLP,
 residual).
 
-It serves decode-only steps of at most :data:`._quant.MAX_KERNEL_ROWS` tokens, in float32, for
+It serves decode-only steps of at most :data:`._quant.MAX_KERNEL_ROWS` tokens (fewer where the
+dense products are bfloat16: :data:`._quant.DENSE_KERNEL_ROWS`), in float32, for
 models whose every projection runs on quantised blocks, without attention sliding windows; the
 torch path serves everything else. Its results differ from the torch path's by float32 rounding
 (``tests/model/test_cdecode.py``); greedy outputs equal transformers' ``generate``
@@ -57,8 +58,12 @@ class CDecoder:
         kv_heads: int,
         head_dim: int,
         eps: float,
+        *,
+        max_tokens: int = MAX_KERNEL_ROWS,
     ) -> None:
         self._k = kernels
+        #: decode steps of more tokens take the torch path
+        self.max_tokens = max_tokens
         self._layers = layers
         self._heads, self._kv_heads, self._dim = heads, kv_heads, head_dim
         self._eps = eps
@@ -75,7 +80,7 @@ class CDecoder:
 
     def accepts(self, step: StepMetadata, tokens: int) -> bool:
         """Whether this step is one :meth:`forward` runs (decode only, few tokens)."""
-        return not step.prefills and bool(step.decodes) and 0 < tokens <= MAX_KERNEL_ROWS
+        return not step.prefills and bool(step.decodes) and 0 < tokens <= self.max_tokens
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepMetadata

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ._cdecode import CDecoder, layer_weights
 from ._paged import StepMetadata, paged_attention
 from ._qkernels import Kernels
-from ._quant import QLinear, QuantizedMatrix
+from ._quant import MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 
 __all__ = ["FusedLlama", "fuse_llama"]
 
@@ -83,12 +83,17 @@ def fuse_llama(
     config: Any,
     quantized: dict[str, QuantizedMatrix] | None = None,
     kernels: Kernels | None = None,
+    *,
+    kernel_rows: int = MAX_KERNEL_ROWS,
+    dense_dtype: torch.dtype | None = None,
 ) -> FusedLlama | None:
     """The lean forward of ``model`` (a transformers causal LM), or None when its architecture is
     not one this module implements (the caller then keeps transformers' forward).
 
     With ``quantized`` blocks (:func:`._quant.read_llama_blocks`) and ``kernels``, a projection
-    whose blocks all match the model's weights runs small steps on them (:class:`QLinear`).
+    whose blocks all match the model's weights runs steps of at most ``kernel_rows`` tokens on
+    them (:class:`QLinear`); bigger ones multiply by weights in ``dense_dtype`` (None: the
+    model's).
 
     Mutates ``model``: its q/k/v and gate/up weights become views of the fused tensors (same
     values, same outputs).
@@ -96,7 +101,9 @@ def fuse_llama(
     base = model.base_model
     if not _supported(config, base):
         return None
-    return FusedLlama(base, config, quantized or {}, kernels)
+    return FusedLlama(
+        base, config, quantized or {}, kernels, kernel_rows=kernel_rows, dense_dtype=dense_dtype
+    )
 
 
 class FusedLlama:
@@ -112,6 +119,9 @@ class FusedLlama:
         config: Any,
         quantized: dict[str, QuantizedMatrix] | None = None,
         kernels: Kernels | None = None,
+        *,
+        kernel_rows: int = MAX_KERNEL_ROWS,
+        dense_dtype: torch.dtype | None = None,
     ) -> None:
         self._embed = base.embed_tokens
         self._rotary = base.rotary_emb
@@ -128,7 +138,9 @@ class FusedLlama:
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None, *keys: str) -> QLinear:
             found = QuantizedMatrix.stack([blocks.get(k) for k in keys])
-            return QLinear.checked(weight, bias, found, kernels)
+            return QLinear.checked(
+                weight, bias, found, kernels, max_rows=kernel_rows, dense_dtype=dense_dtype
+            )
 
         for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
@@ -156,7 +168,13 @@ class FusedLlama:
         ):
             assert kernels is not None
             self.c_decoder = CDecoder(
-                kernels, weights, self._heads, self._kv_heads, self._head_dim, self._eps
+                kernels,
+                weights,
+                self._heads,
+                self._kv_heads,
+                self._head_dim,
+                self._eps,
+                max_tokens=kernel_rows,
             )
 
     @property
@@ -235,7 +253,7 @@ def mlp_block(
     if n < SPLIT_MLP_ROWS or gate_up.uses_kernel(n):
         gate, up = gate_up(x).chunk(2, -1)
     else:  # the same rows of the same tensor, as two products (faster at many rows)
-        gate, up = (F.linear(x, w) for w in gate_up.weight.chunk(2, 0))
+        gate, up = gate_up.dense(x, 2)
     return hidden + down(F.silu(gate) * up)
 
 

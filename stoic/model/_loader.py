@@ -32,9 +32,10 @@ from typing import Any
 import torch
 
 from .._logging import get_logger
+from ..config import Quantization
 from ..errors import ModelUnavailable
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
-from ._dtype_probe import probe_cpu_dtype
+from ._precision import parse_dtype, resolve_dtype, resolve_precision
 from ._progress import heartbeat
 from ._source import HINT, check_gguf_file, check_model_dir, load_errors
 
@@ -76,6 +77,9 @@ class LoadedModel:
     gguf: Path | None = None
     #: where converted models and built kernels are cached (None: the default)
     cache_root: Path | None = None
+    #: the weights' type in products over many rows (prefill chunks; :mod:`._precision`);
+    #: None: ``dtype``
+    dense_dtype: torch.dtype | None = None
 
 
 def default_gguf_path() -> Path:
@@ -100,35 +104,6 @@ def resolve_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype | None, device: torch.device, cache_root: Path | None = None
-) -> torch.dtype:
-    """``None``/``"auto"``: bfloat16 on CUDA (float16 where bfloat16 is unsupported); on a CPU,
-    float32 or bfloat16, whichever a short matrix-product probe measures faster
-    (:func:`._dtype_probe.probe_cpu_dtype`, cached per CPU model and torch version under
-    ``cache_root``).
-
-    :raises ValueError: for an unknown dtype name.
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in (None, "auto"):
-        names = {
-            "float32": torch.float32,
-            "fp32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16,
-            "float16": torch.float16,
-            "fp16": torch.float16,
-        }
-        if dtype not in names:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
-        return names[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return probe_cpu_dtype(cache_root)
 
 
 #: seconds between two ``model.converting`` heartbeat events
@@ -236,6 +211,8 @@ def load_model(
     served_name: str | None = None,
     weights: bool = True,
     tokenizer: bool = True,
+    quantization: Quantization = "auto",
+    dense_dtype: str | torch.dtype | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer from local files (converting a GGUF file once).
 
@@ -243,6 +220,10 @@ def load_model(
     None): what the server needs when the model runs in a worker process. With
     ``tokenizer=False`` the tokenizer is not loaded (``tokenizer`` is None): what that worker
     needs (``eos_token_ids`` then come from the generation config alone).
+
+    ``dtype`` and ``quantization`` resolve to the model's dtype and dense dtype
+    (:func:`._precision.resolve_precision`); an explicit ``dense_dtype`` (a worker process told
+    what its server resolved) overrides the latter.
 
     :raises ModelUnavailable: if ``model`` cannot be found locally, or transformers cannot read
         its configuration, tokenizer or weights (one line: transformers' reason, what to do).
@@ -254,7 +235,14 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev, cache_root)
+    gguf_file = gguf if gguf.is_file() else None
+    precision = resolve_precision(
+        dtype, dev, cache_root or default_cache_dir(), gguf=gguf_file, quantization=quantization
+    )
+    dt = precision.dtype
+    dense = parse_dtype(dense_dtype) if dense_dtype is not None else precision.dense_dtype
+    if dense == dt:
+        dense = None
     started = time.monotonic()
     _log.info(
         "model.load.start",
@@ -262,6 +250,7 @@ def load_model(
         path=str(path),
         device=str(dev),
         dtype=str(dt).removeprefix("torch."),
+        dense_dtype=str(dense or dt).removeprefix("torch."),
     )
     tok: Any = None
     if tokenizer:
@@ -313,6 +302,7 @@ def load_model(
         max_model_len=max_len,
         eos_token_ids=frozenset(eos),
         config=config,
-        gguf=gguf if gguf.is_file() else None,
+        gguf=gguf_file,
         cache_root=cache_root,
+        dense_dtype=dense,
     )

@@ -30,9 +30,11 @@ from ._gguf import GgufHeader, GgufTensor, read_gguf_header
 from ._qkernels import GGML_TYPES, Kernels, Product
 
 __all__ = [
+    "DENSE_KERNEL_ROWS",
     "MAX_KERNEL_ROWS",
     "QLinear",
     "QuantizedMatrix",
+    "kernels_for",
     "prepare_quantized",
     "read_llama_blocks",
 ]
@@ -42,6 +44,11 @@ __all__ = [
 #: 0.23x the float32 product's time at 1 row, 0.14x at 4, 0.31x at 8, 0.48x at 16, 0.79x at 32
 #: (docs/benchmarks.md); prefill chunks are larger and compute-bound.
 MAX_KERNEL_ROWS = 32
+#: the same with a bfloat16 dense dtype (:mod:`._precision`: a CPU with AMX), where bfloat16
+#: tiles overtake the kernels sooner. Measured on a Xeon with AMX and AVX-512, 2 cores, the
+#: default model's whole decode step, C layers on the blocks against bfloat16 products: 27.3
+#: vs 29.6 ms at 8 sequences, 37.8 vs 43.5 at 12, 47.8 vs 49.2 at 16, 57.9 vs 57.2 at 24
+DENSE_KERNEL_ROWS = 16
 _LLAMA_TENSORS = {
     "q": "attn_q",
     "k": "attn_k",
@@ -98,9 +105,23 @@ class QuantizedMatrix:
 
 class QLinear:
     """``F.linear`` over ``weight`` and ``bias``; with ``quantized`` blocks and ``kernels``, a
-    step of at most ``max_rows`` rows is multiplied by the blocks instead (same numbers)."""
+    step of at most ``max_rows`` rows is multiplied by the blocks instead (same numbers).
 
-    __slots__ = ("_product", "bias", "max_rows", "quantized", "weight")
+    With a ``dense_dtype`` other than the weight's, the products of more rows multiply by a copy
+    of the weights in that type (inputs rounded to it, results returned in the input's type):
+    bfloat16 tiles for prefill on a CPU with AMX (:mod:`._precision`). The copy costs its bytes
+    (2 a weight for bfloat16) on top of the float weights.
+    """
+
+    __slots__ = (
+        "_product",
+        "bias",
+        "dense_bias",
+        "dense_weight",
+        "max_rows",
+        "quantized",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -109,6 +130,7 @@ class QLinear:
         quantized: QuantizedMatrix | None = None,
         kernels: Kernels | None = None,
         max_rows: int = MAX_KERNEL_ROWS,
+        dense_dtype: torch.dtype | None = None,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -118,6 +140,12 @@ class QLinear:
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
             self._product = kernels.bind(self.quantized.kind, self.quantized.blocks, bias32)
+        #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
+        self.dense_weight = weight
+        self.dense_bias = bias
+        if dense_dtype is not None and dense_dtype != weight.dtype:
+            self.dense_weight = weight.detach().to(dense_dtype)
+            self.dense_bias = None if bias is None else bias.detach().to(dense_dtype)
 
     @classmethod
     def checked(
@@ -126,12 +154,15 @@ class QLinear:
         bias: torch.Tensor | None,
         quantized: QuantizedMatrix | None,
         kernels: Kernels | None,
+        *,
+        max_rows: int = MAX_KERNEL_ROWS,
+        dense_dtype: torch.dtype | None = None,
     ) -> QLinear:
         """A :class:`QLinear` that uses ``quantized`` only if the blocks hold ``weight``
         (:meth:`QuantizedMatrix.matches`); otherwise the float path alone."""
         if quantized is not None and (kernels is None or not quantized.matches(kernels, weight)):
             quantized = None
-        return cls(weight, bias, quantized, kernels)
+        return cls(weight, bias, quantized, kernels, max_rows, dense_dtype)
 
     @property
     def product(self) -> Product | None:
@@ -141,12 +172,27 @@ class QLinear:
     def uses_kernel(self, rows: int) -> bool:
         return self._product is not None and rows <= self.max_rows
 
+    def dense(self, x: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, ...]:
+        """``x`` times the dense weights, as ``parts`` products over equal row slices of them
+        (one product of the whole width measured slower at many rows for the gated MLP); each
+        result in ``x``'s dtype."""
+        w, b = self.dense_weight, self.dense_bias
+        xin = x if x.dtype == w.dtype else x.to(w.dtype)
+        if parts == 1:
+            outs: tuple[torch.Tensor, ...] = (F.linear(xin, w, b),)
+        else:
+            biases = b.chunk(parts) if b is not None else (None,) * parts
+            outs = tuple(
+                F.linear(xin, wp, bp) for wp, bp in zip(w.chunk(parts, 0), biases, strict=True)
+            )
+        return outs if xin is x else tuple(y.to(x.dtype) for y in outs)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
         product = self._product
         if product is None or rows > self.max_rows or rows == 0:
-            return F.linear(x, self.weight, self.bias)
+            return self.dense(x)[0]
         flat = x.reshape(rows, width)
         if flat.dtype != torch.float32:
             flat = flat.float()
@@ -216,7 +262,7 @@ def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
     return out
 
 
-def _kernels_for(gguf: Path | None, device: torch.device, cache_root: Path) -> Kernels | str:
+def kernels_for(gguf: Path | None, device: torch.device, cache_root: Path) -> Kernels | str:
     """The kernels for a model loaded from ``gguf`` on ``device`` (built once), or why they
     cannot serve it."""
     from ._qkernels import KernelsUnavailable, load_kernels
@@ -238,7 +284,7 @@ def require_quantized(gguf: Path | None, device: torch.device, cache_root: Path)
     """
     from ..errors import ModelUnavailable
 
-    found = _kernels_for(gguf, device, cache_root)
+    found = kernels_for(gguf, device, cache_root)
     if isinstance(found, str):
         raise ModelUnavailable(f"quantization 'gguf' cannot be used: {found}")
 
@@ -257,7 +303,7 @@ def prepare_quantized(
 
     if mode == "none":
         return {}, None
-    kernels = _kernels_for(gguf, device, cache_root)
+    kernels = kernels_for(gguf, device, cache_root)
     if isinstance(kernels, str):
         why = kernels
     else:

@@ -32,7 +32,7 @@ from ._paged import (
     group_decodes,
     register_paged_attention,
 )
-from ._quant import QLinear, prepare_quantized
+from ._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, prepare_quantized
 from ._sampling import sample
 
 _log = get_logger("stoic.model")
@@ -93,10 +93,26 @@ class ModelRunner:
             quantization,
             loaded.cache_root or default_cache_dir(),
         )
-        self._fused: FusedLlama | None = (
-            fuse_llama(model, config, blocks, kernels) if fused else None
+        dense = loaded.dense_dtype
+        #: steps of at most this many tokens run on the quantised blocks (if any)
+        self.kernel_rows = (
+            DENSE_KERNEL_ROWS if dense is not None and dense != torch.float32 else MAX_KERNEL_ROWS
         )
-        self._head = QLinear.checked(head.weight, head.bias, blocks.get("head"), kernels)
+        self._fused: FusedLlama | None = (
+            fuse_llama(
+                model, config, blocks, kernels, kernel_rows=self.kernel_rows, dense_dtype=dense
+            )
+            if fused
+            else None
+        )
+        self._head = QLinear.checked(
+            head.weight,
+            head.bias,
+            blocks.get("head"),
+            kernels,
+            max_rows=self.kernel_rows,
+            dense_dtype=dense,
+        )
         self.quantized = self._quantized_summary(quantization, time.monotonic() - started)
         self.grammar = GrammarStates(grammar) if grammar is not None else None
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -114,6 +130,8 @@ class ModelRunner:
             "of": total,
             "head": head.kind if head is not None else None,
             "c_layers": self._fused is not None and self._fused.c_decoder is not None,
+            "kernel_rows": self.kernel_rows,
+            "dense_dtype": str(self.loaded.dense_dtype or self.loaded.dtype).removeprefix("torch."),
         }
         if done or head is not None:
             _log.info("model.quantized", seconds=round(seconds, 2), **summary)

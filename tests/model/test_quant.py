@@ -18,20 +18,17 @@ from stoic.errors import ModelUnavailable
 from stoic.model import (
     LoadedModel,
     ModelRunner,
-    default_cache_dir,
     default_gguf_path,
     load_model,
 )
 from stoic.model._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
-from stoic.model._quant import QLinear, QuantizedMatrix, prepare_quantized, read_llama_blocks
-
-
-@pytest.fixture(scope="module")
-def kernels() -> Kernels:
-    try:
-        return load_kernels(default_cache_dir())
-    except KernelsUnavailable as e:
-        pytest.skip(f"quantised kernels unavailable here: {e}")
+from stoic.model._quant import (
+    MAX_KERNEL_ROWS,
+    QLinear,
+    QuantizedMatrix,
+    prepare_quantized,
+    read_llama_blocks,
+)
 
 
 def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -169,6 +166,8 @@ def test_runner_uses_the_blocks_for_every_projection(
         "of": 4 * layers,
         "head": "Q8_0",
         "c_layers": True,
+        "kernel_rows": MAX_KERNEL_ROWS,
+        "dense_dtype": "float32",
     }
 
 
@@ -243,6 +242,19 @@ def test_kernels_build_wherever_the_machine_allows(tmp_path: Path) -> None:
     x = torch.randn(2, 32)
     want = x @ _gguf_py("Q4_0", blocks).T
     torch.testing.assert_close(kernels.mm("Q4_0", x, blocks, None), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_build_uses_avx512_exactly_where_the_cpu_has_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``-mavx512f`` is passed only for a CPU that lists ``avx512f`` (a 16-lane build would die
+    of SIGILL elsewhere); the flags are part of the build's key, so each CPU kind gets its own."""
+    from stoic.model import _qkernels
+
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert "-mavx512f" not in _qkernels._flags()
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
+    assert "-mavx512f" in _qkernels._flags()
 
 
 @pytest.mark.model

@@ -1,0 +1,119 @@
+"""Which floating-point types a model runs in: ``--dtype`` resolved for the machine at hand.
+
+Two types are chosen, not one:
+
+* the model's **dtype**: its activations, norms, embeddings and KV cache;
+* the **dense dtype** (``LoadedModel.dense_dtype``): the type of the weights that matrix products
+  over many rows (prefill chunks, large decode batches) multiply by. ``None`` means the same as
+  the dtype.
+
+``--dtype float32`` / ``bfloat16`` / ``float16`` set both to that type. ``--dtype auto`` on CUDA
+is bfloat16 (float16 where the GPU lacks it). On a CPU it measures (:mod:`._dtype_probe`):
+float32 or bfloat16, whichever multiplies faster here, cached per CPU model and torch version.
+For a Llama-layout GGUF model whose decode steps run on the file's quantised blocks
+(:mod:`._quant`, ``--quantization`` not ``none``, the kernels buildable here), ``auto`` keeps
+the activations and the KV cache in float32, because the kernels and the C decode layers
+compute in float32, and uses the probe's choice only as the dense dtype. On a CPU with AMX
+(bfloat16 tiles) that puts steps of few tokens on the 4-bit blocks with float32 arithmetic and
+prefill chunks on bfloat16 tiles, 5-6x faster than float32 there; where bfloat16 measures slower
+(AVX2 CPUs, AVX-512 ones without AMX) everything stays float32, as before. Full bfloat16 made
+decode steps slower on an AMX CPU (no C layers: they need float32; docs/benchmarks.md).
+
+A bfloat16 dense dtype rounds each prefill product's inputs to bfloat16, as a bfloat16 model
+does: exact-output comparisons (greedy equal to transformers' ``generate``) take
+``--dtype float32``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import Quantization
+from ._dtype_probe import probe_cpu_dtype
+
+__all__ = ["DTYPE_NAMES", "Precision", "parse_dtype", "resolve_dtype", "resolve_precision"]
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The model's dtype and the dense products' (None: the model's)."""
+
+    dtype: torch.dtype
+    dense_dtype: torch.dtype | None = None
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype named as ``--dtype`` names it.
+
+    :raises ValueError: for an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
+    return DTYPE_NAMES[dtype]
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, cache_root: Path | None = None
+) -> torch.dtype:
+    """``None``/``"auto"``: bfloat16 on CUDA (float16 where bfloat16 is unsupported); on a CPU,
+    float32 or bfloat16, whichever a short matrix-product probe measures faster
+    (:func:`._dtype_probe.probe_cpu_dtype`, cached per CPU model and torch version under
+    ``cache_root``).
+
+    :raises ValueError: for an unknown dtype name.
+    """
+    if dtype not in (None, "auto"):
+        assert dtype is not None
+        return parse_dtype(dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return probe_cpu_dtype(cache_root)
+
+
+def _decodes_on_blocks(gguf: Path, device: torch.device, cache_root: Path) -> bool:
+    """Whether a model loaded from ``gguf`` on ``device`` can decode on its quantised blocks
+    with the C layers: a Llama-layout file, and the kernels built (or buildable) here."""
+    from ._gguf import GgufError, read_gguf_header
+    from ._qkernels import Kernels
+    from ._quant import kernels_for
+
+    try:
+        if read_gguf_header(gguf).architecture != "llama":
+            return False
+    except (OSError, GgufError):
+        return False
+    return isinstance(kernels_for(gguf, device, cache_root), Kernels)
+
+
+def resolve_precision(
+    dtype: str | torch.dtype | None,
+    device: torch.device,
+    cache_root: Path,
+    *,
+    gguf: Path | None = None,
+    quantization: Quantization = "auto",
+) -> Precision:
+    """The model's dtype and dense dtype for ``--dtype dtype`` (see the module docstring).
+
+    :raises ValueError: for an unknown dtype name.
+    """
+    chosen = resolve_dtype(dtype, device, cache_root)
+    if dtype not in (None, "auto") or device.type != "cpu":
+        return Precision(chosen)
+    if gguf is None or quantization == "none" or not _decodes_on_blocks(gguf, device, cache_root):
+        return Precision(chosen)
+    return Precision(torch.float32, None if chosen == torch.float32 else chosen)

@@ -1,0 +1,201 @@
+"""``--dtype`` resolved to the model's dtype and the dense products' dtype
+(:mod:`stoic.model._precision`): a GGUF Llama model decoding on its blocks keeps float32
+activations and takes bfloat16 only for products over many rows where bfloat16 is faster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+import torch.nn.functional as F
+from gguf_fakes import write_gguf
+
+from stoic.model import (
+    ModelRunner,
+    SamplingParams,
+    SeqChunk,
+    StepBatch,
+    _precision,
+    default_cache_dir,
+    default_gguf_path,
+    load_model,
+)
+from stoic.model._precision import Precision, resolve_precision
+from stoic.model._qkernels import Kernels
+from stoic.model._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
+from stoic.model.testing import final_hidden_states
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+CPU = torch.device("cpu")
+#: decode steps of these many sequences: the C layers' limit, one more, and few
+WIDTHS = (DENSE_KERNEL_ROWS, DENSE_KERNEL_ROWS + 2, 3)
+
+
+@pytest.fixture
+def probe_says(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make the CPU probe answer ``dtype`` (what an AMX CPU, or an AVX2 one, measures)."""
+
+    def set_answer(dtype: torch.dtype) -> None:
+        monkeypatch.setattr(_precision, "probe_cpu_dtype", lambda root=None: dtype)
+
+    return set_answer
+
+
+def test_auto_keeps_float32_activations_for_a_gguf_llama_decoding_on_blocks(
+    kernels: Kernels, probe_says: Any, tmp_path: Path
+) -> None:
+    """Where bfloat16 measures faster, a GGUF Llama file whose decode runs on its blocks gets
+    float32 activations and bfloat16 dense products; with ``--quantization none``, a model
+    directory or another architecture, ``auto`` is the probe's choice; an explicit dtype is
+    taken as given; where float32 is faster nothing is bfloat16."""
+    root = default_cache_dir()
+    gguf = default_gguf_path()
+    probe_says(torch.bfloat16)
+    assert resolve_precision("auto", CPU, root, gguf=gguf) == Precision(
+        torch.float32, torch.bfloat16
+    )
+    assert resolve_precision(None, CPU, root, gguf=gguf, quantization="gguf") == Precision(
+        torch.float32, torch.bfloat16
+    )
+    assert resolve_precision("auto", CPU, root, gguf=gguf, quantization="none") == Precision(
+        torch.bfloat16
+    )
+    assert resolve_precision("auto", CPU, root, gguf=None) == Precision(torch.bfloat16)
+    other = write_gguf(tmp_path / "qwen.gguf", architecture="qwen2")
+    assert resolve_precision("auto", CPU, root, gguf=other) == Precision(torch.bfloat16)
+    assert resolve_precision("float32", CPU, root, gguf=gguf) == Precision(torch.float32)
+    assert resolve_precision("bf16", CPU, root, gguf=gguf) == Precision(torch.bfloat16)
+    probe_says(torch.float32)
+    assert resolve_precision("auto", CPU, root, gguf=gguf) == Precision(torch.float32)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_precision("float8", CPU, root, gguf=gguf)
+
+
+def test_without_kernels_auto_is_the_probes_choice(
+    probe_says: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No C compiler: the model cannot decode on blocks, so ``auto`` is plain bfloat16 (the
+    C layers' float32 would buy nothing)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    probe_says(torch.bfloat16)
+    got = resolve_precision("auto", CPU, tmp_path, gguf=default_gguf_path())
+    assert got == Precision(torch.bfloat16)
+
+
+def test_qlinear_multiplies_many_rows_by_the_dense_copy(kernels: Kernels) -> None:
+    """With a bfloat16 dense dtype, up to ``max_rows`` rows are multiplied by the blocks in
+    float32 and more rows by a bfloat16 copy of the weights (inputs rounded to bfloat16, the
+    result float32); the split product equals the whole one's halves."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (16, 2 * 20), dtype=torch.uint8, generator=gen)
+    blocks.view(16, 2, 20)[:, :, :4] = torch.tensor([0, 0x2C, 0, 0xA8], dtype=torch.uint8)
+    matrix = QuantizedMatrix("Q4_1", blocks, 64)
+    weight = kernels.dequantize("Q4_1", blocks, 64)
+    bias = torch.randn(16, generator=gen)
+    linear = QLinear(weight, bias, matrix, kernels, max_rows=4, dense_dtype=torch.bfloat16)
+    assert linear.dense_weight.dtype == torch.bfloat16 and linear.weight.dtype == torch.float32
+    few, many = torch.randn(1, 4, 64, generator=gen), torch.randn(1, 9, 64, generator=gen)
+    torch.testing.assert_close(linear(few), F.linear(few, weight, bias), rtol=1e-5, atol=1e-5)
+    got = linear(many)
+    assert got.dtype == torch.float32
+    want = F.linear(many.bfloat16(), weight.bfloat16(), bias.bfloat16()).float()
+    assert torch.equal(got, want)
+    assert not torch.equal(got, F.linear(many, weight, bias))  # it really is bfloat16
+    lo, hi = linear.dense(many, 2)
+    torch.testing.assert_close(torch.cat([lo, hi], -1), got, rtol=0, atol=0)
+    plain = QLinear(weight, bias, matrix, kernels, max_rows=4)
+    assert plain.dense_weight is weight and torch.equal(plain(many), F.linear(many, weight, bias))
+
+
+@pytest.fixture(scope="module")
+def runners(kernels: Kernels) -> tuple[ModelRunner, ModelRunner]:
+    """The default model decoding on its blocks: float32 throughout, and float32 with bfloat16
+    dense products (what ``auto`` gives on a CPU with AMX)."""
+    exact = ModelRunner(load_model("default", dtype="float32", device="cpu"), quantization="gguf")
+    mixed = load_model("default", dtype="float32", device="cpu", dense_dtype="bfloat16")
+    assert mixed.dtype == torch.float32 and mixed.dense_dtype == torch.bfloat16
+    return exact, ModelRunner(mixed, quantization="gguf")
+
+
+@pytest.mark.model
+def test_mixed_runner_decodes_few_rows_on_the_c_layers_and_prefills_in_bfloat16(
+    runners: tuple[ModelRunner, ModelRunner],
+) -> None:
+    """The mixed runner reports its split (blocks up to 16 rows, bfloat16 beyond), keeps a
+    float32 KV cache, runs decode steps of up to 16 sequences on the C layers and bigger ones
+    on the torch path; its prefill's hidden states stay close to float32's (bfloat16
+    rounding, not equality).
+    """
+    exact, mixed = runners
+    assert exact.kernel_rows == MAX_KERNEL_ROWS and mixed.kernel_rows == DENSE_KERNEL_ROWS
+    assert mixed.quantized["dense_dtype"] == "bfloat16" and mixed.quantized["c_layers"]
+    assert exact.quantized["dense_dtype"] == "float32"
+    assert mixed.kv_spec(4, 4).dtype == torch.float32
+    fused = mixed._fused
+    assert fused is not None and fused.c_decoder is not None
+    calls: list[int] = []
+    original = fused.c_decoder.forward
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(args[0].shape[1])
+        return original(*args)
+
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(18)]
+    prompts = [tuple(range(100 + 37 * i, 100 + 37 * i + 20)) for i in range(18)]
+    steps = [
+        StepBatch(tuple(SeqChunk(i, p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)))
+    ]
+    for width in WIDTHS:
+        steps.append(
+            StepBatch(
+                tuple(SeqChunk(i, (60 + i,), 20, tables[i], True, GREEDY) for i in range(width))
+            )
+        )
+    fused.c_decoder.forward = counting  # type: ignore[method-assign]
+    try:
+        got, _ = final_hidden_states(mixed, steps[:1], num_blocks=144, block_size=4)
+        for n, width in enumerate(WIDTHS):
+            calls.clear()
+            final_hidden_states(mixed, [steps[0], steps[n + 1]], 144, 4)
+            assert calls == ([width] if width <= DENSE_KERNEL_ROWS else [])
+    finally:
+        fused.c_decoder.forward = original  # type: ignore[method-assign]
+    want, _ = final_hidden_states(exact, steps[:1], num_blocks=144, block_size=4)
+    cos = F.cosine_similarity(got[0], want[0], dim=-1)
+    assert cos.min() > 0.99, cos
+    assert not torch.equal(got[0], want[0])
+
+
+@pytest.mark.model
+async def test_a_worker_process_is_given_the_dense_dtype_its_server_resolved(
+    kernels: Kernels, probe_says: Any
+) -> None:
+    """``--dtype auto`` resolves once, in the server: where bfloat16 measures faster the
+    worker process loads float32 activations with bfloat16 dense products and says so in
+    ``executor.worker_ready``; the engine's own record agrees."""
+    import stoic
+
+    probe_says(torch.bfloat16)
+    config = stoic.EngineConfig(executor="process", dtype="auto")
+    with structlog.testing.capture_logs() as logs:
+        async with stoic.Engine.start(config) as engine:
+            assert engine.loaded.dtype == torch.float32
+            assert engine.loaded.dense_dtype == torch.bfloat16
+            done = await engine.complete(list(range(100, 140)), SamplingParams(max_tokens=3))
+            assert len(done.token_ids) >= 1
+    ready = [e for e in logs if e["event"] == "executor.worker_ready"]
+    assert ready and ready[0]["quantized"]["dense_dtype"] == "bfloat16"
+    assert ready[0]["quantized"]["kernel_rows"] == DENSE_KERNEL_ROWS
+    started = [e for e in logs if e["event"] == "engine.started"]
+    assert started[0]["dtype"] == "float32" and started[0]["dense_dtype"] == "bfloat16"
+
+
+def test_parse_dtype_names() -> None:
+    """The names ``--dtype`` and ``WorkerSpec.dense_dtype`` use map to torch dtypes."""
+    assert _precision.parse_dtype("bfloat16") is torch.bfloat16
+    assert _precision.parse_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        _precision.parse_dtype("int4")
