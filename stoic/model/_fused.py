@@ -196,6 +196,12 @@ class FusedLlama:
             return F.rms_norm(hidden, (hidden.shape[-1],), self._final_norm, self._eps)
         dim = self._head_dim
         sizes = [self._heads * dim, self._kv_heads * dim, self._kv_heads * dim]
+        # with a bfloat16 dense dtype, the products' results stay bfloat16 between products
+        # (rotary, attention, SiLU) as in a bfloat16 model; the residual stream, the norms and
+        # the KV cache stay float32
+        work = self._layers[0].qkv.out_dtype(hidden, native=True) if self._layers else cos.dtype
+        if cos.dtype != work:
+            cos, sin = cos.to(work), sin.to(work)
         for layer in self._layers:
             q, k, v = self.attention_inputs(
                 hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps
@@ -229,7 +235,7 @@ def attention_inputs(
     ``hidden`` ``[1, N, width]`` (``cos``/``sin`` ``[1, 1, N, head_dim]``)."""
     n, dim = hidden.shape[1], cos.shape[-1]
     x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
-    qk, v = qkv(x).split_with_sizes([sizes[0] + sizes[1], sizes[2]], -1)
+    qk, v = qkv(x, native=True).split_with_sizes([sizes[0] + sizes[1], sizes[2]], -1)
     # queries and keys rotated together: one set of elementwise ops for both
     qk = _rotate(qk.view(1, n, -1, dim).transpose(1, 2), cos, sin)
     q, k = qk.split_with_sizes([sizes[0] // dim, sizes[1] // dim], 1)
@@ -248,13 +254,14 @@ def mlp_block(
     """The rest of a layer after attention (``attn_out`` ``[1, N, heads, head_dim]``): output
     projection and residual, then norm, gated MLP and residual; returns ``[1, N, width]``."""
     n = hidden.shape[1]
-    hidden = hidden + o(attn_out.reshape(1, n, -1))
+    # a product's result in another dtype than hidden's is promoted by the addition
+    hidden = hidden + o(attn_out.reshape(1, n, -1), native=True)
     x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
     if n < SPLIT_MLP_ROWS or gate_up.uses_kernel(n):
-        gate, up = gate_up(x).chunk(2, -1)
+        gate, up = gate_up(x, native=True).chunk(2, -1)
     else:  # the same rows of the same tensor, as two products (faster at many rows)
-        gate, up = gate_up.dense(x, 2)
-    return hidden + down(F.silu(gate) * up)
+        gate, up = gate_up.dense(x, 2, native=True)
+    return hidden + down(F.silu(gate) * up, native=True)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

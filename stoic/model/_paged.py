@@ -329,6 +329,9 @@ def _decode_attention(
     # all of q's tokens, in order, when the group holds every token of the step (decode only)
     qd = q if q.shape[1] == batch else q.index_select(1, decode.q_index)
     qd = qd.transpose(0, 1).reshape(batch, kv_heads, group, head_dim)
+    # bfloat16 queries over a float32 cache (a bfloat16 dense dtype): the queries are converted,
+    # not the (many more) gathered keys and values
+    qd = qd.to(k_pool.dtype)
     # index_select on the flattened index: measured ~8x faster than advanced indexing on CPU
     rows = decode.gather_index.view(-1)
     kd = k_pool.index_select(0, rows).view(batch, kv_heads, length, head_dim)
@@ -337,7 +340,7 @@ def _decode_attention(
     scores.mul_(scaling if scaling is not None else head_dim**-0.5)
     scores.masked_fill_(decode.masked_out(block_size, sliding_window), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(vd.dtype)
-    return torch.matmul(probs, vd).reshape(batch, heads, head_dim)
+    return torch.matmul(probs, vd).reshape(batch, heads, head_dim).to(q.dtype)
 
 
 _registered = False

@@ -172,10 +172,13 @@ class QLinear:
     def uses_kernel(self, rows: int) -> bool:
         return self._product is not None and rows <= self.max_rows
 
-    def dense(self, x: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, ...]:
+    def dense(
+        self, x: torch.Tensor, parts: int = 1, *, native: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """``x`` times the dense weights, as ``parts`` products over equal row slices of them
         (one product of the whole width measured slower at many rows for the gated MLP); each
-        result in ``x``'s dtype."""
+        result in ``x``'s dtype, or with ``native`` in the dense weights' (no conversion: what
+        the next product multiplies anyway)."""
         w, b = self.dense_weight, self.dense_bias
         xin = x if x.dtype == w.dtype else x.to(w.dtype)
         if parts == 1:
@@ -185,14 +188,22 @@ class QLinear:
             outs = tuple(
                 F.linear(xin, wp, bp) for wp, bp in zip(w.chunk(parts, 0), biases, strict=True)
             )
-        return outs if xin is x else tuple(y.to(x.dtype) for y in outs)
+        return outs if native or xin is x else tuple(y.to(x.dtype) for y in outs)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def out_dtype(self, x: torch.Tensor, *, native: bool = False) -> torch.dtype:
+        """The dtype ``self(x, native=native)`` returns."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        dense = self._product is None or rows > self.max_rows or rows == 0
+        return self.dense_weight.dtype if native and dense else x.dtype
+
+    def __call__(self, x: torch.Tensor, *, native: bool = False) -> torch.Tensor:
+        """``x @ weight.T + bias`` in ``x``'s dtype; with ``native``, a dense product's result
+        stays in the dense weights' dtype (the blocks' is converted to ``x``'s either way)."""
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
         product = self._product
         if product is None or rows > self.max_rows or rows == 0:
-            return self.dense(x)[0]
+            return self.dense(x, native=native)[0]
         flat = x.reshape(rows, width)
         if flat.dtype != torch.float32:
             flat = flat.float()

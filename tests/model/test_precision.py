@@ -88,7 +88,8 @@ def test_without_kernels_auto_is_the_probes_choice(
 def test_qlinear_multiplies_many_rows_by_the_dense_copy(kernels: Kernels) -> None:
     """With a bfloat16 dense dtype, up to ``max_rows`` rows are multiplied by the blocks in
     float32 and more rows by a bfloat16 copy of the weights (inputs rounded to bfloat16, the
-    result float32); the split product equals the whole one's halves."""
+    result float32, or bfloat16 with ``native``, as the next product takes it); the split product
+    equals the whole one's halves."""
     gen = torch.Generator().manual_seed(5)
     blocks = torch.randint(0, 256, (16, 2 * 20), dtype=torch.uint8, generator=gen)
     blocks.view(16, 2, 20)[:, :, :4] = torch.tensor([0, 0x2C, 0, 0xA8], dtype=torch.uint8)
@@ -104,6 +105,10 @@ def test_qlinear_multiplies_many_rows_by_the_dense_copy(kernels: Kernels) -> Non
     want = F.linear(many.bfloat16(), weight.bfloat16(), bias.bfloat16()).float()
     assert torch.equal(got, want)
     assert not torch.equal(got, F.linear(many, weight, bias))  # it really is bfloat16
+    native = linear(many, native=True)  # left bfloat16 for the next product
+    assert native.dtype == torch.bfloat16 == linear.out_dtype(many, native=True)
+    assert torch.equal(native.float(), got)
+    assert linear(few, native=True).dtype == torch.float32 == linear.out_dtype(few, native=True)
     lo, hi = linear.dense(many, 2)
     torch.testing.assert_close(torch.cat([lo, hi], -1), got, rtol=0, atol=0)
     plain = QLinear(weight, bias, matrix, kernels, max_rows=4)
