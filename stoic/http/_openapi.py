@@ -176,10 +176,26 @@ def _generation(request: type[BaseModel], response: str, summary: str) -> dict[s
         "description": "the completion; with stream=true, server-sent events",
         "content": {
             "application/json": {"schema": {"$ref": f"#/components/schemas/{response}"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            # each server-sent event, as OpenAPI 3.2's event-stream media type describes one
+            # (and schemathesis validates every event of a streamed answer against it)
+            "text/event-stream": {"schema": _SSE_EVENT},
         },
     }
     return _post(request, ok, summary, _GENERATION_ERRORS)
+
+
+#: one server-sent event: ``data`` is a chunk object (or the error object) as JSON text, or
+#: ``[DONE]``; an ``event: error`` event ends a failed stream
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
 
 
 def _components(*models: type[BaseModel]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._cattention import DecodeAttention
 from ._cdecode import CDecoder, layer_weights
 from ._paged import StepMetadata, paged_attention
 from ._qkernels import Kernels
@@ -161,6 +162,13 @@ class FusedLlama:
         #: decode-only steps' layers in C (:mod:`._cdecode`), when every projection runs on
         #: quantised blocks and the shapes allow; None: the torch path for every step
         self.c_decoder: CDecoder | None = None
+        #: kernels for the decode tokens' attention on the torch path (:mod:`._cattention`)
+        self._attn_kernels = (
+            kernels
+            if kernels is not None
+            and CDecoder.supports(torch.float32, self._head_dim, self._heads, self._kv_heads)
+            else None
+        )
         weights = layer_weights(self._layers) if kernels is not None else None
         dtype = self._final_norm.dtype
         if weights is not None and CDecoder.supports(
@@ -202,13 +210,21 @@ class FusedLlama:
         work = self._layers[0].qkv.out_dtype(hidden, native=True) if self._layers else cos.dtype
         if cos.dtype != work:
             cos, sin = cos.to(work), sin.to(work)
+        attend = (
+            DecodeAttention(self._attn_kernels, step, hidden.shape[1])
+            if self._attn_kernels is not None and DecodeAttention.applies(self._attn_kernels, step)
+            else None
+        )
         for layer in self._layers:
             q, k, v = self.attention_inputs(
                 hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps
             )
-            out, _ = paged_attention(
-                layer.attn, q, k, v, None, scaling=layer.attn.scaling, stoic_step=step
-            )
+            if attend is not None:
+                out = attend(layer.attn, q, k, v)
+            else:
+                out, _ = paged_attention(
+                    layer.attn, q, k, v, None, scaling=layer.attn.scaling, stoic_step=step
+                )
             hidden = self.mlp_block(
                 hidden,
                 out,

@@ -294,6 +294,10 @@ def paged_attention(
             rows = chunk.gather_index.view(-1)
             kp = k_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
             vp = v_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
+            # bfloat16 queries (a bfloat16 dense dtype) over the float32 cache: this chunk needs
+            # a mask, and masked grouped-query SDPA in bfloat16 takes a slow path on a CPU
+            # (the decode note below); the queries are converted, not the gathered cache
+            qp = qp.to(kp.dtype)
         op = F.scaled_dot_product_attention(
             qp,
             kp.to(qp.dtype),

@@ -43,6 +43,18 @@ def _run(runner: ModelRunner, steps: list[StepBatch], c_path: bool) -> tuple[lis
         fused.c_decoder = saved
 
 
+def _assert_same(got_run: Any, want_run: Any, steps: int) -> None:
+    """Two runs' hidden states and cached keys/values agree within float32 rounding."""
+    (got, got_cache), (want, want_cache) = got_run, want_run
+    assert len(got) == len(want) == steps
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    for g, w in zip(
+        (*got_cache.keys, *got_cache.values), (*want_cache.keys, *want_cache.values), strict=True
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_c_layers_equal_the_torch_path(runner: ModelRunner) -> None:
     """Three sequences of different lengths (5, 23 and 9 tokens: blocks of 4, several decode
     groups) prefilled on the torch path, then decode steps of all three and of two: every
@@ -59,14 +71,7 @@ def test_c_layers_equal_the_torch_path(runner: ModelRunner) -> None:
             if n < 2 or i != 1  # the longest leaves after two steps
         ]
         steps.append(StepBatch(tuple(chunks)))
-    (got, got_cache), (want, want_cache) = _run(runner, steps, True), _run(runner, steps, False)
-    assert len(got) == len(want) == len(steps)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-    for g, w in zip(
-        (*got_cache.keys, *got_cache.values), (*want_cache.keys, *want_cache.values), strict=True
-    ):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    _assert_same(_run(runner, steps, True), _run(runner, steps, False), len(steps))
 
 
 def test_prefill_and_mixed_steps_stay_on_the_torch_path(runner: ModelRunner) -> None:
@@ -91,3 +96,46 @@ def test_prefill_and_mixed_steps_stay_on_the_torch_path(runner: ModelRunner) -> 
         assert calls == [1]
     finally:
         fused.c_decoder.forward = original  # type: ignore[method-assign]
+
+
+def _run_torch_path(runner: ModelRunner, steps: list[StepBatch], c_attention: bool) -> Any:
+    """Hidden states and cache with the C layers off, the decode attention in C or in torch."""
+    fused = runner._fused
+    assert fused is not None
+    saved = fused.c_decoder, fused._attn_kernels
+    fused.c_decoder = None
+    if not c_attention:
+        fused._attn_kernels = None
+    try:
+        return final_hidden_states(runner, steps, num_blocks=40, block_size=4)
+    finally:
+        fused.c_decoder, fused._attn_kernels = saved
+
+
+def test_decode_attention_in_c_equals_torch_on_mixed_and_decode_steps(runner: ModelRunner) -> None:
+    """On the torch path (steps the C layers do not take), decode tokens attended by the C kernel
+    over the paged blocks give the hidden states and cached keys/values torch's gathered
+    attention gives, within float32 rounding: a decode-only step of three sequences of
+    different lengths, and mixed steps where a new prompt is prefilled (in two chunks, the
+    second attending to the first through the cache) next to those decodes."""
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(4)]
+    prompts = [tuple(range(100, 105)), tuple(range(300, 323)), tuple(range(700, 709))]
+    steps = [
+        StepBatch(tuple(SeqChunk(i, p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)))
+    ]
+    decodes = [
+        SeqChunk(i, (50 + i,), len(p), tables[i], True, GREEDY) for i, p in enumerate(prompts)
+    ]
+    steps.append(StepBatch(tuple(decodes)))
+    new = tuple(range(900, 914))
+    later = [
+        SeqChunk(i, (60 + i,), len(p) + 1, tables[i], True, GREEDY) for i, p in enumerate(prompts)
+    ]
+    steps.append(StepBatch((*later, SeqChunk(3, new[:6], 0, tables[3], False, GREEDY))))
+    last = [
+        SeqChunk(i, (70 + i,), len(p) + 2, tables[i], True, GREEDY) for i, p in enumerate(prompts)
+    ]
+    steps.append(StepBatch((SeqChunk(3, new[6:], 6, tables[3], True, GREEDY), *last)))
+    _assert_same(
+        _run_torch_path(runner, steps, True), _run_torch_path(runner, steps, False), len(steps)
+    )
