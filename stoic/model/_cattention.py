@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ._cdecode import block_tables
 from ._paged import StepMetadata, paged_attention
 from ._qkernels import Kernels
 
@@ -34,35 +35,22 @@ class DecodeAttention:
         self._step = step
         #: the step without its decode groups, for torch's attention over the prefill chunks
         self._prefills = dataclasses.replace(step, decodes=()) if step.prefills else None
-        groups = step.decodes
-        self.q_index = torch.cat([g.q_index for g in groups]).to(torch.int64)
-        m = int(self.q_index.numel())
-        kv_heads = int(groups[0].gather_index.shape[1])
-        widest = max(g.max_blocks for g in groups)
-        self._tables = torch.zeros(m, kv_heads, widest, dtype=torch.int64)
-        self._lens = torch.zeros(m, dtype=torch.int64)
-        start = 0
-        for g in groups:
-            end = start + int(g.q_index.numel())
-            self._tables[start:end, :, : g.max_blocks] = g.gather_index
-            self._lens[start:end] = g.context_lens.to(torch.int64)
-            start = end
+        self.q_index = torch.cat([g.q_index for g in step.decodes]).to(torch.int64)
+        # every token's block table in step order (the C layers' own), then the decode tokens'
+        tables, lens = block_tables(step, tokens)
+        self._tables = tables.index_select(0, self.q_index)
+        self._lens = lens.index_select(0, self.q_index)
+        kv_heads = int(tables.shape[1])
         self._write = (
             step.write_index.view(kv_heads, tokens).index_select(1, self.q_index).contiguous()
         )
-        self._widest = widest
 
     @staticmethod
-    def applies(kernels: Kernels | None, step: StepMetadata) -> bool:
-        """Whether a step's decodes can be attended in C: kernels, decodes, a float32 cache on
+    def applies(step: StepMetadata) -> bool:
+        """Whether a step's decodes can be attended in C: it has some, over a float32 cache on
         the CPU."""
-        cache = step.cache
-        return (
-            kernels is not None
-            and bool(step.decodes)
-            and cache.spec.dtype == torch.float32
-            and cache.spec.device.type == "cpu"
-        )
+        spec = step.cache.spec
+        return bool(step.decodes) and spec.dtype == torch.float32 and spec.device.type == "cpu"
 
     def __call__(
         self, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -95,7 +83,7 @@ class DecodeAttention:
             qd.data_ptr(), kd.data_ptr(), vd.data_ptr(),
             cache.keys[layer].data_ptr(), cache.values[layer].data_ptr(),
             self._write.data_ptr(), self._tables.data_ptr(), self._lens.data_ptr(),
-            m, heads, kv_heads, dim, cache.spec.block_size, self._widest,
+            m, heads, kv_heads, dim, cache.spec.block_size, self._tables.shape[2],
             float(attn.scaling), got.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

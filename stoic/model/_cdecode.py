@@ -29,7 +29,7 @@ from ._paged import StepMetadata
 from ._qkernels import Kernels, Product
 from ._quant import MAX_KERNEL_ROWS
 
-__all__ = ["CDecoder", "LayerWeights"]
+__all__ = ["CDecoder", "LayerWeights", "block_tables"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class CDecoder:
         k = torch.empty(m, kvh, dim)
         v = torch.empty(m, kvh, dim)
         out = torch.empty(m, h, dim)
-        tables, lens = _block_tables(step, m)
+        tables, lens = block_tables(step, m)
         write = step.write_index.contiguous()
         cache = step.cache
         threads = torch.get_num_threads()
@@ -148,9 +148,10 @@ def _recorded(name: str, fn: Callable[..., int]) -> Callable[..., int]:
     return call
 
 
-def _block_tables(step: StepMetadata, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_tables(step: StepMetadata, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's pool rows ``[M, kv_heads, max_blocks]`` and context length ``[M]``, in the
-    step's token order, from its decode groups (each padded to its own longest)."""
+    step's token order, from its decode groups (each padded to its own longest); a token of no
+    decode group (a prefill chunk's) gets zeros."""
     groups = step.decodes
     widest = max(g.max_blocks for g in groups)
     kv_heads = groups[0].gather_index.shape[1]

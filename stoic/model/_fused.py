@@ -212,7 +212,7 @@ class FusedLlama:
             cos, sin = cos.to(work), sin.to(work)
         attend = (
             DecodeAttention(self._attn_kernels, step, hidden.shape[1])
-            if self._attn_kernels is not None and DecodeAttention.applies(self._attn_kernels, step)
+            if self._attn_kernels is not None and DecodeAttention.applies(step)
             else None
         )
         for layer in self._layers:

@@ -300,8 +300,8 @@ def paged_attention(
             qp = qp.to(kp.dtype)
         op = F.scaled_dot_product_attention(
             qp,
-            kp.to(qp.dtype),
-            vp.to(qp.dtype),
+            kp,
+            vp,
             attn_mask=mask,
             is_causal=mask is None,
             scale=scaling,

@@ -112,8 +112,8 @@ def resolve_precision(
     :raises ValueError: for an unknown dtype name.
     """
     chosen = resolve_dtype(dtype, device, cache_root)
-    if dtype not in (None, "auto") or device.type != "cpu":
+    if dtype not in (None, "auto") or device.type != "cpu" or chosen == torch.float32:
         return Precision(chosen)
     if gguf is None or quantization == "none" or not _decodes_on_blocks(gguf, device, cache_root):
         return Precision(chosen)
-    return Precision(torch.float32, None if chosen == torch.float32 else chosen)
+    return Precision(torch.float32, chosen)

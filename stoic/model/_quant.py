@@ -190,20 +190,25 @@ class QLinear:
             )
         return outs if native or xin is x else tuple(y.to(x.dtype) for y in outs)
 
+    @staticmethod
+    def _rows(x: torch.Tensor) -> int:
+        width = x.shape[-1]
+        return x.numel() // width if width else 0
+
     def out_dtype(self, x: torch.Tensor, *, native: bool = False) -> torch.dtype:
         """The dtype ``self(x, native=native)`` returns."""
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        dense = self._product is None or rows > self.max_rows or rows == 0
+        rows = self._rows(x)
+        dense = rows == 0 or not self.uses_kernel(rows)
         return self.dense_weight.dtype if native and dense else x.dtype
 
     def __call__(self, x: torch.Tensor, *, native: bool = False) -> torch.Tensor:
         """``x @ weight.T + bias`` in ``x``'s dtype; with ``native``, a dense product's result
         stays in the dense weights' dtype (the blocks' is converted to ``x``'s either way)."""
-        width = x.shape[-1]
-        rows = x.numel() // width if width else 0
+        rows = self._rows(x)
         product = self._product
-        if product is None or rows > self.max_rows or rows == 0:
+        if product is None or rows == 0 or not self.uses_kernel(rows):
             return self.dense(x, native=native)[0]
+        width = x.shape[-1]
         flat = x.reshape(rows, width)
         if flat.dtype != torch.float32:
             flat = flat.float()
