@@ -86,9 +86,16 @@ class Engine:
         """
         cfg = config or EngineConfig()
         in_process = cfg.executor == "thread"
-        # with the process executor the weights live in the worker process only
-        loaded = await anyio.to_thread.run_sync(
-            functools.partial(
+        async with contextlib.AsyncExitStack() as stack:
+            # the thread executor loads, builds and runs its model on one thread (every
+            # executor incarnation's): torch's OpenMP pool is per calling thread, and a second
+            # pool in the process (here: the loading thread's) makes libgomp stop spinning
+            # between parallel regions when the pools' threads outnumber the cores, so every
+            # region waits on a futex: a prefill step of a burst measured 1.8x slower
+            # (docs/benchmarks.md, "One OpenMP pool"). With the process executor the weights live
+            # in the worker process only, and this process loads the tokenizer and config.
+            step_thread = stack.enter_context(StepWorker("stoic-executor")) if in_process else None
+            load = functools.partial(
                 load_model,
                 cfg.model,
                 device=cfg.device,
@@ -98,20 +105,22 @@ class Engine:
                 weights=in_process,
                 quantization=cfg.quantization,
             )
-        )
-        if cfg.quantization == "gguf":  # refused here, not in a worker process starting
-            await anyio.to_thread.run_sync(
-                require_quantized, loaded.gguf, loaded.device, cfg.cache_dir or default_cache_dir()
+            loaded = await (
+                step_thread.run(load) if step_thread else anyio.to_thread.run_sync(load)
             )
-        spec = kv_cache_spec(cfg, loaded)
-        health = EngineHealth()
-        faults = FaultInjector(cfg.faults)
-        async with contextlib.AsyncExitStack() as stack:
+            if cfg.quantization == "gguf":  # refused here, not in a worker process starting
+                await anyio.to_thread.run_sync(
+                    require_quantized,
+                    loaded.gguf,
+                    loaded.device,
+                    cfg.cache_dir or default_cache_dir(),
+                )
+            spec = kv_cache_spec(cfg, loaded)
+            health = EngineHealth()
+            faults = FaultInjector(cfg.faults)
             executor: StepWorker | WorkerPool
-            if in_process:
-                # one worker thread for every executor incarnation: torch's OpenMP pool is per
-                # calling thread, so a thread per restart would leave idle pools competing
-                executor = stack.enter_context(StepWorker("stoic-executor"))
+            if step_thread is not None:
+                executor = step_thread
             else:
                 executor = worker_pool(cfg, loaded, spec)
                 stack.callback(executor.close)  # after the actors stopped: no orphan workers

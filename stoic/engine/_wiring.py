@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +163,11 @@ async def wire(
         mailbox_size=4096,
     )
     if isinstance(executor, StepWorker):
-        runner = ModelRunner(loaded, grammar, quantization=config.quantization)
+        # built on the thread that runs its steps (the blocks' repacking and checks are torch
+        # operators too): one OpenMP pool in the process (Engine.start)
+        runner = await executor.run(
+            functools.partial(ModelRunner, loaded, grammar, quantization=config.quantization)
+        )
         thread = executor
 
         def factory() -> Any:
