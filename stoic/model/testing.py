@@ -17,7 +17,7 @@ from ._loader import resolve_model_path
 from ._paged import PagedKVCache
 from ._runner import ModelRunner
 
-__all__ = ["build_tiny_model", "final_hidden_states"]
+__all__ = ["build_tiny_model", "final_hidden_states", "scattered_block_tables"]
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -81,3 +81,36 @@ def final_hidden_states(
     finally:
         runner._head = head
     return captured, cache
+
+
+def scattered_block_tables(
+    lens: list[int] | tuple[int, ...],
+    kv_heads: int,
+    pool_blocks: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables as a serving cache hands them out: each sequence of length ``lens[i]`` gets
+    its own blocks, drawn in random order from ``pool_blocks``; returns (tables ``[M, kv_heads,
+    max_blocks]`` of pool rows, kv head ``g``'s row of block ``b`` being ``g * pool_blocks + b``,
+    padded with row 0; write ``[kv_heads, M]``: the flat pool position of each sequence's last
+    token), the layout ``stoic_decode_attention`` reads.
+
+    :raises ValueError: if the sequences need more blocks than the pool holds.
+    """
+    blocks = [-(-n // block_size) for n in lens]
+    if sum(blocks) > pool_blocks:
+        raise ValueError(f"{sum(blocks)} blocks needed, the pool has {pool_blocks}")
+    order = torch.randperm(pool_blocks, generator=generator)
+    tables = torch.zeros(len(lens), kv_heads, max(blocks), dtype=torch.int64)
+    write = torch.zeros(kv_heads, len(lens), dtype=torch.int64)
+    used = 0
+    for i, (n, count) in enumerate(zip(lens, blocks, strict=True)):
+        mine = order[used : used + count]
+        used += count
+        for g in range(kv_heads):
+            tables[i, g, :count] = g * pool_blocks + mine
+            write[g, i] = (
+                int(tables[i, g, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+            )
+    return tables, write

@@ -10,7 +10,7 @@ import torch
 
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
 from stoic.model._qkernels import KernelsUnavailable, load_kernels
-from stoic.model.testing import final_hidden_states
+from stoic.model.testing import final_hidden_states, scattered_block_tables
 
 pytestmark = pytest.mark.model
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
@@ -139,3 +139,44 @@ def test_decode_attention_in_c_equals_torch_on_mixed_and_decode_steps(runner: Mo
     _assert_same(
         _run_torch_path(runner, steps, True), _run_torch_path(runner, steps, False), len(steps)
     )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [(1,), (7, 8, 9, 33, 64, 130), (300,) * 3])
+def test_decode_attention_kernel_equals_float64_softmax_attention(
+    kernels: Any, threads: int, lens: tuple[int, ...]
+) -> None:
+    """``stoic_decode_attention`` writes each token's key and value at its slot, then gives
+    softmax(q k^T * scale) v over each sequence's own blocks (scattered in the pool), equal to
+    float64 arithmetic within float32 rounding: for lengths below, at and across the 8-key
+    tiles and 16-position blocks, one job per head (one token) and per kv head (many), and
+    scores far enough apart (scale 3) that most exponentials underflow to 0."""
+    gen = torch.Generator().manual_seed(len(lens) * 10 + threads)
+    heads, kv_heads, dim, block, pool_blocks = 9, 3, 64, 16, 200
+    shape = (kv_heads * pool_blocks, block, dim)
+    k_pool, v_pool = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    m, blocks = len(lens), max(-(-n // block) for n in lens)
+    tables, write = scattered_block_tables(lens, kv_heads, pool_blocks, block, gen)
+    q = torch.randn(m, heads, dim, generator=gen)
+    k, v = (
+        torch.randn(m, kv_heads, dim, generator=gen),
+        torch.randn(m, kv_heads, dim, generator=gen),
+    )
+    out = torch.full((m, heads, dim), float("nan"))
+    lengths = torch.tensor(lens)
+    rc = kernels.attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        write.data_ptr(), tables.data_ptr(), lengths.data_ptr(), m, heads, kv_heads,
+        dim, block, blocks, 3.0, out.data_ptr(), threads,
+    )  # fmt: skip
+    assert rc == 0
+    for i, n in enumerate(lens):
+        for g in range(kv_heads):
+            rows = tables[i, g, : -(-n // block)]
+            keys = k_pool[rows].reshape(-1, dim)[:n].double()
+            values = v_pool[rows].reshape(-1, dim)[:n].double()
+            torch.testing.assert_close(keys[-1], k[i, g].double())  # written, then attended
+            torch.testing.assert_close(values[-1], v[i, g].double())
+            for h in range(g * heads // kv_heads, (g + 1) * heads // kv_heads):
+                want = torch.softmax(keys @ q[i, h].double() * 3.0, 0) @ values
+                torch.testing.assert_close(out[i, h].double(), want, rtol=1e-5, atol=1e-5)
