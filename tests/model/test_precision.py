@@ -175,6 +175,32 @@ def test_mixed_runner_decodes_few_rows_on_the_c_layers_and_prefills_in_bfloat16(
 
 
 @pytest.mark.model
+def test_mixed_runner_attends_a_continued_prompt_chunk_like_the_whole_prompt(
+    runners: tuple[ModelRunner, ModelRunner],
+) -> None:
+    """A prompt prefilled in two chunks (the second, 30 tokens after 34 cached, attends the
+    float32 cache through a mask, converted to the queries' bfloat16) ends in the hidden state
+    of the same prompt in one chunk and of float32's, within bfloat16 rounding; the cached keys
+    and values of both runs agree as closely."""
+    exact, mixed = runners
+    prompt = tuple(range(300, 364))
+    table = tuple(range(16))
+    whole = [StepBatch((SeqChunk(0, prompt, 0, table, True, GREEDY),))]
+    split = [
+        StepBatch((SeqChunk(0, prompt[:34], 0, table, False, GREEDY),)),
+        StepBatch((SeqChunk(0, prompt[34:], 34, table, True, GREEDY),)),
+    ]
+    (one,), one_cache = final_hidden_states(mixed, whole, num_blocks=16, block_size=4)
+    (two,), two_cache = final_hidden_states(mixed, split, num_blocks=16, block_size=4)
+    (ref,), _ = final_hidden_states(exact, whole, num_blocks=16, block_size=4)
+    for got in (two, one):
+        assert F.cosine_similarity(got, ref, dim=-1).min() > 0.99
+    assert F.cosine_similarity(two, one, dim=-1).min() > 0.99
+    for a, b in zip(one_cache.keys + one_cache.values, two_cache.keys + two_cache.values):
+        assert F.cosine_similarity(a.flatten(1), b.flatten(1), dim=-1).min() > 0.99
+
+
+@pytest.mark.model
 async def test_a_worker_process_is_given_the_dense_dtype_its_server_resolved(
     kernels: Kernels, probe_says: Any
 ) -> None:
