@@ -196,7 +196,9 @@ def test_mixed_runner_attends_a_continued_prompt_chunk_like_the_whole_prompt(
     for got in (two, one):
         assert F.cosine_similarity(got, ref, dim=-1).min() > 0.99
     assert F.cosine_similarity(two, one, dim=-1).min() > 0.99
-    for a, b in zip(one_cache.keys + one_cache.values, two_cache.keys + two_cache.values):
+    for a, b in zip(
+        one_cache.keys + one_cache.values, two_cache.keys + two_cache.values, strict=True
+    ):
         assert F.cosine_similarity(a.flatten(1), b.flatten(1), dim=-1).min() > 0.99
 
 
