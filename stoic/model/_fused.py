@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ._cattention import DecodeAttention
 from ._cdecode import CDecoder, layer_weights
+from ._cops import PrefillOps
 from ._paged import StepMetadata, paged_attention
 from ._qkernels import Kernels
 from ._quant import MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
@@ -137,10 +138,18 @@ class FusedLlama:
         self._layers: list[_Layer] = []
         blocks = quantized or {}
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None, *keys: str) -> QLinear:
+        def linear(
+            weight: torch.Tensor, bias: torch.Tensor | None, *keys: str, parts: int = 1
+        ) -> QLinear:
             found = QuantizedMatrix.stack([blocks.get(k) for k in keys])
             return QLinear.checked(
-                weight, bias, found, kernels, max_rows=kernel_rows, dense_dtype=dense_dtype
+                weight,
+                bias,
+                found,
+                kernels,
+                max_rows=kernel_rows,
+                dense_dtype=dense_dtype,
+                pack_parts=parts,
             )
 
         for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
@@ -154,7 +163,8 @@ class FusedLlama:
                     norm_post=layer.post_attention_layernorm.weight,
                     qkv=linear(qkv, qkv_bias, f"{i}.q", f"{i}.k", f"{i}.v"),
                     o=linear(attn.o_proj.weight, attn.o_proj.bias, f"{i}.o"),
-                    gate_up=linear(gate_up, None, f"{i}.gate", f"{i}.up"),
+                    # packed as its two halves: the many-row steps multiply them apart
+                    gate_up=linear(gate_up, None, f"{i}.gate", f"{i}.up", parts=2),
                     down=linear(mlp.down_proj.weight, None, f"{i}.down"),
                 )
             )
@@ -167,6 +177,12 @@ class FusedLlama:
             kernels
             if kernels is not None
             and CDecoder.supports(torch.float32, self._head_dim, self._heads, self._kv_heads)
+            else None
+        )
+        #: the bfloat16 steps' norms, rotary and SiLU x up in C (:mod:`._cops`)
+        self._ops = (
+            PrefillOps(kernels)
+            if kernels is not None and PrefillOps.supports(int(config.hidden_size), self._head_dim)
             else None
         )
         weights = layer_weights(self._layers) if kernels is not None else None
@@ -208,7 +224,10 @@ class FusedLlama:
         # (rotary, attention, SiLU) as in a bfloat16 model; the residual stream, the norms and
         # the KV cache stay float32
         work = self._layers[0].qkv.out_dtype(hidden, native=True) if self._layers else cos.dtype
-        if cos.dtype != work:
+        ops = self._ops if work == torch.bfloat16 and hidden.device.type == "cpu" else None
+        if ops is not None:  # float32 [N, D] tables for the C rotary
+            cos, sin = cos.reshape(-1, dim).float(), sin.reshape(-1, dim).float()
+        elif cos.dtype != work:
             cos, sin = cos.to(work), sin.to(work)
         attend = (
             DecodeAttention(self._attn_kernels, step, hidden.shape[1])
@@ -217,7 +236,7 @@ class FusedLlama:
         )
         for layer in self._layers:
             q, k, v = self.attention_inputs(
-                hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps
+                hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps, ops
             )
             if attend is not None:
                 out = attend(layer.attn, q, k, v)
@@ -226,13 +245,7 @@ class FusedLlama:
                     layer.attn, q, k, v, None, scaling=layer.attn.scaling, stoic_step=step
                 )
             hidden = self.mlp_block(
-                hidden,
-                out,
-                layer.o,
-                layer.norm_post,
-                layer.gate_up,
-                layer.down,
-                self._eps,
+                hidden, out, layer.o, layer.norm_post, layer.gate_up, layer.down, self._eps, ops
             )
         width = hidden.shape[-1]
         return F.rms_norm(hidden, (width,), self._final_norm, self._eps)
@@ -246,10 +259,19 @@ def attention_inputs(
     sin: torch.Tensor,
     sizes: list[int],
     eps: float,
+    ops: PrefillOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's rotated queries and keys, and its values, each ``[1, heads, N, head_dim]``, for
-    ``hidden`` ``[1, N, width]`` (``cos``/``sin`` ``[1, 1, N, head_dim]``)."""
+    ``hidden`` ``[1, N, width]`` (``cos``/``sin`` ``[1, 1, N, head_dim]``). With ``ops`` (a
+    bfloat16 step) the norm and rotary run in C (``cos``/``sin`` float32 ``[N, head_dim]``), and
+    q, k and v are views of the one product's result."""
     n, dim = hidden.shape[1], cos.shape[-1]
+    if ops is not None:
+        y = qkv(ops.rms_norm(hidden, norm, eps), native=True)
+        ops.rotate_(y, (sizes[0] + sizes[1]) // dim, dim, cos, sin)
+        heads = y.view(1, n, -1, dim).transpose(1, 2)
+        q, k, v = heads.split_with_sizes([size // dim for size in sizes], 1)
+        return q, k, v
     x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
     qk, v = qkv(x, native=True).split_with_sizes([sizes[0] + sizes[1], sizes[2]], -1)
     # queries and keys rotated together: one set of elementwise ops for both
@@ -266,18 +288,24 @@ def mlp_block(
     gate_up: QLinear,
     down: QLinear,
     eps: float,
+    ops: PrefillOps | None = None,
 ) -> torch.Tensor:
     """The rest of a layer after attention (``attn_out`` ``[1, N, heads, head_dim]``): output
-    projection and residual, then norm, gated MLP and residual; returns ``[1, N, width]``."""
+    projection and residual, then norm, gated MLP and residual; returns ``[1, N, width]``.
+    With ``ops`` (a bfloat16 step) the norm and SiLU x up run in C."""
     n = hidden.shape[1]
     # a product's result in another dtype than hidden's is promoted by the addition
     hidden = hidden + o(attn_out.reshape(1, n, -1), native=True)
-    x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
+    if ops is not None:
+        x = ops.rms_norm(hidden, norm, eps)
+    else:
+        x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
     if n < SPLIT_MLP_ROWS or gate_up.uses_kernel(n):
         gate, up = gate_up(x, native=True).chunk(2, -1)
     else:  # the same rows of the same tensor, as two products (faster at many rows)
         gate, up = gate_up.dense(x, 2, native=True)
-    return hidden + down(F.silu(gate) * up, native=True)
+    act = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
+    return hidden + down(act, native=True)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

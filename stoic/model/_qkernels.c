@@ -534,12 +534,10 @@ static inline __m256 hsum8(const __m256 *a) {
                          _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* e^x for x <= 0 (softmax after subtracting the maximum), 8 lanes: Cephes' expf (range
- * reduction by ln 2 in two parts, a degree-6 polynomial; within 2 ulp of expf), 0 below -87 */
-static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
+/* e^x, 8 lanes, x clamped to [-87, 88] (Cephes' expf: range reduction by ln 2 in two parts, a
+ * degree-6 polynomial; within 2 ulp of expf). Also used by _cops.c. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -551,8 +549,18 @@ static inline __m256 exp_nonpositive(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    /* 2^n in two factors: n reaches 127 at x = 88, one past the largest finite exponent */
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    const __m256i rest = _mm256_sub_epi32(ni, half);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+
+/* e^x for x <= 0 (softmax after subtracting the maximum), 0 below -87 */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    return _mm256_andnot_ps(under, exp8(x));
 }
 
 /* Writes the M tokens' k and v into the pools (row write[h * M + m] of a pool seen as

@@ -123,6 +123,12 @@ class Kernels:
             # hidden attn M D A layout_o o norm eps layout_gu gate_up F layout_down down threads
             "stoic_layer_post": [ptr, ptr, i64, i64, i64, i32, ptr, ptr, f32, i32, ptr, i64,
                                  i32, ptr, i32],
+            # x M D w eps out threads
+            "stoic_rms_norm_bf16": [ptr, i64, i64, ptr, f32, ptr, i32],
+            # y N stride heads dh cos sin threads
+            "stoic_rope_bf16": [ptr, i64, i64, i64, i64, ptr, ptr, i32],
+            # gate gate_stride up up_stride M F out threads
+            "stoic_silu_mul_bf16": [ptr, i64, ptr, i64, i64, i64, ptr, i32],
         }  # fmt: skip
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -136,6 +142,10 @@ class Kernels:
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
         self.layer_post: Callable[..., int] = lib.stoic_layer_post
+        #: the bfloat16 prefill's elementwise operators (:mod:`._cops` calls them)
+        self.rms_norm_bf16: Callable[..., int] = lib.stoic_rms_norm_bf16
+        self.rope_bf16: Callable[..., int] = lib.stoic_rope_bf16
+        self.silu_mul_bf16: Callable[..., int] = lib.stoic_silu_mul_bf16
 
     def mm(
         self, kind: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None
@@ -199,8 +209,14 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+#: the C sources, built into one library in this order (``_cops.c``: the bfloat16 prefill's
+#: elementwise operators)
+_SOURCES = ("_qkernels.c", "_cops.c")
+
+
 def _source() -> bytes:
-    return importlib.resources.files(__package__).joinpath("_qkernels.c").read_bytes()
+    files = importlib.resources.files(__package__)
+    return b"\n".join(files.joinpath(name).read_bytes() for name in _SOURCES)
 
 
 def _build(cc: str, source: bytes, target: Path) -> None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .._logging import get_logger
 from ..config import Quantization
 from ._gguf import GgufHeader, GgufTensor, read_gguf_header
+from ._packed import PackedLinear
 from ._qkernels import GGML_TYPES, Kernels, Product
 
 __all__ = [
@@ -110,10 +111,13 @@ class QLinear:
     With a ``dense_dtype`` other than the weight's, the products of more rows multiply by a copy
     of the weights in that type (inputs rounded to it, results returned in the input's type):
     bfloat16 tiles for prefill on a CPU with AMX (:mod:`._precision`). The copy costs its bytes
-    (2 a weight for bfloat16) on top of the float weights.
+    (2 a weight for bfloat16) on top of the float weights; a bfloat16 copy is held packed for
+    oneDNN (:mod:`._packed`), cut into ``pack_parts`` row slices (the gated MLP's gate and up).
     """
 
     __slots__ = (
+        "_dense_dtype",
+        "_packed",
         "_product",
         "bias",
         "dense_bias",
@@ -131,6 +135,7 @@ class QLinear:
         kernels: Kernels | None = None,
         max_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
+        pack_parts: int = 1,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -141,11 +146,18 @@ class QLinear:
             bias32 = None if bias is None else bias.detach().float()
             self._product = kernels.bind(self.quantized.kind, self.quantized.blocks, bias32)
         #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
-        self.dense_weight = weight
+        #: (None once packed: :attr:`_packed` holds the same numbers)
+        self.dense_weight: torch.Tensor | None = weight
         self.dense_bias = bias
+        self._dense_dtype = weight.dtype
+        self._packed: PackedLinear | None = None
         if dense_dtype is not None and dense_dtype != weight.dtype:
-            self.dense_weight = weight.detach().to(dense_dtype)
+            copy = weight.detach().to(dense_dtype)
             self.dense_bias = None if bias is None else bias.detach().to(dense_dtype)
+            self._dense_dtype = dense_dtype
+            # a private copy: packed in its place where oneDNN can (no weights held twice)
+            self._packed = PackedLinear.build(copy, self.dense_bias, pack_parts)
+            self.dense_weight = None if self._packed is not None else copy
 
     @classmethod
     def checked(
@@ -157,17 +169,28 @@ class QLinear:
         *,
         max_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
+        pack_parts: int = 1,
     ) -> QLinear:
         """A :class:`QLinear` that uses ``quantized`` only if the blocks hold ``weight``
         (:meth:`QuantizedMatrix.matches`); otherwise the float path alone."""
         if quantized is not None and (kernels is None or not quantized.matches(kernels, weight)):
             quantized = None
-        return cls(weight, bias, quantized, kernels, max_rows, dense_dtype)
+        return cls(weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts)
 
     @property
     def product(self) -> Product | None:
         """The bound product by the blocks (None: none)."""
         return self._product
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        """The dtype products of more than ``max_rows`` rows multiply in."""
+        return self._dense_dtype
+
+    @property
+    def packed(self) -> PackedLinear | None:
+        """The dense copy packed for oneDNN (None: plain ``F.linear``)."""
+        return self._packed
 
     def uses_kernel(self, rows: int) -> bool:
         return self._product is not None and rows <= self.max_rows
@@ -179,10 +202,17 @@ class QLinear:
         (one product of the whole width measured slower at many rows for the gated MLP); each
         result in ``x``'s dtype, or with ``native`` in the dense weights' (no conversion: what
         the next product multiplies anyway)."""
+        xin = x if x.dtype == self._dense_dtype else x.to(self._dense_dtype)
         w, b = self.dense_weight, self.dense_bias
-        xin = x if x.dtype == w.dtype else x.to(w.dtype)
-        if parts == 1:
-            outs: tuple[torch.Tensor, ...] = (F.linear(xin, w, b),)
+        outs: tuple[torch.Tensor, ...]
+        if w is None:  # packed: its slices, re-cut if another split is asked for
+            assert self._packed is not None
+            outs = self._packed(xin)
+            if len(outs) != parts:
+                whole = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+                outs = (whole,) if parts == 1 else whole.chunk(parts, -1)
+        elif parts == 1:
+            outs = (F.linear(xin, w, b),)
         else:
             biases = b.chunk(parts) if b is not None else (None,) * parts
             outs = tuple(
@@ -199,7 +229,7 @@ class QLinear:
         """The dtype ``self(x, native=native)`` returns."""
         rows = self._rows(x)
         dense = rows == 0 or not self.uses_kernel(rows)
-        return self.dense_weight.dtype if native and dense else x.dtype
+        return self._dense_dtype if native and dense else x.dtype
 
     def __call__(self, x: torch.Tensor, *, native: bool = False) -> torch.Tensor:
         """``x @ weight.T + bias`` in ``x``'s dtype; with ``native``, a dense product's result

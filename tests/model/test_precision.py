@@ -97,7 +97,9 @@ def test_qlinear_multiplies_many_rows_by_the_dense_copy(kernels: Kernels) -> Non
     weight = kernels.dequantize("Q4_1", blocks, 64)
     bias = torch.randn(16, generator=gen)
     linear = QLinear(weight, bias, matrix, kernels, max_rows=4, dense_dtype=torch.bfloat16)
-    assert linear.dense_weight.dtype == torch.bfloat16 and linear.weight.dtype == torch.float32
+    assert linear.dense_dtype == torch.bfloat16 and linear.weight.dtype == torch.float32
+    if torch.backends.mkldnn.is_available():  # the copy is held packed for oneDNN, not twice
+        assert linear.packed is not None and linear.dense_weight is None
     few, many = torch.randn(1, 4, 64, generator=gen), torch.randn(1, 9, 64, generator=gen)
     torch.testing.assert_close(linear(few), F.linear(few, weight, bias), rtol=1e-5, atol=1e-5)
     got = linear(many)
@@ -111,6 +113,12 @@ def test_qlinear_multiplies_many_rows_by_the_dense_copy(kernels: Kernels) -> Non
     assert linear(few, native=True).dtype == torch.float32 == linear.out_dtype(few, native=True)
     lo, hi = linear.dense(many, 2)
     torch.testing.assert_close(torch.cat([lo, hi], -1), got, rtol=0, atol=0)
+    halves = QLinear(weight, bias, matrix, kernels, 4, torch.bfloat16, pack_parts=2)
+    assert [torch.equal(a, b) for a, b in zip(halves.dense(many, 2), (lo, hi), strict=True)] == [
+        True,
+        True,
+    ]
+    assert torch.equal(halves(many), got)  # the halves joined when the whole is asked for
     plain = QLinear(weight, bias, matrix, kernels, max_rows=4)
     assert plain.dense_weight is weight and torch.equal(plain(many), F.linear(many, weight, bias))
 
