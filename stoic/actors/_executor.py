@@ -114,7 +114,7 @@ class Executor(Actor[ExecutorMsg]):
         kv: PagedKVCache | None = await self._cache.ask(AcquireKV, timeout=ASK_TIMEOUT)
         assert kv is not None, "the thread executor needs the KV tensors in this process"
         self._kv = kv
-        self._health.executor_ready(incarnation, pid=os.getpid())
+        self._health.executor_ready(incarnation, pid=os.getpid(), compute=self._runner.compute_path)
         await self._scheduler.tell(ExecutorReady(incarnation, self.context.ref))
         self.context.log.info("executor.ready")
 

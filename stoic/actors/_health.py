@@ -9,6 +9,7 @@ from typing import Literal, get_args
 
 from .._logging import get_logger
 from ..errors import EngineFailed, EngineStopped, FailureKind
+from ..model import ComputePath
 
 __all__ = ["STATES", "EngineHealth", "Health", "State"]
 
@@ -33,6 +34,8 @@ class Health:
     executor_pid: int | None = None
     #: restarts by the kind of failure that caused them
     restarts_by_kind: tuple[tuple[FailureKind, int], ...] = ()
+    #: how the executor's model computes (None until an executor was ready)
+    compute: ComputePath | None = None
 
     @property
     def ok(self) -> bool:
@@ -60,6 +63,7 @@ class EngineHealth:
         self._by_kind: dict[FailureKind, int] = {}
         self._last_kind: FailureKind = "error"
         self._pid: int | None = None
+        self._compute: ComputePath | None = None
         self._failure: EngineFailed | None = None
         self._failed = asyncio.Event()
 
@@ -80,6 +84,7 @@ class EngineHealth:
             self._restarts,
             self._pid,
             tuple(sorted(self._by_kind.items())),
+            self._compute,
         )
 
     def check_accepting(self) -> None:
@@ -94,9 +99,13 @@ class EngineHealth:
             raise EngineStopped()
 
     # -- transitions ----------------------------------------------------------------------------
-    def executor_ready(self, incarnation: int, *, pid: int | None = None) -> None:
-        """An executor incarnation (running the model in process ``pid``) took its KV cache and
-        serves steps."""
+    def executor_ready(
+        self, incarnation: int, *, pid: int | None = None, compute: ComputePath | None = None
+    ) -> None:
+        """An executor incarnation (running the model in process ``pid``, computing as
+        ``compute`` says) took its KV cache and serves steps."""
+        if compute is not None:
+            self._compute = compute
         if incarnation > self._incarnation:
             # counted when the restart happened, not when it was decided
             self._restarts += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import assert_never
 
+from ..model import ComputePath
 from ..runtime import Actor, ActorRef
 from ._executor import is_stale
 from ._failures import ExecutorFault
@@ -70,7 +71,8 @@ class ProcessExecutor(Actor[ExecutorMsg]):
         self._worker = worker
         if not worker.alive:  # it died between being handed out and now
             raise ExecutorFault(f"executor process {worker.exited}", "crash")
-        self._health.executor_ready(incarnation, pid=worker.pid)
+        compute = ComputePath.from_summary(worker.quantized) if worker.quantized else None
+        self._health.executor_ready(incarnation, pid=worker.pid, compute=compute)
         await self._scheduler.tell(ExecutorReady(incarnation, ref))
         self.context.log.info("executor.ready", pid=worker.pid, new_process=replaced)
 

@@ -86,6 +86,8 @@ class WorkerProcess:
         self.pid: int = self._proc.pid
         self.started = time.monotonic()
         self.ready = False
+        #: the worker's runner summary (``ModelRunner.quantized``), once ready
+        self.quantized: dict[str, Any] | None = None
         self.exited: str | None = None
         #: killed (or being killed) by us: never handed out again
         self._doomed = False
@@ -174,12 +176,13 @@ class WorkerProcess:
             raise ExecutorFault(f"executor process not ready after {limit:.0f}s", "hang") from None
         assert message[0] == "ready", message
         self.ready = True
+        self.quantized = message[2] if len(message) > 2 else None
         _log.info(
             "executor.worker_ready",
             pid=self.pid,
             seconds=round(time.monotonic() - self.started, 2),
             # the worker's own model.quantized line is not relayed (it logs warnings only)
-            quantized=message[2] if len(message) > 2 else None,
+            quantized=self.quantized,
         )
 
     async def step(

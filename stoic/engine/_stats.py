@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..actors import CacheManager, FaultInjector, SchedulerCore, State
 from ..actors import EngineHealth as _Health
 from ..errors import FailureKind
+from ..model import ComputePath
 
 __all__ = ["EngineStats", "collect_stats"]
 
@@ -60,6 +61,9 @@ class EngineStats:
     requests_isolated: int
     #: tokens per step in force (halved after an out-of-memory failure, then restored)
     token_budget: int
+    #: how the executor's model computes (precision, quantised kernels); None until the first
+    #: executor was ready
+    compute: ComputePath | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -95,4 +99,5 @@ def collect_stats(
         resumes_exhausted=sched.resume_exhausted,
         requests_isolated=sched.isolated,
         token_budget=sched.token_budget,
+        compute=now.compute,
     )

@@ -34,6 +34,25 @@ class RequestStreamLike(Protocol):
         """Abort the request if it has not finished (frees its KV blocks); idempotent."""
 
 
+class ComputeLike(Protocol):
+    """How the model computes (:class:`stoic.model.ComputePath`)."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def dense_dtype(self) -> str: ...
+    @property
+    def quantized_projections(self) -> int: ...
+    @property
+    def projections(self) -> int: ...
+    @property
+    def head(self) -> str | None: ...
+    @property
+    def c_layers(self) -> bool: ...
+    @property
+    def kernel_rows(self) -> int: ...
+
+
 class StatsLike(Protocol):
     @property
     def running(self) -> int: ...
@@ -73,6 +92,9 @@ class StatsLike(Protocol):
 
     @property
     def token_budget(self) -> int: ...
+
+    @property
+    def compute(self) -> ComputeLike | None: ...
 
 
 class HealthLike(Protocol):

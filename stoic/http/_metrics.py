@@ -125,6 +125,34 @@ class _EngineCollector:
         for name in STATES:
             state.add_metric([name], 1.0 if health.state == name else 0.0)
         yield state
+        compute = stats.compute
+        if compute is not None:
+            info = GaugeMetricFamily(
+                "stoic_model_info",
+                "1, labelled with how the model computes: activation and dense-product dtypes, "
+                "projections on the GGUF file's quantised blocks, the LM head's block type, "
+                "whether decode steps run the C layers, and the most rows a step runs on blocks.",
+                labels=[
+                    "dtype",
+                    "dense_dtype",
+                    "quantized_projections",
+                    "head",
+                    "c_layers",
+                    "kernel_rows",
+                ],
+            )
+            info.add_metric(
+                [
+                    compute.dtype,
+                    compute.dense_dtype,
+                    f"{compute.quantized_projections}/{compute.projections}",
+                    compute.head or "none",
+                    "true" if compute.c_layers else "false",
+                    str(compute.kernel_rows),
+                ],
+                1.0,
+            )
+            yield info
 
 
 class Metrics:

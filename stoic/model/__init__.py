@@ -3,6 +3,7 @@
 from ._batch import SampledToken, SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._chat import apply_chat_template
+from ._compute import ComputePath
 from ._grammar import Constraint, ConstraintKind, GrammarBackend, GrammarVocab
 from ._llguidance import LLGuidanceBackend
 from ._loader import (
@@ -21,6 +22,7 @@ from ._source import check_model_source
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "ComputePath",
     "Constraint",
     "ConstraintKind",
     "GrammarBackend",

@@ -18,6 +18,7 @@ from ..config import Quantization
 from ..errors import ModelUnavailable
 from ._batch import SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
+from ._compute import ComputePath
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
@@ -114,6 +115,8 @@ class ModelRunner:
             dense_dtype=dense,
         )
         self.quantized = self._quantized_summary(quantization, time.monotonic() - started)
+        #: the same, as a typed record
+        self.compute_path = ComputePath.from_summary(self.quantized)
         self.grammar = GrammarStates(grammar) if grammar is not None else None
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -131,6 +134,7 @@ class ModelRunner:
             "head": head.kind if head is not None else None,
             "c_layers": self._fused is not None and self._fused.c_decoder is not None,
             "kernel_rows": self.kernel_rows,
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "dense_dtype": str(self.loaded.dense_dtype or self.loaded.dtype).removeprefix("torch."),
         }
         if done or head is not None:

@@ -123,7 +123,7 @@ def engine_deployment(
 def _idle_stats(config: EngineConfig) -> EngineStats:
     """What ``/metrics`` shows before any replica has reported."""
     zero: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(EngineStats)}
-    zero.update(state="starting", executor_pid=None, restarts_by_kind=())
+    zero.update(state="starting", executor_pid=None, restarts_by_kind=(), compute=None)
     return EngineStats(**zero)
 
 

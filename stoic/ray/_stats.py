@@ -18,13 +18,20 @@ from ._board import Posting
 __all__ = ["ReplicaView", "sum_stats"]
 
 #: fields that are not summed over replicas (what sums them makes no sense)
-_NOT_SUMMED = {"state", "executor_pid", "restarts_by_kind", "max_batch_size", "token_budget"}
+_NOT_SUMMED = {
+    "state",
+    "executor_pid",
+    "restarts_by_kind",
+    "max_batch_size",
+    "token_budget",
+    "compute",
+}
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
     """One :class:`~stoic.EngineStats` for many replicas: counts summed, ``max_batch_size`` and
     ``token_budget`` the largest, the state the best (serving if any replica serves), no
-    executor pid. Counters of a replica that was replaced leave the sums (a counter reset)."""
+    executor pid, the first reporting replica's ``compute`` (replicas share one config). Counters of a replica that was replaced leave the sums (a counter reset)."""
     if not stats:
         raise ValueError("no statistics to sum")
     summed: dict[str, Any] = {}
@@ -41,6 +48,7 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         restarts_by_kind=tuple(sorted(by_kind.items())),  # type: ignore[arg-type]
         max_batch_size=max(s.max_batch_size for s in stats),
         token_budget=max(s.token_budget for s in stats),
+        compute=next((s.compute for s in stats if s.compute is not None), None),
     )
 
 

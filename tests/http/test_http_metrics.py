@@ -31,6 +31,7 @@ EXPECTED = {
     "stoic_prompt_tokens_total",
     "stoic_prefix_cache_hit_tokens_total",
     "stoic_kv_cache_blocks_cached",
+    "stoic_model_info",
 }
 
 
@@ -79,6 +80,14 @@ async def test_metrics_parse_and_count(
     assert by_kind == {kind: dict(stats.restarts_by_kind).get(kind, 0) for kind in by_kind}
     assert after[("stoic_executor_pid", "")] == stats.executor_pid
     assert after[("stoic_engine_state", "state=serving")] == 1.0
+    compute = stats.compute
+    assert compute is not None and compute.dtype == "float32"
+    info = [labels for (name, labels), v in after.items() if name == "stoic_model_info" and v == 1]
+    assert info == [
+        f"c_layers={str(compute.c_layers).lower()},dense_dtype={compute.dense_dtype},"
+        f"dtype=float32,head={compute.head or 'none'},kernel_rows={compute.kernel_rows},"
+        f"quantized_projections={compute.quantized_projections}/{compute.projections}"
+    ]
 
 
 @pytest.mark.usefixtures("fault_cleanup")

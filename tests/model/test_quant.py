@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from stoic.errors import ModelUnavailable
 from stoic.model import (
+    ComputePath,
     LoadedModel,
     ModelRunner,
     default_gguf_path,
@@ -167,8 +168,12 @@ def test_runner_uses_the_blocks_for_every_projection(
         "head": "Q8_0",
         "c_layers": True,
         "kernel_rows": MAX_KERNEL_ROWS,
+        "dtype": "float32",
         "dense_dtype": "float32",
     }
+    assert runner.compute_path == ComputePath(
+        "float32", "float32", 4 * layers, 4 * layers, "Q8_0", True, MAX_KERNEL_ROWS
+    )
 
 
 @pytest.mark.model
@@ -269,6 +274,10 @@ async def test_a_worker_process_reports_what_runs_on_blocks(kernels: Kernels) ->
         async with stoic.Engine.start(config) as engine:
             done = await engine.complete([1, 2, 3], stoic.SamplingParams(max_tokens=2))
             assert len(done.token_ids) >= 1
+            compute = engine.stats().compute  # what /metrics shows as stoic_model_info
     ready = [e for e in logs if e["event"] == "executor.worker_ready"]
     assert ready and ready[0]["quantized"]["projections"] == ready[0]["quantized"]["of"] > 0
     assert ready[0]["quantized"]["head"] == "Q8_0" and ready[0]["quantized"]["c_layers"]
+    assert compute is not None and compute.kernels and compute.c_layers
+    assert compute.quantized_projections == compute.projections == ready[0]["quantized"]["of"]
+    assert (compute.dtype, compute.dense_dtype, compute.head) == ("float32", "float32", "Q8_0")
