@@ -71,7 +71,12 @@ class ProcessExecutor(Actor[ExecutorMsg]):
         self._worker = worker
         if not worker.alive:  # it died between being handed out and now
             raise ExecutorFault(f"executor process {worker.exited}", "crash")
-        compute = ComputePath.from_summary(worker.quantized) if worker.quantized else None
+        compute = None
+        if worker.quantized:
+            try:
+                compute = ComputePath.from_summary(worker.quantized)
+            except (KeyError, TypeError, ValueError) as exc:  # a summary this code cannot read
+                self.context.log.warning("executor.compute_unknown", error=repr(exc))
         self._health.executor_ready(incarnation, pid=worker.pid, compute=compute)
         await self._scheduler.tell(ExecutorReady(incarnation, ref))
         self.context.log.info("executor.ready", pid=worker.pid, new_process=replaced)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import uuid
@@ -106,7 +107,7 @@ class Engine:
                 quantization=cfg.quantization,
             )
             loaded = await (
-                step_thread.run(load) if step_thread else anyio.to_thread.run_sync(load)
+                _load_on(step_thread, load) if step_thread else anyio.to_thread.run_sync(load)
             )
             if cfg.quantization == "gguf":  # refused here, not in a worker process starting
                 await anyio.to_thread.run_sync(
@@ -377,3 +378,16 @@ async def _actor_system() -> AsyncIterator[ActorSystem]:
     with contextlib.suppress(SupervisorEscalation):
         async with ActorSystem("stoic") as system:
             yield system
+
+
+async def _load_on(thread: StepWorker, load: Callable[[], LoadedModel]) -> LoadedModel:
+    """``load()`` on ``thread``; a cancellation waits for the load to end before it propagates
+    (as ``anyio.to_thread.run_sync`` does), so no load outlives the start that asked for it (a
+    second cancellation stops the wait)."""
+    task = asyncio.ensure_future(thread.run(load))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({task})
+        raise

@@ -179,6 +179,7 @@ class FusedLlama:
             and CDecoder.supports(torch.float32, self._head_dim, self._heads, self._kv_heads)
             else None
         )
+        self._kernel_rows = kernel_rows
         #: the bfloat16 steps' norms, rotary and SiLU x up in C (:mod:`._cops`)
         self._ops = (
             PrefillOps(kernels)
@@ -224,7 +225,17 @@ class FusedLlama:
         # (rotary, attention, SiLU) as in a bfloat16 model; the residual stream, the norms and
         # the KV cache stay float32
         work = self._layers[0].qkv.out_dtype(hidden, native=True) if self._layers else cos.dtype
-        ops = self._ops if work == torch.bfloat16 and hidden.device.type == "cpu" else None
+        # the C operators take float32 residuals and bfloat16 values between products: the
+        # split's steps of more rows than any projection runs on blocks (a bfloat16 model, or
+        # a step where some projections return the blocks' float32, keeps torch's operators)
+        ops = (
+            self._ops
+            if work == torch.bfloat16
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and hidden.shape[1] > self._kernel_rows
+            else None
+        )
         if ops is not None:  # float32 [N, D] tables for the C rotary
             cos, sin = cos.reshape(-1, dim).float(), sin.reshape(-1, dim).float()
         elif cos.dtype != work:

@@ -537,7 +537,8 @@ static inline __m256 hsum8(const __m256 *a) {
 /* e^x, 8 lanes, x clamped to [-87, 88] (Cephes' expf: range reduction by ln 2 in two parts, a
  * degree-6 polynomial; within 2 ulp of expf). Also used by _cops.c. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    /* operands in this order so that a NaN passes through (MAXPS/MINPS return the second) */
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

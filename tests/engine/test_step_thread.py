@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +76,33 @@ async def test_a_model_that_fails_to_load_stops_the_step_thread(tmp_path: Path) 
         if thread.name == "stoic-executor" and thread not in before:
             thread.join(timeout=5)
             assert not thread.is_alive()
+
+
+async def test_cancelling_start_during_the_load_waits_for_the_load(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start cancelled while the model loads propagates the cancellation only once the load
+    ended: no load outlives the start that asked for it (a retry cannot overlap two)."""
+    loading, finished = threading.Event(), threading.Event()
+    real_load = _engine.load_model
+
+    def slow_load(*args: Any, **kwargs: Any) -> Any:
+        loading.set()
+        time.sleep(0.5)
+        try:
+            return real_load(*args, **kwargs)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(_engine, "load_model", slow_load)
+
+    async def start() -> None:
+        async with stoic.Engine.start(engine_config(tiny_model_dir, executor="thread")):
+            pass
+
+    task = asyncio.ensure_future(start())
+    assert await asyncio.to_thread(loading.wait, 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished.is_set()

@@ -32,6 +32,8 @@ class FakeStats:
     resumes_exhausted: int = 0
     requests_isolated: int = 0
     token_budget: int = 256
+    #: a fake engine has no model: no stoic_model_info
+    compute: None = None
 
     @property
     def kv_cache_usage(self) -> float:

@@ -182,3 +182,31 @@ def test_decode_attention_kernel_equals_float64_softmax_attention(
             for h in range(g * heads // kv_heads, (g + 1) * heads // kv_heads):
                 want = torch.softmax(keys @ q[i, h].double() * 3.0, 0) @ values
                 torch.testing.assert_close(out[i, h].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_nan_key_makes_its_sequences_attention_nan_and_no_other(kernels: Any) -> None:
+    """A NaN in one sequence's cached keys reaches that sequence's outputs as NaN (as torch's
+    softmax gives), instead of being weighted ~0 by a clamped exponential; the other
+    sequence's outputs stay finite."""
+    heads, kv_heads, dim, block, pool_blocks = 9, 3, 64, 16, 40
+    gen = torch.Generator().manual_seed(11)
+    shape = (kv_heads * pool_blocks, block, dim)
+    k_pool, v_pool = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    lens = (40, 40)
+    tables, write = scattered_block_tables(lens, kv_heads, pool_blocks, block, gen)
+    k_pool.view(-1, dim)[int(tables[0, 1, 0]) * block + 3, 5] = float("nan")  # seq 0, kv head 1
+    q = torch.randn(2, heads, dim, generator=gen)
+    k, v = (
+        torch.randn(2, kv_heads, dim, generator=gen),
+        torch.randn(2, kv_heads, dim, generator=gen),
+    )
+    out, lengths = torch.zeros(2, heads, dim), torch.tensor(lens)
+    rc = kernels.attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        write.data_ptr(), tables.data_ptr(), lengths.data_ptr(), 2, heads, kv_heads, dim, block,
+        tables.shape[2], 0.125, out.data_ptr(), 2,
+    )  # fmt: skip
+    assert rc == 0
+    assert torch.isnan(out[0, 3:6]).all()  # the query heads of kv head 1
+    assert torch.isfinite(out[0, :3]).all() and torch.isfinite(out[0, 6:]).all()
+    assert torch.isfinite(out[1]).all()

@@ -149,3 +149,30 @@ def test_the_split_runner_prefills_with_the_c_operators(kernels: Kernels) -> Non
     finally:
         fused._ops = ops
     assert F.cosine_similarity(with_c, with_torch, dim=-1).min() > 0.999
+
+
+@pytest.mark.model
+def test_a_bfloat16_gguf_model_keeps_torchs_operators(kernels: Kernels) -> None:
+    """A whole-bfloat16 model (``--dtype bfloat16``) with the GGUF kernels prefills and decodes:
+    the C operators take the split's float32 residual only, so its steps keep torch's."""
+    loaded = load_model("default", dtype="bfloat16", device="cpu")
+    runner = ModelRunner(loaded, quantization="gguf")
+    fused = runner._fused
+    assert fused is not None and fused._ops is not None
+    calls: list[int] = []
+    real = fused._ops.rms_norm
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)
+
+    fused._ops.rms_norm = counting  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    table = tuple(range(12))
+    steps = [
+        StepBatch((SeqChunk(0, tuple(range(500, 540)), 0, table, True, greedy),)),
+        StepBatch((SeqChunk(0, (600,), 40, table, True, greedy),)),
+    ]
+    states, _ = final_hidden_states(runner, steps, num_blocks=12, block_size=4)
+    assert len(states) == 2 and all(torch.isfinite(s).all() for s in states)
+    assert calls == []
