@@ -33,6 +33,13 @@ __all__ = ["Executor", "StepWorker", "classify_failure", "is_stale"]
 
 T = TypeVar("T")
 
+#: how long leaving a StepWorker waits for its thread to end. In an orderly stop its callables
+#: are done and it ends at once; the wait matters because a thread that ran torch and is still
+#: ending while the interpreter exits aborted the process ("terminate called without an active
+#: exception": a server stopped while its model loaded). One still running (a hung step) is
+#: left to the daemon thread.
+_JOIN_TIMEOUT = 2.0
+
 
 def is_stale(context: ActorContext[ExecutorMsg], step: RunStep) -> bool:
     """Whether ``step`` was meant for an earlier incarnation (it is dropped, and logged)."""
@@ -81,6 +88,7 @@ class StepWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        self._thread.join(timeout=_JOIN_TIMEOUT)
 
 
 class Executor(Actor[ExecutorMsg]):
