@@ -311,9 +311,10 @@ def mlp_block(
         x = ops.rms_norm(hidden, norm, eps)
     else:
         x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
-    if n < SPLIT_MLP_ROWS or gate_up.uses_kernel(n):
+    if gate_up.uses_kernel(n) or (n < SPLIT_MLP_ROWS and gate_up.packed is None):
         gate, up = gate_up(x, native=True).chunk(2, -1)
-    else:  # the same rows of the same tensor, as two products (faster at many rows)
+    else:  # the same rows of the same tensor, as two products (faster at many rows; the
+        # packed copy holds the two halves)
         gate, up = gate_up.dense(x, 2, native=True)
     act = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
     return hidden + down(act, native=True)

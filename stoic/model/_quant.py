@@ -47,9 +47,11 @@ __all__ = [
 MAX_KERNEL_ROWS = 32
 #: the same with a bfloat16 dense dtype (:mod:`._precision`: a CPU with AMX), where bfloat16
 #: tiles overtake the kernels sooner. Measured on a Xeon with AMX and AVX-512, 2 cores, the
-#: default model's whole decode step, C layers on the blocks against bfloat16 products: 27.3
-#: vs 29.6 ms at 8 sequences, 37.8 vs 43.5 at 12, 47.8 vs 49.2 at 16, 57.9 vs 57.2 at 24
-DENSE_KERNEL_ROWS = 16
+#: default model's whole decode step, C layers on the blocks against bfloat16 products packed
+#: for oneDNN (:mod:`._packed`; contexts 100-400): 23.3 vs 23.4 ms at 4 sequences, 31.9 vs 31.9
+#: at 6, 32.8 vs 31.8 at 8, 45.8 vs 37.0 at 12, 57.4 vs 40.4 at 16 (with unpacked bfloat16
+#: products the crossover was 16: 27.3 vs 29.6 ms at 8, 47.8 vs 49.2 at 16)
+DENSE_KERNEL_ROWS = 8
 _LLAMA_TENSORS = {
     "q": "attn_q",
     "k": "attn_k",

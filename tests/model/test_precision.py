@@ -137,10 +137,10 @@ def runners(kernels: Kernels) -> tuple[ModelRunner, ModelRunner]:
 def test_mixed_runner_decodes_few_rows_on_the_c_layers_and_prefills_in_bfloat16(
     runners: tuple[ModelRunner, ModelRunner],
 ) -> None:
-    """The mixed runner reports its split (blocks up to 16 rows, bfloat16 beyond), keeps a
-    float32 KV cache, runs decode steps of up to 16 sequences on the C layers and bigger ones
-    on the torch path; its prefill's hidden states stay close to float32's (bfloat16
-    rounding, not equality).
+    """The mixed runner reports its split (blocks up to DENSE_KERNEL_ROWS rows, bfloat16
+    beyond), keeps a float32 KV cache, runs decode steps of up to that many sequences on the C
+    layers and bigger ones on the torch path; its prefill's hidden states stay close to
+    float32's (bfloat16 rounding, not equality).
     """
     exact, mixed = runners
     assert exact.kernel_rows == MAX_KERNEL_ROWS and mixed.kernel_rows == DENSE_KERNEL_ROWS
