@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 from typing import assert_never
 
-from ..model import ComputePath
 from ..runtime import Actor, ActorRef
 from ._executor import is_stale
 from ._failures import ExecutorFault
@@ -71,13 +70,7 @@ class ProcessExecutor(Actor[ExecutorMsg]):
         self._worker = worker
         if not worker.alive:  # it died between being handed out and now
             raise ExecutorFault(f"executor process {worker.exited}", "crash")
-        compute = None
-        if worker.quantized:
-            try:
-                compute = ComputePath.from_summary(worker.quantized)
-            except (KeyError, TypeError, ValueError) as exc:  # a summary this code cannot read
-                self.context.log.warning("executor.compute_unknown", error=repr(exc))
-        self._health.executor_ready(incarnation, pid=worker.pid, compute=compute)
+        self._health.executor_ready(incarnation, pid=worker.pid, compute=worker.compute)
         await self._scheduler.tell(ExecutorReady(incarnation, ref))
         self.context.log.info("executor.ready", pid=worker.pid, new_process=replaced)
 

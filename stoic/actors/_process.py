@@ -29,7 +29,7 @@ from typing import Any
 
 from .._logging import get_logger
 from ..config import FaultSpec
-from ..model import StepBatch, StepOutput
+from ..model import ComputePath, StepBatch, StepOutput
 from ._failures import ExecutorFault
 from ._procworker import WorkerSpec
 
@@ -86,8 +86,9 @@ class WorkerProcess:
         self.pid: int = self._proc.pid
         self.started = time.monotonic()
         self.ready = False
-        #: the worker's runner summary (``ModelRunner.quantized``), once ready
-        self.quantized: dict[str, Any] | None = None
+        #: how the worker's model computes (from its runner's summary), once ready; None if
+        #: it sent none this code can read
+        self.compute: ComputePath | None = None
         self.exited: str | None = None
         #: killed (or being killed) by us: never handed out again
         self._doomed = False
@@ -176,14 +177,19 @@ class WorkerProcess:
             raise ExecutorFault(f"executor process not ready after {limit:.0f}s", "hang") from None
         assert message[0] == "ready", message
         self.ready = True
-        self.quantized = message[2] if len(message) > 2 else None
+        summary = message[2] if len(message) > 2 else None
         _log.info(
             "executor.worker_ready",
             pid=self.pid,
             seconds=round(time.monotonic() - self.started, 2),
             # the worker's own model.quantized line is not relayed (it logs warnings only)
-            quantized=self.quantized,
+            quantized=summary,
         )
+        if summary:
+            try:
+                self.compute = ComputePath.from_summary(summary)
+            except (KeyError, TypeError, ValueError) as exc:  # a summary this code cannot read
+                _log.warning("executor.compute_unknown", pid=self.pid, error=repr(exc))
 
     async def step(
         self, step_id: int, batch: StepBatch, fault: FaultSpec | None, limit: float

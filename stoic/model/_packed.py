@@ -31,11 +31,10 @@ class PackedLinear:
     """``parts`` products over equal row slices of a bfloat16 ``weight`` (and ``bias``), each
     slice packed once. :meth:`build` returns None where packing is not available."""
 
-    __slots__ = ("_slices", "out_features")
+    __slots__ = ("_slices",)
 
-    def __init__(self, slices: tuple[tuple[torch.Tensor, torch.Tensor | None], ...], out: int):
+    def __init__(self, slices: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]) -> None:
         self._slices = slices
-        self.out_features = out
 
     @classmethod
     def build(
@@ -55,7 +54,7 @@ class PackedLinear:
                 for w, b in zip(weight.chunk(parts, 0), biases, strict=True)
             )
             probe = torch.zeros(1, weight.shape[1], dtype=torch.bfloat16)
-            packed = cls(slices, int(weight.shape[0]))
+            packed = cls(slices)
             packed(probe)  # the product runs here, or not at all
         except (AttributeError, RuntimeError, NotImplementedError) as exc:
             _log.info("model.packing.off", reason=f"{type(exc).__name__}: {exc}"[:200])

@@ -534,6 +534,15 @@ static inline __m256 hsum8(const __m256 *a) {
                          _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+/* the largest of 8 lanes (-inf for none; NaN lanes are skipped, as the scalar loop that
+ * follows each use skips them) */
+static inline float hmax(__m256 v) {
+    float lane[8], top = -INFINITY;
+    _mm256_storeu_ps(lane, v);
+    for (int j = 0; j < 8; j++) top = lane[j] > top ? lane[j] : top;
+    return top;
+}
+
 /* e^x, 8 lanes, x clamped to [-87, 88] (Cephes' expf: range reduction by ln 2 in two parts, a
  * degree-6 polynomial; within 2 ulp of expf). Also used by _cops.c. */
 static inline __m256 exp8(__m256 x) {
@@ -607,9 +616,7 @@ static int attend8(const float *q, const float *k_pool, const float *v_pool,
             _mm256_storeu_ps(scores + t, s8);
             top8 = _mm256_max_ps(top8, s8);
         }
-        float top = -INFINITY, lane[8];
-        _mm256_storeu_ps(lane, top8);
-        for (int j = 0; j < 8; j++) top = lane[j] > top ? lane[j] : top;
+        float top = hmax(top8);
         for (; t < len; t++) {
             const float *kp = k_pool + (table[t / block] * block + t % block) * dh;
             __m256 a = _mm256_mul_ps(qr[0], _mm256_loadu_ps(kp));
@@ -667,9 +674,7 @@ static int attend16(const float *q, const float *k_pool, const float *v_pool,
             _mm256_storeu_ps(scores + t, s8);
             top8 = _mm256_max_ps(top8, s8);
         }
-        float top = -INFINITY, lane[8];
-        _mm256_storeu_ps(lane, top8);
-        for (int j = 0; j < 8; j++) top = lane[j] > top ? lane[j] : top;
+        float top = hmax(top8);
         for (; t < len; t++) {
             const float *kp = k_pool + (table[t / block] * block + t % block) * dh;
             __m512 a = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kp));

@@ -31,7 +31,8 @@ _NOT_SUMMED = {
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
     """One :class:`~stoic.EngineStats` for many replicas: counts summed, ``max_batch_size`` and
     ``token_budget`` the largest, the state the best (serving if any replica serves), no
-    executor pid, the first reporting replica's ``compute`` (replicas share one config). Counters of a replica that was replaced leave the sums (a counter reset)."""
+    executor pid, the first reporting replica's ``compute`` (replicas share one config).
+    Counters of a replica that was replaced leave the sums (a counter reset)."""
     if not stats:
         raise ValueError("no statistics to sum")
     summed: dict[str, Any] = {}
