@@ -83,6 +83,11 @@ class WorkerProcess:
         )
         theirs.close()  # only the child holds its end now: its death is EOF here
         self._conn = Connection(ours.detach())
+        #: held while the connection is written to or closed. Only the reader thread closes
+        #: it (after the child is gone): a close from another thread while it blocks in a
+        #: receive would race its own close (EBADF), or close a descriptor number the process
+        #: has already handed to something else.
+        self._conn_lock = threading.Lock()
         self.pid: int = self._proc.pid
         self.started = time.monotonic()
         self.ready = False
@@ -131,7 +136,8 @@ class WorkerProcess:
             self._proc.kill()
             code = self._proc.wait()
         why = describe_exit(code)
-        self._conn.close()  # one socket per worker: never kept past its process
+        with self._conn_lock:
+            self._conn.close()  # one socket per worker: never kept past its process
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
             self._loop.call_soon_threadsafe(self._gone, why)
 
@@ -151,8 +157,10 @@ class WorkerProcess:
             self.on_exit(self)
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            with self._conn_lock:
+                self._conn.send_bytes(data)
         except (OSError, ValueError) as exc:  # the pipe broke: the child is dying
             raise self._died() from exc
 
@@ -244,7 +252,8 @@ class WorkerProcess:
             self.kill()
 
     def stop(self) -> None:
-        """Ask the worker to exit, then make sure it does (kill after a short wait)."""
+        """Ask the worker to exit, then make sure it does (kill after a short wait). The reader
+        thread sees the pipe's end and closes the connection."""
         with contextlib.suppress(Exception):
             self._send(("stop",))
         try:
@@ -252,7 +261,6 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             self._proc.wait(2.0)
-        self._conn.close()
 
 
 class WorkerPool:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,28 @@ async def test_a_spare_takes_over_and_restart_intensity_still_fails_the_engine(
         assert "exited 2 times" in str(failure)
         with pytest.raises(EngineFailed):
             await engine.submit("hello", PARAMS)
+
+
+@pytest.mark.asyncio
+async def test_closing_the_engine_ends_every_worker_reader_cleanly(tiny_model_dir: Path) -> None:
+    """After close, each worker's reader thread (current, spare and pre-started interpreter)
+    has ended and closed its socket, and none raised: one thread closes the connection."""
+    raised: list[threading.ExceptHookArgs] = []
+    previous = threading.excepthook
+    threading.excepthook = raised.append
+    try:
+        for _ in range(2):
+            async with stoic.Engine.start(_config(tiny_model_dir, executor_spares=1)) as engine:
+                assert (await engine.complete("hello", PARAMS)).completion_tokens == 40
+                readers = [t for t in threading.enumerate() if t.name.startswith("stoic-worker-")]
+                assert len(readers) >= 2  # the current worker and at least one more
+            deadline = time.monotonic() + 10
+            while any(t.is_alive() for t in readers):
+                assert time.monotonic() < deadline, [t.name for t in readers if t.is_alive()]
+                await asyncio.sleep(0.02)
+    finally:
+        threading.excepthook = previous
+    assert raised == []
 
 
 @pytest.mark.asyncio
