@@ -11,7 +11,9 @@ runners built in one process and measured in alternating rounds (median of each 
 * ``torch-ops``: the bfloat16 steps' norms, rotary and SiLU x up as torch operators
   (``stoic/model/_cops.py`` off);
 * ``unpacked``: the bfloat16 copies multiplied by ``F.linear`` (``stoic/model/_packed.py`` off);
-* ``neither``: both off.
+* ``neither``: both off;
+* ``unaligned``: the default, its bfloat16 prompt attention not padded to a multiple of 16
+  (``stoic/model/_paged.py``'s ``PREFILL_ALIGN``).
 
 Usage: ``python benchmarks/prefill_step_bench.py [--rounds 6] [--variants default neither]``
 """
@@ -28,11 +30,19 @@ from unittest import mock
 
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model import (
+    ModelRunner,
+    PagedKVCache,
+    SamplingParams,
+    SeqChunk,
+    StepBatch,
+    _paged,
+    load_model,
+)
 from stoic.model._packed import PackedLinear
 
 BLOCK, POOL = 16, 1456
-VARIANTS = ("default", "torch-ops", "unpacked", "neither")
+VARIANTS = ("default", "torch-ops", "unpacked", "neither", "unaligned")
 
 
 @contextlib.contextmanager
@@ -46,12 +56,18 @@ def _packing(on: bool) -> Iterator[None]:
 
 def build(variant: str) -> ModelRunner:
     loaded = load_model("default", dtype="float32", device="cpu", dense_dtype="bfloat16")
-    with _packing(variant in ("default", "torch-ops")):
+    with _packing(variant in ("default", "torch-ops", "unaligned")):
         runner = ModelRunner(loaded)
     if variant in ("torch-ops", "neither"):
         assert runner._fused is not None
         runner._fused._ops = None
     return runner
+
+
+def _aligned(variant: str) -> contextlib.AbstractContextManager[object]:
+    if variant == "unaligned":
+        return mock.patch.object(_paged, "PREFILL_ALIGN", 1)
+    return contextlib.nullcontext()
 
 
 def steps() -> dict[str, StepBatch]:
@@ -92,12 +108,13 @@ def main() -> None:
         order = args.variants if round_ % 2 == 0 else args.variants[::-1]
         for variant in order:
             for name, batch in batches.items():
-                runners[variant].execute(batch, cache)
-                best = []
-                for _ in range(3):
-                    start = time.perf_counter()
+                with _aligned(variant):
                     runners[variant].execute(batch, cache)
-                    best.append(time.perf_counter() - start)
+                    best = []
+                    for _ in range(3):
+                        start = time.perf_counter()
+                        runners[variant].execute(batch, cache)
+                        best.append(time.perf_counter() - start)
                 times.setdefault((name, variant), []).append(1000 * min(best))
     print(f"threads {torch.get_num_threads()}, {args.rounds} rounds; ms a step")
     print("| step | " + " | ".join(args.variants) + " |")

@@ -210,21 +210,45 @@ class PrefillChunk:
     start_pos: int
     #: pool rows of the sequence's blocks covering its context, ``[kv_heads, blocks]``
     gather_index: torch.Tensor
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict, compare=False)
+    masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict, compare=False)
 
-    def mask(self, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
-        """Causal mask with offset; ``None`` when SDPA's own ``is_causal`` suffices."""
+    def mask(
+        self, sliding_window: int | None, device: torch.device, align: int = 1
+    ) -> torch.Tensor | None:
+        """Causal mask with offset, ``[1, 1, n, keys]``; ``None`` when SDPA's own ``is_causal``
+        suffices. With ``align`` > 1 both sides are padded to a multiple of it: padding keys
+        are never attended, and each padding query attends the first key only (a row with no
+        key at all would be NaN)."""
         if self.start_pos == 0 and sliding_window is None:
             return None
-        if sliding_window not in self.masks:
+        key = (sliding_window, align)
+        if key not in self.masks:
             n = self.end - self.start
+            keys = self.start_pos + n
             q_pos = torch.arange(self.start_pos, self.start_pos + n, device=device)[:, None]
-            k_pos = torch.arange(self.start_pos + n, device=device)[None, :]
+            k_pos = torch.arange(keys, device=device)[None, :]
             allowed = k_pos <= q_pos
             if sliding_window is not None:
                 allowed &= k_pos > q_pos - sliding_window
-            self.masks[sliding_window] = allowed[None, None]
-        return self.masks[sliding_window]
+            if align > 1:
+                padded = allowed.new_zeros((_round_up(n, align), _round_up(keys, align)))
+                padded[:n, :keys] = allowed
+                padded[n:, 0] = True
+                allowed = padded
+            self.masks[key] = allowed[None, None]
+        return self.masks[key]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+#: bfloat16 prompt attention on a CPU pads queries and keys to a multiple of this. PyTorch's
+#: flash kernel takes a much slower path for other lengths: a 243-token chunk after 150 cached
+#: tokens (9 query heads over 3) took 873 us a layer against 472 us padded to 256 x 400, a
+#: fresh 243-token prompt 508 against 324 us (aligned lengths: equal; the padding copies
+#: ~25 us). float32 is left as it is: its results stay bitwise those of an unpadded call.
+PREFILL_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -283,34 +307,72 @@ def paged_attention(
         )
 
     for chunk in meta.prefills:
-        qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, n, D]
-        mask = chunk.mask(sliding_window, q.device)
-        if chunk.start_pos == 0:
-            kp = key[:, :, chunk.start : chunk.end]
-            vp = value[:, :, chunk.start : chunk.end]
-        else:
-            length = chunk.start_pos + (chunk.end - chunk.start)
-            kv_heads = chunk.gather_index.shape[0]
-            rows = chunk.gather_index.view(-1)
-            kp = k_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
-            vp = v_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
-            # bfloat16 queries (a bfloat16 dense dtype) over the float32 cache: the chunk's
-            # context is converted to bfloat16, as a bfloat16 model's cache holds it. Masked
-            # SDPA over a chunk's 2-D mask measured 0.70x float32's time in bfloat16 (a
-            # 243-token chunk after 150 cached tokens, 9 query heads over 3: 885 vs 1,266 us a
-            # layer); the slow masked bfloat16 path is the decode groups' (note below)
-            kp, vp = kp.to(qp.dtype), vp.to(qp.dtype)
-        op = F.scaled_dot_product_attention(
-            qp,
-            kp,
-            vp,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scaling,
-            enable_gqa=True,
+        out[chunk.start : chunk.end] = _prefill_attention(
+            q, key, value, k_pool, v_pool, chunk, scaling, sliding_window
         )
-        out[chunk.start : chunk.end] = op[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    chunk: PrefillChunk,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One prompt chunk's attention, ``[n, heads, head_dim]``, for the step's queries ``q``
+    ``[heads, N, D]`` and new keys/values ``[1, kv_heads, N, D]`` (its context from the pool)."""
+    n = chunk.end - chunk.start
+    qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, n, D]
+    length = chunk.start_pos + n
+    align = PREFILL_ALIGN if qp.dtype == torch.bfloat16 and qp.device.type == "cpu" else 1
+    if length % align == 0 and n % align == 0:
+        align = 1
+    if chunk.start_pos == 0:
+        kp = key[:, :, chunk.start : chunk.end]
+        vp = value[:, :, chunk.start : chunk.end]
+    else:
+        head_dim = k_pool.shape[-1]
+        kv_heads = chunk.gather_index.shape[0]
+        rows = chunk.gather_index.view(-1)
+        kp = k_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
+        vp = v_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
+    if align > 1:
+        # zeros, not the pool's stale rows past the context: a masked NaN would still poison
+        # the scores' arithmetic
+        qp = _zero_padded(qp, _round_up(n, align))
+        kp = _zero_padded(kp, _round_up(length, align))
+        vp = _zero_padded(vp, _round_up(length, align))
+    else:
+        # bfloat16 queries (a bfloat16 dense dtype) over the float32 cache: the chunk's
+        # context is converted to bfloat16, as a bfloat16 model's cache holds it. Masked
+        # SDPA over a chunk's 2-D mask measured 0.70x float32's time in bfloat16 (a
+        # 243-token chunk after 150 cached tokens, 9 query heads over 3: 885 vs 1,266 us a
+        # layer); the slow masked bfloat16 path is the decode groups' (note below)
+        kp, vp = kp.to(qp.dtype), vp.to(qp.dtype)
+    mask = chunk.mask(sliding_window, q.device, align)
+    op = F.scaled_dot_product_attention(
+        qp,
+        kp,
+        vp,
+        attn_mask=mask,
+        # padding queries and keys come after every real one: causal order keeps them apart
+        is_causal=mask is None,
+        scale=scaling,
+        enable_gqa=True,
+    )
+    return op[0, :, :n].transpose(0, 1)
+
+
+def _zero_padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` ``[1, heads, r, D]`` (any dtype) as bfloat16 ``[1, heads, rows, D]``, zeros below."""
+    out = x.new_empty((*x.shape[:2], rows, x.shape[-1]), dtype=torch.bfloat16)
+    out[:, :, : x.shape[2]] = x
+    out[:, :, x.shape[2] :] = 0
+    return out
 
 
 def _decode_attention(

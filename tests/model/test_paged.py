@@ -217,3 +217,54 @@ def test_decodes_split_into_groups_attend_like_one_group(
         assert one[i].token_id == many[i].token_id
         assert one[i].logprob == pytest.approx(many[i].logprob, abs=1e-5)
         assert [t for t, _ in one[i].top_logprobs] == [t for t, _ in many[i].top_logprobs]
+
+
+@pytest.mark.parametrize(
+    ("start_pos", "n", "window"),
+    [(0, 43, None), (0, 48, None), (21, 43, None), (16, 37, None), (0, 43, 8), (21, 43, 8)],
+)
+def test_bfloat16_prompt_attention_padded_to_16_equals_the_unpadded(
+    monkeypatch: pytest.MonkeyPatch, start_pos: int, n: int, window: int | None
+) -> None:
+    """Padding a bfloat16 chunk's queries and keys to a multiple of 16 changes each real row by
+    bfloat16 rounding at most, and the pool's rows past the context (NaN here) are never read."""
+    import stoic.model._paged as paged
+
+    heads, kv_heads, dim, block, blocks = 6, 2, 16, 4, 32
+    gen = torch.Generator().manual_seed(0)
+    shape = (kv_heads * blocks, block, dim)
+    k_pool = torch.full(shape, float("nan"))
+    v_pool = torch.full(shape, float("nan"))
+    length = start_pos + n
+    table = torch.arange(-(-length // block))
+    rows = torch.arange(kv_heads)[:, None] * blocks + table[None, :]  # [kv_heads, blocks]
+    context = torch.randn(2, kv_heads, length, dim, generator=gen)
+    for pool, values in zip((k_pool, v_pool), context, strict=True):
+        flat = pool[rows.view(-1)].view(kv_heads, -1, dim)
+        flat[:, :length] = values
+        pool[rows.view(-1)] = flat.view(-1, block, dim)
+    q = torch.randn(heads, n, dim, generator=gen).bfloat16()
+    key = context[0][:, start_pos:].unsqueeze(0).bfloat16()
+    value = context[1][:, start_pos:].unsqueeze(0).bfloat16()
+    chunk = paged.PrefillChunk(0, n, start_pos, rows)
+
+    def attend() -> torch.Tensor:
+        return paged._prefill_attention(q, key, value, k_pool, v_pool, chunk, dim**-0.5, window)
+
+    padded = attend()
+    monkeypatch.setattr(paged, "PREFILL_ALIGN", 1)
+    plain = attend()
+    assert padded.shape == plain.shape == (n, heads, dim)
+    assert not padded.isnan().any()
+    torch.testing.assert_close(padded.float(), plain.float(), atol=2e-2, rtol=2e-2)
+    # a float32 reference over the keys each query may see
+    qf = q.float().view(kv_heads, heads // kv_heads, n, dim)
+    scores = torch.einsum("gcnd,gsd->gcns", qf, context[0].bfloat16().float()) * dim**-0.5
+    q_pos = torch.arange(start_pos, length)[:, None]
+    k_pos = torch.arange(length)[None, :]
+    seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    want = torch.einsum("gcns,gsd->gcnd", weights, context[1].bfloat16().float())
+    torch.testing.assert_close(
+        padded.float(), want.reshape(heads, n, dim).transpose(0, 1), atol=3e-2, rtol=3e-2
+    )
