@@ -86,7 +86,8 @@ async def compare(
             results[name].append(result)
             print(
                 f"round {r} {name}: {result.tokens_per_s:.1f} tok/s, "
-                f"TTFT p50 {result.ttft(0.5) or 0:.3f} s, errors {result.errors}",
+                f"TTFT p50 {result.ttft(0.5) or 0:.3f} s, p99 {result.ttft(0.99) or 0:.3f} s, "
+                f"errors {result.errors}",
                 flush=True,
             )
     print()
@@ -97,15 +98,22 @@ async def compare(
         f"base flags {args.base_flags!r}, head flags {args.head_flags!r}"
     )
     print()
-    print("| tree | output tok/s per pass | median tok/s | median TTFT p50 (s) |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "| tree | output tok/s per pass | median tok/s | median TTFT p50 (s) "
+        "| median TTFT p99 (s) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
     med: dict[str, float] = {}
     for name in ("base", "head"):
         tps = [x.tokens_per_s for x in results[name]]
         ttft = [x.ttft(0.5) or 0.0 for x in results[name]]
+        tail = [x.ttft(0.99) or 0.0 for x in results[name]]
         med[name] = statistics.median(tps)
         passes = ", ".join(f"{t:.1f}" for t in tps)
-        print(f"| {name} | {passes} | {med[name]:.1f} | {statistics.median(ttft):.3f} |")
+        print(
+            f"| {name} | {passes} | {med[name]:.1f} | {statistics.median(ttft):.3f} "
+            f"| {statistics.median(tail):.3f} |"
+        )
     print()
     print(f"head / base (median tok/s): {med['head'] / med['base']:.3f}")
 
