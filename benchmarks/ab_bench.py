@@ -9,6 +9,9 @@ gives each pass and the ratio of medians.
 
     python benchmarks/ab_bench.py --base HEAD~1 [--head HEAD] --concurrency 32 --rounds 3
 
+``--system-words N`` gives every request of a pass one shared system prompt of N words (an
+agent's instructions), which the prefix cache serves.
+
 Two configurations of one tree compare the same way (``--base-flags``/``--head-flags``, e.g.
 ``--head-flags "--executor process"``). Needs nothing beyond the dev install.
 """
@@ -52,13 +55,38 @@ def _system(name: str, tree: Path | None, work: Path, flags: list[str]) -> Syste
     return System(name, argv, port, "default", extra, work / f"{name}.log")
 
 
-async def _pass(system: System, concurrency: int, requests: int, tag: str, settle: float) -> Result:
+def _system_text(words: int) -> str:
+    """A fixed instruction text of ``words`` words."""
+    lines = [
+        "You are a careful assistant with tools.",
+        "Call get_weather(city) for weather, search(query) for facts, and add(a, b) for sums.",
+        "Answer briefly, cite the tool you used, and never invent a tool's result.",
+    ]
+    text: list[str] = []
+    while len(text) < words:
+        text.extend(" ".join(lines).split())
+    return " ".join(text[:words])
+
+
+async def _pass(
+    system: System,
+    concurrency: int,
+    requests: int,
+    tag: str,
+    settle: float,
+    system_words: int = 0,
+) -> Result:
     await system.start()
     try:
         # what a server does right after start (a worker process's spare interpreter importing
         # torch, say) is not what is measured
         await asyncio.sleep(settle)
         prompts = eb.tag_prompts(eb.mixed_prompts(requests), f"[{tag}] ")
+        if system_words:
+            # one long system prompt shared by the pass's requests (an agent's instructions
+            # and tools): what the prefix cache serves; tagged, so no pass reuses another's
+            shared = {"role": "system", "content": f"[{tag}] " + _system_text(system_words)}
+            prompts = [[shared, *(m for m in p if m["role"] != "system")] for p in prompts]
         bodies = [system.body(p, 64) for p in prompts]
         url = system.url + "/v1/chat/completions"
         # a short warm-up pass (first-step costs, allocator growth) that is not measured
@@ -81,7 +109,12 @@ async def compare(
         order = ["base", "head"] if r % 2 == 0 else ["head", "base"]
         for name in order:
             result = await _pass(
-                systems[name], args.concurrency, args.requests, f"r{r}", args.settle
+                systems[name],
+                args.concurrency,
+                args.requests,
+                f"r{r}",
+                args.settle,
+                args.system_words,
             )
             results[name].append(result)
             print(
@@ -94,7 +127,8 @@ async def compare(
     print(
         f"base = {args.base or 'working tree'}, head = {args.head or 'working tree'}; "
         f"c={args.concurrency}, "
-        f"{args.requests} requests per pass, max_tokens 64; "
+        f"{args.requests} requests per pass, max_tokens 64, "
+        f"shared system prompt of {args.system_words} words; "
         f"base flags {args.base_flags!r}, head flags {args.head_flags!r}"
     )
     print()
@@ -141,6 +175,12 @@ if __name__ == "__main__":
     parser.add_argument("--head-flags", default="", help="extra `stoic serve` flags for head")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=96, help="requests per pass")
+    parser.add_argument(
+        "--system-words",
+        type=int,
+        default=0,
+        help="a shared system prompt of this many words in every request (0: the template's)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--settle", type=float, default=15.0, help="seconds between a server's start and its pass"

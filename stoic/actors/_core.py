@@ -39,7 +39,9 @@ from ._plan import (
     plan_step,
     prefix_blocks,
     skip_cached,
+    within_charge,
 )
+from ._prefix_view import PrefixView
 from ._records import SchedulerConfig, SchedulerStats
 from ._sequence import SeqStatus, Sequence, block_hashes
 from ._stream import ResultStream
@@ -84,6 +86,9 @@ class SchedulerCore:
         # cache is free again only when its last holder lets go (keeps ``_free_blocks`` exact)
         self._holders: Counter[int] = Counter()
         self._to_commit: list[BlockCommit] = []
+        #: what this core believes the prefix cache holds (charges a starting sequence's step
+        #: budget for its uncached tokens only)
+        self._prefix_view = PrefixView(config.num_blocks)
         #: the step limits in force (backed off after an out-of-memory failure)
         self.budget = StepBudget(
             config.max_num_batched_tokens, config.max_num_seqs, config.block_size
@@ -102,6 +107,7 @@ class SchedulerCore:
         self._prompt_tokens = 0
         self._generated = 0
         self._prefix_cached_tokens = 0
+        self._prefix_missed_tokens = 0
         self._resumed = 0
         self._exhausted = 0
         self._isolated = 0
@@ -155,6 +161,7 @@ class SchedulerCore:
             prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated,
             prefix_cached_tokens=self._prefix_cached_tokens,
+            prefix_guess_missed_tokens=self._prefix_missed_tokens,
             free_blocks=self._free_blocks,
             resumed=self._resumed,
             resume_exhausted=self._exhausted,
@@ -274,6 +281,7 @@ class SchedulerCore:
             block_size=cfg.block_size,
             prefix_caching=cfg.prefix_caching,
             preempt=self._preempt,
+            cached_tokens=self._believed_cached,
         )
         if not planned:
             return None
@@ -312,11 +320,19 @@ class SchedulerCore:
                 if table is not None:
                     self._set_table(p.seq, table)
             self._free_blocks = allocation.free_blocks
+            for p in planned:
+                shared = allocation.cached_blocks.get(p.seq.seq_id, 0)
+                self._prefix_view.add(p.seq.hashes[:shared])  # the most recently used now
+                if p.charge is not None:  # what was believed cached and was not
+                    believed = p.n_tokens - p.charge
+                    missed = believed - shared * self.cfg.block_size
+                    self._prefix_missed_tokens += max(0, missed)
             if allocation.cached_blocks:
                 planned, skipped = skip_cached(
                     planned, allocation.cached_blocks, self.cfg.block_size
                 )
                 self._prefix_cached_tokens += skipped
+        planned = within_charge(planned, self.budget.tokens)
         if not planned or not self.can_step:
             return None
         chunks = chunks_of(planned)
@@ -330,6 +346,13 @@ class SchedulerCore:
 
     def _hashes(self, seq: Sequence, count: int) -> tuple[bytes, ...]:
         return block_hashes(seq.all_ids, self.cfg.block_size, count, seq.hashes)
+
+    def _believed_cached(self, seq: Sequence) -> int:
+        """Tokens of ``seq``'s prefix the prefix cache is believed to share when it starts."""
+        if not self._prefix_view:
+            return 0
+        count = prefix_blocks(seq, self.cfg.block_size)
+        return self._prefix_view.leading(self._hashes(seq, count)) * self.cfg.block_size
 
     # -- completion -----------------------------------------------------------------------------
     def complete(self, step_id: int, incarnation: int, output: StepOutput) -> list[Sequence] | None:
@@ -390,6 +413,7 @@ class SchedulerCore:
         if full > seq.committed_blocks:
             hashes = self._hashes(seq, full)[seq.committed_blocks :]
             self._to_commit.append(BlockCommit(seq.seq_id, seq.committed_blocks, hashes))
+            self._prefix_view.add(hashes)
             seq.committed_blocks = full
 
     # -- the executor's lifecycle and failures --------------------------------------------------
@@ -424,6 +448,7 @@ class SchedulerCore:
         once the executor is back. With ``final`` (the executor will not be restarted) the engine
         fails instead (:meth:`fail_engine`): every sequence ends with ``EngineFailed``.
         """
+        self._prefix_view.clear()  # the cache is dropped with the executor
         if final is not None:
             return Recovered(self.fail_engine(final), 0, 0, 0)
         batch: list[Sequence] = []

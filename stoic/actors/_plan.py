@@ -20,6 +20,7 @@ __all__ = [
     "plan_step",
     "prefix_blocks",
     "skip_cached",
+    "within_charge",
 ]
 
 
@@ -31,6 +32,9 @@ class Planned:
     n_tokens: int
     #: sample a token after the chunk (it reaches the end of what the sequence has)
     sample: bool
+    #: the tokens charged to the step's budget, when fewer than ``n_tokens`` (a starting
+    #: sequence whose prefix is believed cached): at most this many are computed
+    charge: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,7 @@ def plan_step(
     block_size: int,
     prefix_caching: bool,
     preempt: Callable[[Sequence], int],
+    cached_tokens: Callable[[Sequence], int] = lambda seq: 0,
 ) -> list[Planned]:
     """Choose the next step's chunks.
 
@@ -85,8 +90,10 @@ def plan_step(
     running sequences are handed to ``preempt`` (which moves them from ``running`` to the front
     of ``waiting`` and returns how many blocks that freed: a block another sequence shares
     stays in use). Then waiting sequences are moved to ``running`` in order while blocks,
-    ``budget`` and ``max_num_seqs`` allow. Each chunk samples when it reaches the end of its
-    sequence's tokens.
+    ``budget`` and ``max_num_seqs`` allow; one that starts is charged only for the tokens past
+    ``cached_tokens(seq)`` (its prefix believed cached; fewer than its tokens), and its chunk
+    covers that prefix too. Each chunk samples when it reaches the end of its sequence's
+    tokens.
     """
     free = free_blocks
     planned: list[Planned] = []
@@ -106,7 +113,9 @@ def plan_step(
         i += 1
     while waiting and budget > 0 and len(running) < max_num_seqs:
         seq = waiting[0]
-        n = min(seq.remaining, budget)
+        starting = prefix_caching and seq.num_computed == 0 and not seq.block_table
+        cached = cached_tokens(seq) if starting else 0
+        n = min(seq.remaining, budget + cached)
         need = _blocks_needed(seq, n, block_size, prefix_caching)
         if need > free:
             break
@@ -114,8 +123,11 @@ def plan_step(
         seq.status = SeqStatus.RUNNING
         running.append(seq)
         free -= need
-        budget -= n
-        planned.append(Planned(seq, n, sample=n == seq.remaining))
+        charge = n - cached
+        budget -= charge
+        planned.append(
+            Planned(seq, n, sample=n == seq.remaining, charge=charge if cached else None)
+        )
     return planned
 
 
@@ -144,6 +156,22 @@ def skip_cached(
         if p.n_tokens:
             kept.append(p)
     return kept, skipped_total
+
+
+def within_charge(planned: list[Planned], budget: int) -> list[Planned]:
+    """Keep the step within ``budget`` once the cache manager has said what it shares
+    (:func:`skip_cached`): a chunk whose prefix was believed cached but was not (evicted since)
+    computes what its charge paid for and what the others left of ``budget``, in plan order;
+    the rest of it comes in the next steps."""
+    spare = budget - sum(
+        p.n_tokens if p.charge is None else min(p.n_tokens, p.charge) for p in planned
+    )
+    for p in planned:
+        if p.charge is not None and p.n_tokens > p.charge:
+            p.n_tokens = p.charge + min(p.n_tokens - p.charge, max(spare, 0))
+            spare -= p.n_tokens - p.charge
+            p.sample = p.n_tokens == p.seq.remaining
+    return planned
 
 
 def chunks_of(planned: list[Planned]) -> tuple[SeqChunk, ...]:

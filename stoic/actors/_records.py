@@ -48,6 +48,9 @@ class SchedulerStats(NamedTuple):
     generated_tokens: int
     #: prompt tokens whose keys/values came from the prefix cache instead of being computed
     prefix_cached_tokens: int
+    #: prompt tokens believed cached when a sequence was planned that the cache did not share
+    #: (evicted since): its step computed less than its budget allowed
+    prefix_guess_missed_tokens: int
     #: the scheduler's estimate of the cache manager's free blocks
     free_blocks: int
     #: resumes after executor failures (``--recovery resume``), one per sequence per failure

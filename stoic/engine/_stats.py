@@ -47,6 +47,9 @@ class EngineStats:
     state: State
     #: prompt tokens whose keys/values came from the prefix cache (not computed)
     prefix_cached_tokens: int
+    #: prompt tokens the scheduler believed cached (and did not charge to a step's budget) that
+    #: the cache no longer held: those steps computed less than the budget allowed
+    prefix_guess_missed_tokens: int
     #: KV blocks held by the prefix cache (in use or evictable)
     kv_blocks_cached: int
     #: the process the model runs in (the server's own with the thread executor)
@@ -92,6 +95,7 @@ def collect_stats(
         faults_injected=faults.injected,
         state=now.state,
         prefix_cached_tokens=sched.prefix_cached_tokens,
+        prefix_guess_missed_tokens=sched.prefix_guess_missed_tokens,
         kv_blocks_cached=blocks.cached_blocks,
         executor_pid=now.executor_pid,
         restarts_by_kind=now.restarts_by_kind,

@@ -145,6 +145,7 @@ def _idle_stats(config: EngineConfig) -> EngineStats:
         faults_injected=0,
         state="starting",
         prefix_cached_tokens=0,
+        prefix_guess_missed_tokens=0,
         kv_blocks_cached=0,
         executor_pid=None,
         restarts_by_kind=(),

@@ -76,6 +76,12 @@ class _EngineCollector:
             "Prompt tokens whose keys and values came from the prefix cache.",
             stats.prefix_cached_tokens,
         )
+        yield counter(
+            "stoic_prefix_cache_guess_missed_tokens",
+            "Prompt tokens the scheduler believed cached that the prefix cache had evicted "
+            "(their steps computed less than the token budget allowed).",
+            stats.prefix_guess_missed_tokens,
+        )
         yield gauge(
             "stoic_kv_cache_usage",
             "Fraction of KV cache blocks in use (0..1).",

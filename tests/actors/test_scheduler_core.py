@@ -78,6 +78,7 @@ def test_a_shared_prefix_is_served_from_the_cache() -> None:
     assert chunk.start_pos == 20
     assert chunk.token_ids == tuple(prompt.encode()[20:])
     assert second.cached_tokens == 20
+    assert h.core.stats().prefix_guess_missed_tokens == 0
     h.run_until_idle()
     h.check()
     assert drain(first)[0] == drain(second)[0]
@@ -231,6 +232,61 @@ def test_a_readmitted_sequence_sharing_its_own_cached_prefix_does_not_stall() ->
     assert h.core.stats().preemptions >= 1
     assert h.refusals == 0
     assert [drain(s)[1] for s in (long, short)] == ["length", "length"]
+
+
+def test_a_cached_prefix_is_not_charged_to_the_step_budget() -> None:
+    """A request whose 20-token prefix is cached is charged for its 3 new tokens only: it
+    prefills and samples in its first step, next to a decoding sequence and a third request
+    that gets the rest of the budget (charged for all 23, it used to compute nothing in that
+    step: its chunk was all cached)."""
+    h = create_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    prompt = "the same prompt, twice"  # 22 tokens: 5 full blocks
+    first = h.add(prompt, max_tokens=3)
+    h.run_until_idle()
+    h.add("decoding", max_tokens=20)
+    h.step()  # its prompt: it decodes from now on
+    second = h.add(prompt + "!", max_tokens=3)
+    third = h.add("x" * 30, max_tokens=2)
+    batch = h.step()
+    assert batch is not None
+    by_seq = {c.seq_id: c for c in batch.chunks}
+    assert len(by_seq) == 3 and batch.num_tokens == 8
+    shared = by_seq[2]
+    assert (shared.start_pos, len(shared.token_ids), shared.sample) == (20, 3, True)
+    assert len(by_seq[3].token_ids) == 8 - 1 - 3
+    assert second.cached_tokens == 20
+    assert h.core.stats().prefix_guess_missed_tokens == 0
+    h.run_until_idle()
+    h.check()
+    assert drain(first)[1] == "length"
+    text, finish, _ = drain(second)
+    assert (len(text), finish) == (3, "length")
+    assert drain(third)[1] == "length"
+
+
+def test_a_prefix_evicted_since_it_was_cached_still_keeps_the_step_within_budget() -> None:
+    """The core's belief of what is cached can be stale (the cache manager evicted the
+    blocks): the request is then charged too little, and the step still carries at most the
+    budget; the prompt is computed over the next steps and the output is unchanged."""
+    h = create_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+    prompt = "the same prompt, twice"
+    first = h.add(prompt, max_tokens=3)
+    h.run_until_idle()
+    h.add("y" * 33, max_tokens=2)  # 9 blocks: every cached block is evicted for it
+    h.run_until_idle()
+    h.add("decoding", max_tokens=12)
+    h.step()
+    second = h.add(prompt, max_tokens=3)
+    before = len(h.batches)
+    h.run_until_idle()
+    h.check()
+    assert second.cached_tokens == 0  # nothing was shared after all
+    # what the core still believed of its blocks (its view holds the pool's 9 newest hashes)
+    assert h.core.stats().prefix_guess_missed_tokens > 0
+    assert all(b.num_tokens <= 8 for b in h.batches[before:])
+    first_chunk = next(c for b in h.batches[before:] for c in b.chunks if c.seq_id == 3)
+    assert first_chunk.start_pos == 0 and not first_chunk.sample
+    assert drain(second)[0] == drain(first)[0]
 
 
 _OPS = st.lists(

@@ -25,6 +25,7 @@ class FakeStats:
     failed_sequences: int = 0
     steps: int = 0
     prefix_cached_tokens: int = 0
+    prefix_guess_missed_tokens: int = 0
     kv_blocks_cached: int = 0
     executor_pid: int | None = None
     restarts_by_kind: tuple[tuple[str, int], ...] = ()
