@@ -326,7 +326,11 @@ class SchedulerCore:
                 if p.charge is not None:  # what was believed cached and was not
                     believed = p.n_tokens - p.charge
                     missed = believed - shared * self.cfg.block_size
-                    self._prefix_missed_tokens += max(0, missed)
+                    if missed > 0:
+                        self._prefix_missed_tokens += missed
+                        # believed no more: the next request with this prefix is not misled
+                        bs = self.cfg.block_size
+                        self._prefix_view.discard(p.seq.hashes[shared : believed // bs])
             if allocation.cached_blocks:
                 planned, skipped = skip_cached(
                     planned, allocation.cached_blocks, self.cfg.block_size

@@ -117,6 +117,12 @@ def plan_step(
         cached = cached_tokens(seq) if starting else 0
         n = min(seq.remaining, budget + cached)
         need = _blocks_needed(seq, n, block_size, prefix_caching)
+        if need > free and cached:
+            # the blocks for the whole believed prefix do not fit (counted as taken, though
+            # running sequences may hold them): plan it as if nothing were cached, as before
+            cached = 0
+            n = min(seq.remaining, budget)
+            need = _blocks_needed(seq, n, block_size, prefix_caching)
         if need > free:
             break
         waiting.popleft()

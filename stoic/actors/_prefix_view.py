@@ -52,6 +52,11 @@ class PrefixView:
             count += 1
         return count
 
+    def discard(self, hashes: Iterable[bytes]) -> None:
+        """Blocks the cache manager did not share though believed cached (evicted since)."""
+        for h in hashes:
+            self._hashes.pop(h, None)
+
     def clear(self) -> None:
         """The cache was dropped (an executor failure): nothing is cached."""
         self._hashes.clear()

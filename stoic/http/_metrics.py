@@ -78,8 +78,8 @@ class _EngineCollector:
         )
         yield counter(
             "stoic_prefix_cache_guess_missed_tokens",
-            "Prompt tokens the scheduler believed cached that the prefix cache had evicted "
-            "(their steps computed less than the token budget allowed).",
+            "Prompt tokens the scheduler believed cached, when it planned a request's first "
+            "step, that the prefix cache had evicted (computed after all).",
             stats.prefix_guess_missed_tokens,
         )
         yield gauge(

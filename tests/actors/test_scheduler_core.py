@@ -289,6 +289,53 @@ def test_a_prefix_evicted_since_it_was_cached_still_keeps_the_step_within_budget
     assert drain(second)[0] == drain(first)[0]
 
 
+def test_a_shared_prefix_held_by_running_sequences_is_admitted_as_before() -> None:
+    """A request whose prefix blocks running sequences hold is admitted as soon as its own
+    blocks fit: when the blocks for its whole believed-cached prefix do not, it is planned as if
+    nothing were cached (found in review: it waited 23 steps, until a holder finished)."""
+
+    def decoding(k: int) -> bool:
+        return len(h.core.running) == k and all(s.num_generated >= 1 for s in h.core.running)
+
+    h = create_scheduler(num_blocks=17, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    prefix = "p" * 24
+    h.add(prefix + "XYZXY", max_tokens=20)
+    while not decoding(1):
+        h.step()
+    h.add(prefix + "ZZZZZ", max_tokens=20)
+    while not decoding(2):
+        h.step()
+    assert h.allocator.free_blocks == 7
+    h.add(prefix + "YYYYY", max_tokens=2)
+    h.step()
+    h.step()
+    assert any(c.seq_id == 2 for b in h.batches[-2:] for c in b.chunks)
+    h.run_until_idle()
+    h.check()
+
+
+def test_a_wrong_guess_is_not_made_again() -> None:
+    """Once the cache manager shares fewer blocks than the core believed, the core believes
+    them cached no more (found in review: every later request with the prefix was misled)."""
+    h = create_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    prompt = "s" * 20 + "tail"
+    h.add(prompt, max_tokens=1)
+    h.run_until_idle()
+    h.core.budget.tokens = 48  # one plan takes the whole pool: every cached block is evicted
+    big = h.add("y" * 45, max_tokens=1)
+    h.start_step()
+    h.core.abort(big.request_id)
+    h.flush()
+    h.inflight = None
+    h.core._inflight = None  # as if the step had been fenced
+    h.core.budget.tokens = 8
+    h.add(prompt, max_tokens=1)
+    h.start_step()
+    seq = h.core.running[0]
+    assert h.core.stats().prefix_guess_missed_tokens == 20
+    assert h.core._prefix_view.leading(seq.hashes[:5]) == 0
+
+
 _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
