@@ -320,17 +320,7 @@ class SchedulerCore:
                 if table is not None:
                     self._set_table(p.seq, table)
             self._free_blocks = allocation.free_blocks
-            for p in planned:
-                shared = allocation.cached_blocks.get(p.seq.seq_id, 0)
-                self._prefix_view.add(p.seq.hashes[:shared])  # the most recently used now
-                if p.charge is not None:  # what was believed cached and was not
-                    believed = p.n_tokens - p.charge
-                    missed = believed - shared * self.cfg.block_size
-                    if missed > 0:
-                        self._prefix_missed_tokens += missed
-                        # believed no more: the next request with this prefix is not misled
-                        bs = self.cfg.block_size
-                        self._prefix_view.discard(p.seq.hashes[shared : believed // bs])
+            self._learn_prefixes(planned, allocation.cached_blocks)
             if allocation.cached_blocks:
                 planned, skipped = skip_cached(
                     planned, allocation.cached_blocks, self.cfg.block_size
@@ -350,6 +340,22 @@ class SchedulerCore:
 
     def _hashes(self, seq: Sequence, count: int) -> tuple[bytes, ...]:
         return block_hashes(seq.all_ids, self.cfg.block_size, count, seq.hashes)
+
+    def _learn_prefixes(self, planned: list[Planned], cached_blocks: dict[int, int]) -> None:
+        """Update the prefix view from the cache manager's answer (``cached_blocks``: the blocks
+        it shared, by sequence): shared blocks are the most recently used now; blocks believed
+        cached but not shared are believed no more (the next request is not misled), and
+        counted as missed."""
+        size = self.cfg.block_size
+        for p in planned:
+            shared = cached_blocks.get(p.seq.seq_id, 0)
+            self._prefix_view.add(p.seq.hashes[:shared])
+            if p.charge is None:
+                continue
+            believed = (p.n_tokens - p.charge) // size
+            if believed > shared:
+                self._prefix_missed_tokens += (believed - shared) * size
+                self._prefix_view.discard(p.seq.hashes[shared:believed])
 
     def _believed_cached(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s prefix the prefix cache is believed to share when it starts."""

@@ -343,9 +343,9 @@ def _prefill_attention(
     if align > 1:
         # zeros, not the pool's stale rows past the context: a masked NaN would still poison
         # the scores' arithmetic
-        qp = _zero_padded(qp, _round_up(n, align))
-        kp = _zero_padded(kp, _round_up(length, align))
-        vp = _zero_padded(vp, _round_up(length, align))
+        qp = _zero_padded(qp, _round_up(n, align), qp.dtype)
+        kp = _zero_padded(kp, _round_up(length, align), qp.dtype)
+        vp = _zero_padded(vp, _round_up(length, align), qp.dtype)
     else:
         # bfloat16 queries (a bfloat16 dense dtype) over the float32 cache: the chunk's
         # context is converted to bfloat16, as a bfloat16 model's cache holds it. Masked
@@ -367,9 +367,9 @@ def _prefill_attention(
     return op[0, :, :n].transpose(0, 1)
 
 
-def _zero_padded(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` ``[1, heads, r, D]`` (any dtype) as bfloat16 ``[1, heads, rows, D]``, zeros below."""
-    out = x.new_empty((*x.shape[:2], rows, x.shape[-1]), dtype=torch.bfloat16)
+def _zero_padded(x: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[1, heads, r, D]`` as ``dtype`` ``[1, heads, rows, D]``, zeros below."""
+    out = x.new_empty((*x.shape[:2], rows, x.shape[-1]), dtype=dtype)
     out[:, :, : x.shape[2]] = x
     out[:, :, x.shape[2] :] = 0
     return out
