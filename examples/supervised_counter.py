@@ -18,7 +18,15 @@ from typing import Any
 
 import structlog
 
-from stoic.runtime import Actor, ActorRef, ActorSystem, ChildSpec, Reply, SupervisorEscalation
+from stoic.runtime import (
+    Actor,
+    ActorRef,
+    ActorSystem,
+    ChildFailure,
+    ChildSpec,
+    Reply,
+    SupervisorEscalation,
+)
 
 
 @dataclass(frozen=True)
@@ -58,10 +66,11 @@ class Counter(Actor[CounterMsg]):
                 raise RuntimeError(why)  # fails this incarnation; the supervisor decides
 
 
-async def on_failure(error: BaseException, incarnation: int) -> None:
+async def on_failure(failure: ChildFailure) -> None:
     """Awaited by the supervisor after the crash and before the restart (stoic's engine
-    runs its recovery procedure here)."""
-    print(f"  on_failure: incarnation {incarnation} died of {error!r}")
+    runs its recovery procedure here). Returning None counts the failure toward the restart
+    intensity; returning False would exempt it."""
+    print(f"  on_failure: incarnation {failure.incarnation} died of {failure.reason!r}")
 
 
 async def on_escalate(escalation: SupervisorEscalation) -> None:

@@ -1,21 +1,23 @@
 """``stoic serve``: the OpenAI-compatible server from the command line.
 
-Exit status: 0 after a clean shutdown (SIGINT/SIGTERM), 1 when the engine cannot start for
-another reason (the port is taken, the device fails), 2 for a usage or configuration error (bad
-arguments; a model that is missing or unusable, reported on one line), 70 when the engine fails
-and ``--exit-on-fatal`` is set. ``stoic cache`` lists and prunes converted models
-(:mod:`stoic._cache_cli`).
+Exit status: 0 after a clean shutdown (SIGINT/SIGTERM, whenever it arrives: see :func:`main`),
+1 when the engine cannot start for another reason (the port is taken, the device fails, the
+first worker process dies), 2 for a usage or configuration error (bad arguments; a model that
+is missing or unusable, reported on one line), 70 when the engine fails and ``--exit-on-fatal``
+is set. ``stoic cache`` lists and prunes converted models (:mod:`stoic._cache_cli`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,7 @@ import structlog
 from pydantic import ValidationError
 
 from ._argtypes import non_negative_float, non_negative_int, port, positive_int
-from ._cache_cli import add_cache_parser, run_cache
+from ._cli_signals import cancel_on_signals, exit_on_signals
 from ._http_args import add_http_args, http_options
 from ._logging import PROCESSORS, get_logger
 from ._version import installed_version
@@ -57,13 +59,22 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]
+    # a traceback (only bugs carry one: expected failures are single events) shows the locals
+    # of every frame only at debug level, where 20 lines a frame are what was asked for
+    debug = level_no <= logging.DEBUG
     renderer: Any
     if fmt == "json":
-        enrich.append(structlog.processors.dict_tracebacks)
+        enrich.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=debug)
+            )
+        )
         renderer = structlog.processors.JSONRenderer()
         _quiet_progress_bars()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=_exception_formatter(debug)
+        )
     structlog.configure(
         processors=list(PROCESSORS),
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -85,6 +96,14 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     root.handlers = [handler]
     root.setLevel(level_no)
     logging.captureWarnings(True)
+
+
+def _exception_formatter(debug: bool) -> Any:
+    """How the console shows a traceback: Python's own compact format, or at debug level rich's
+    with every frame's locals (when rich is installed)."""
+    if debug and importlib.util.find_spec("rich") is not None:
+        return structlog.dev.RichTracebackFormatter(show_locals=True)
+    return structlog.dev.plain_traceback
 
 
 def _quiet_progress_bars() -> None:
@@ -226,13 +245,31 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         help=f"fraction of free GPU memory for the KV cache (default {d.gpu_memory_utilization})",
     )
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        default=d.threads,
+        metavar="N",
+        help="compute threads of a step (default: the CPUs this process may use: its affinity "
+        "mask, capped by its cgroup's CPU quota)",
+    )
+    g.add_argument(
+        "--adapt-threads",
+        action=argparse.BooleanOptionalAction,
+        default=d.adapt_threads,
+        help="run steps on fewer threads while other processes take CPUs from this one, and "
+        "grow back when CPUs go idle: next to a busy neighbour a full-width pool collapses "
+        "(default: on)",
+    )
     g = p.add_argument_group("failure handling")
     g.add_argument(
         "--max-restarts",
         type=int,
         default=d.max_restarts,
         metavar="R",
-        help="executor restarts allowed within --restart-window (default %(default)s)",
+        help="executor restarts allowed within --restart-window (default %(default)s); with "
+        "--recovery resume, failures of a suspect request run alone to isolate it are charged "
+        "to it and not counted",
     )
     g.add_argument(
         "--restart-window",
@@ -246,8 +283,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         default=d.step_timeout,
         metavar="S",
-        help="a step running longer is a hang: with --executor process the worker is killed and "
-        "replaced, with thread the engine is failed (default %(default)s)",
+        help="a step with no progress for S seconds (none of its decoder layers done) is a "
+        "hang: with --executor process the worker is killed and replaced, with thread the "
+        "engine is failed; a slow step that keeps progressing is never stopped "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--executor",
@@ -314,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     _add_serve_args(serve)
+    from ._cache_cli import add_cache_parser  # imports stoic.model, and so torch
+
     add_cache_parser(sub)
     return parser
 
@@ -346,6 +387,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         faults=tuple(args.fault),
         executor=args.executor,
         executor_spares=args.executor_spares,
+        threads=args.threads,
+        adapt_threads=args.adapt_threads,
         drain_timeout=args.drain_timeout,
         recovery=args.recovery,
         max_resumes=args.max_resumes,
@@ -354,6 +397,19 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 async def _serve(args: argparse.Namespace, access: AccessPolicy, limits: ServerLimits) -> int:
+    interrupted = cancel_on_signals()  # until serve() handles them
+    try:
+        return await _serve_until_stopped(args, access, limits)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if interrupted.is_set() and task is not None and task.uncancel() == 0:
+            return 0
+        raise
+
+
+async def _serve_until_stopped(
+    args: argparse.Namespace, access: AccessPolicy, limits: ServerLimits
+) -> int:
     from .http import is_loopback, serve
 
     config = config_from_args(args)
@@ -410,10 +466,26 @@ async def _serve(args: argparse.Namespace, access: AccessPolicy, limits: ServerL
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``stoic`` command; returns the exit status."""
+    """Entry point of the ``stoic`` command; returns the exit status.
+
+    SIGINT or SIGTERM at any moment ends ``stoic serve`` with status 0 and no traceback
+    (:mod:`stoic._cli_signals`).
+    """
+    with exit_on_signals() as restore:
+        try:
+            return _main(argv, restore)
+        except KeyboardInterrupt:  # after the server: it leaves Python's default handler
+            return 0
+
+
+def _main(argv: Sequence[str] | None, restore_signals: Callable[..., None]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        restore_signals()  # Ctrl-C in `stoic cache prune` is an interruption, not a success
     if args.command == "cache":
+        from ._cache_cli import run_cache
+
         return run_cache(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
@@ -428,6 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_format, args.log_level)
     if not _model_usable(args.model):
         return 2
+    # SIGINT cancels asyncio.run's task until _serve installs its handlers; SIGTERM exits
+    restore_signals(signal.SIGINT)
     return asyncio.run(_serve(args, access, limits))
 
 

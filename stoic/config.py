@@ -10,7 +10,9 @@ from .errors import InvalidRequest
 
 __all__ = ["FAULT_KINDS", "PROCESS_ONLY_FAULTS", "EngineConfig", "FaultKind", "FaultSpec"]
 
-FaultKind = Literal["oom", "error", "hang", "fatal", "device_assert", "crash", "segfault", "abort"]
+FaultKind = Literal[
+    "oom", "error", "hang", "slow", "fatal", "device_assert", "crash", "segfault", "abort"
+]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 #: faults that end the process that runs the model: only the process executor survives them
 PROCESS_ONLY_FAULTS = frozenset({"crash", "segfault", "abort"})
@@ -22,9 +24,12 @@ class FaultSpec:
 
     Kinds: ``oom`` (out of memory), ``error`` (an exception), ``fatal`` (exactly the error a
     poisoned CUDA context raises), ``device_assert`` (a real out-of-range index on the GPU, which
-    poisons the context; a plain error on a CPU), ``hang`` (the step blocks ``seconds``), and, with the process
-    executor only, ``crash`` (the worker SIGKILLs itself), ``segfault`` (a real SIGSEGV) and
-    ``abort`` (``os.abort()``).
+    poisons the context; a plain error on a CPU), ``hang`` (the step spins on a CPU for
+    ``seconds`` without progress, then runs: past ``step_timeout`` it is a hung step), ``slow``
+    (each progress tick of the step, one per decoder layer and one at its start and end, waits
+    ``seconds``: a slow step that keeps progressing, which the watchdog leaves alone), and, with
+    the process executor only, ``crash`` (the worker SIGKILLs itself), ``segfault`` (a real
+    SIGSEGV) and ``abort`` (``os.abort()``).
 
     Exactly one trigger: ``after_steps=N`` (the Nth following step fails, once),
     ``probability=p`` with ``seed`` (every step fails with probability p until cleared), or
@@ -37,7 +42,7 @@ class FaultSpec:
     probability: float | None = None
     seed: int | None = None
     match: str | None = None
-    #: how long a ``"hang"`` blocks the step
+    #: how long a ``"hang"`` spins; how long each progress tick of a ``"slow"`` step waits
     seconds: float = 30.0
 
     def __post_init__(self) -> None:
@@ -108,17 +113,26 @@ class EngineConfig:
     #: context length override (defaults to the model's)
     max_model_len: int | None = None
     #: restart intensity: more than ``max_restarts`` executor failures within ``restart_window``
-    #: seconds marks the engine failed
+    #: seconds marks the engine failed (with ``recovery="resume"``, the failures of an isolation
+    #: probe, a suspect run alone, are charged to it and not counted)
     max_restarts: int = 5
     restart_window: float = 60.0
-    #: a step running longer than this is a hang: with the process executor the worker is killed
-    #: and replaced; with the thread executor the engine is marked failed
+    #: a step whose progress (a tick per decoder layer) stops for this long is a hang: with the
+    #: process executor the worker is killed and replaced; with the thread executor the engine
+    #: is marked failed. A step that keeps progressing runs however long it takes
     step_timeout: float = 120.0
     #: where the model runs: ``"process"`` (a worker process the engine replaces when it dies,
     #: crashes, hangs or poisons its device) or ``"thread"`` (a thread of this process)
     executor: Literal["process", "thread"] = "thread"
     #: with the process executor: warm worker processes (weights loaded) that take over at once
     executor_spares: int = 0
+    #: compute threads of the step (torch's and the C kernels' pools): None sizes them to the
+    #: CPU this process may use (its affinity mask, capped by its cgroup's CPU quota)
+    threads: int | None = None
+    #: while other processes take CPUs from the engine, run the step on fewer threads (a pool
+    #: waiting for a descheduled thread collapses), and grow back when CPUs go idle
+    #: (docs/operations.md, "Shared machines"); False: always ``threads``
+    adapt_threads: bool = True
     #: allow :meth:`stoic.Engine.inject_fault` (and ``POST /admin/faults``)
     enable_fault_injection: bool = False
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
@@ -144,6 +158,8 @@ class EngineConfig:
             )
         if self.recovery not in ("fail", "resume"):
             raise ValueError(f"recovery must be 'fail' or 'resume', not {self.recovery!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be >= 1")
         if self.max_resumes < 0:
             raise ValueError("max_resumes must be >= 0")
         if self.executor_spares < 0 or (self.executor_spares and self.executor != "process"):

@@ -80,12 +80,12 @@ class CacheManager(Actor[CacheMsg]):
                 self._release()
                 self._stale = True
                 self._drops += 1
-                self.context.log.info("cache.dropped_all", blocks_freed=freed)
+                self.context.log.debug("cache.dropped_all", blocks_freed=freed)
                 reply.send(freed)
             case AcquireKV(reply=reply):
                 if self._stale:
                     self._recreate()
-                    self.context.log.info("cache.recreated", blocks=self.spec.num_blocks)
+                    self.context.log.debug("cache.recreated", blocks=self.spec.num_blocks)
                 reply.send(self._kv)
             case GetCacheStats(reply=reply):
                 reply.send(self.stats())

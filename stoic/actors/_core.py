@@ -48,6 +48,10 @@ from ._stream import ResultStream
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats"]
 
+#: failures alone that end a suspect as the cause; also the most failures charged to suspects
+#: between two clean steps (beyond that the isolation makes no progress: they count)
+_SOLO_FAILURES = 2
+
 
 @dataclass(frozen=True, slots=True)
 class _Inflight:
@@ -97,6 +101,8 @@ class SchedulerCore:
         # and every other sequence is held back here, in admission order
         self._held: list[Sequence] = []
         self._probe: Sequence | None = None
+        #: failures charged to suspects (not to the engine) since the last clean step
+        self._suspect_charges = 0
         # statistics
         self._steps = 0
         self._preemptions = 0
@@ -111,6 +117,7 @@ class SchedulerCore:
         self._resumed = 0
         self._exhausted = 0
         self._isolated = 0
+        self._isolation_failures = 0
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -166,6 +173,7 @@ class SchedulerCore:
             resumed=self._resumed,
             resume_exhausted=self._exhausted,
             isolated=self._isolated,
+            isolation_failures=self._isolation_failures,
             token_budget=self.budget.tokens,
             seq_budget=self.budget.seqs,
         )
@@ -378,6 +386,7 @@ class SchedulerCore:
             return None
         self._inflight = None
         self._steps += 1
+        self._suspect_charges = 0
         touched: list[Sequence] = []
         for p in inflight.planned:
             seq = p.seq
@@ -447,7 +456,12 @@ class SchedulerCore:
         self._failed_sequences += 1
 
     def executor_down(
-        self, error: BaseException, kind: FailureKind, *, final: str | None = None
+        self,
+        error: BaseException,
+        kind: FailureKind,
+        *,
+        final: str | None = None,
+        final_if_charged: str | None = None,
     ) -> Recovered:
         """The executor failed: fence it (its late results are dropped), back the step budget
         off after an out-of-memory failure, and settle every sequence that had started.
@@ -455,23 +469,24 @@ class SchedulerCore:
         Under ``"fail"`` they end with an :class:`~stoic.errors.ExecutorFailed` carrying their
         partial output; under ``"resume"`` they are re-admitted (see :meth:`_resume`).
         Sequences still waiting for their first step lost nothing: they stay queued and run
-        once the executor is back. With ``final`` (the executor will not be restarted) the engine
-        fails instead (:meth:`fail_engine`): every sequence ends with ``EngineFailed``.
+        once the executor is back. With ``final`` (the executor will not be restarted), or
+        ``final_if_charged`` and a failure charged to the engine (see :meth:`_charged`), the
+        engine fails instead (:meth:`fail_engine`): every sequence ends with ``EngineFailed``.
         """
         self._prefix_view.clear()  # the cache is dropped with the executor
+        planned = self._inflight.planned if self._inflight is not None else ()
+        batch = [p.seq for p in planned if p.seq.status is SeqStatus.RUNNING]
+        charged = self._charged(batch)
+        final = final or (final_if_charged if charged else None)
         if final is not None:
-            return Recovered(self.fail_engine(final), 0, 0, 0)
-        batch: list[Sequence] = []
-        prefilling: set[int] = set()
-        if self._inflight is not None:
-            batch = [p.seq for p in self._inflight.planned if p.seq.status is SeqStatus.RUNNING]
-            prefilling = {p.seq.seq_id for p in self._inflight.planned if p.n_tokens > 1}
+            return Recovered(self.fail_engine(final), 0, 0, 0, charged)
+        prefilling = {p.seq.seq_id for p in planned if p.n_tokens > 1}
         self._incarnation = None
         self._inflight = None
         if kind == "oom":
             self.budget.out_of_memory()
         if self.cfg.recovery == "resume":
-            return self._resume(batch, error, kind)
+            return self._resume(batch, error, kind)._replace(charged=charged)
         queued = [seq for seq in self._waiting if seq.num_generated == 0]
         for seq in queued:
             self._waiting.remove(seq)
@@ -480,7 +495,29 @@ class SchedulerCore:
             self._release(seq)
             seq.num_computed = 0
         self._waiting.extend(queued)
-        return Recovered(count, 0, 0, 0)
+        return Recovered(count, 0, 0, 0, charged)
+
+    def _charged(self, batch: list[Sequence]) -> bool:
+        """Whether the failure of the step that ran ``batch`` counts toward the engine's restart
+        intensity.
+
+        A step that ran only suspects (an isolation probe: one suspect alone) is charged to the
+        suspect instead, so isolating a poison request does not fail the engine whatever
+        failed in the last window. That stays bounded: a suspect is ended after two failures
+        alone, and at most two failures are charged to suspects between two clean steps. A
+        worker that fails every step whatever it holds makes no clean step, so from the third
+        probe failure on its failures count and the engine fails as without isolation. A
+        step with nothing in it, or with any non-suspect, is charged to the engine.
+        """
+        if (
+            batch
+            and all(seq.strikes >= 2 for seq in batch)
+            and self._suspect_charges < _SOLO_FAILURES
+        ):
+            self._suspect_charges += 1
+            self._isolation_failures += 1
+            return False
+        return True
 
     def _resume(self, batch: list[Sequence], error: BaseException, kind: FailureKind) -> Recovered:
         """Re-admit every running sequence with its prompt and generated tokens as context (its
@@ -501,7 +538,7 @@ class SchedulerCore:
         resumed: list[Sequence] = []
         exhausted = isolated = 0
         for seq in list(self._running):
-            if seq.solo_failures >= 2:
+            if seq.solo_failures >= _SOLO_FAILURES:
                 isolated += 1
                 self._fail(seq, isolated_error(seq, error, kind))
             elif seq.resumes >= self.cfg.max_resumes:

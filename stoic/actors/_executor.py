@@ -15,7 +15,7 @@ from typing import Any, TypeVar, assert_never
 from ..model import ModelRunner, PagedKVCache, StepOutput
 from ..runtime import Actor, ActorContext, ActorRef
 from ._failures import classify_failure
-from ._faults import FaultInjector
+from ._faults import FaultInjector, InjectedFault
 from ._health import EngineHealth
 from ._messages import (
     ASK_TIMEOUT,
@@ -126,6 +126,12 @@ class Executor(Actor[ExecutorMsg]):
         await self._scheduler.tell(ExecutorReady(incarnation, self.context.ref))
         self.context.log.info("executor.ready")
 
+    def failure_expected(self, error: BaseException) -> bool:
+        """Out of memory, a poisoned device (``oom``, ``fatal``) and injected faults are expected:
+        the recovery logs them as one event. Anything else a step raises here may be a bug in
+        the model code, and keeps its traceback (which shows the model's frames)."""
+        return classify_failure(error) != "error" or isinstance(error, InjectedFault)
+
     async def on_stop(self) -> None:
         self._kv = None
 
@@ -139,7 +145,7 @@ class Executor(Actor[ExecutorMsg]):
                 fault = fault or self._faults.decide()
 
                 def step() -> StepOutput:
-                    FaultInjector.in_thread(fault)
+                    FaultInjector.in_thread(fault, runner.progress)
                     return runner.execute(batch, kv)
 
                 output = await self._worker.run(step)

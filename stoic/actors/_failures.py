@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import torch
 
 from ..errors import FailureKind
@@ -18,11 +20,38 @@ _FATAL_MARKERS = (
 
 
 class ExecutorFault(RuntimeError):
-    """A step failed in the worker process, or the worker died or hung; ``kind`` says which."""
+    """A step failed in the worker process, or the worker died or hung; ``kind`` says which.
 
-    def __init__(self, message: str, kind: FailureKind) -> None:
+    ``pid`` is the worker process's when known, and ``exitcode`` how it ended once it has
+    (:attr:`subprocess.Popen.returncode`: ``-N`` for signal N).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        kind: FailureKind,
+        *,
+        pid: int | None = None,
+        exitcode: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind: FailureKind = kind
+        self.pid = pid
+        self.exitcode = exitcode
+
+    def exit_fields(self) -> dict[str, object]:
+        """``pid``, and ``signal`` (its name) or ``exit_code``, for a log event: those known."""
+        fields: dict[str, object] = {}
+        if self.pid is not None:
+            fields["pid"] = self.pid
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                fields["signal"] = signal.Signals(-self.exitcode).name
+            except ValueError:
+                fields["signal"] = -self.exitcode
+        elif self.exitcode is not None:
+            fields["exit_code"] = self.exitcode
+        return fields
 
 
 def classify_failure(error: BaseException) -> FailureKind:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ..config import PROCESS_ONLY_FAULTS, FaultSpec
+from ..model import StepProgress
 
 __all__ = ["FATAL_CUDA_MESSAGE", "FaultInjector", "InjectedFault", "enact_fault"]
 
@@ -32,11 +33,13 @@ class InjectedFault(RuntimeError):
     """The ``"error"`` kind: a plain RuntimeError raised inside the step."""
 
 
-def enact_fault(spec: FaultSpec) -> None:
-    """Make the step fail the way ``spec`` says, where the model runs.
+def enact_fault(spec: FaultSpec, progress: StepProgress | None = None) -> None:
+    """Make the step fail the way ``spec`` says, where the model runs, just before the step.
 
     ``oom``, ``error`` and ``fatal`` raise; ``device_assert`` indexes a CUDA tensor out of range
-    (a real device-side assert); ``hang`` blocks for ``spec.seconds``; ``crash``
+    (a real device-side assert); ``hang`` spins on the CPU for ``spec.seconds`` without a
+    progress tick (then the step runs); ``slow`` throttles the step: each tick of ``progress``
+    waits ``spec.seconds`` (without a counter, the step waits ``spec.seconds`` once); ``crash``
     (SIGKILL), ``segfault`` (a real SIGSEGV) and ``abort`` (``os.abort()``) end the process, so
     they are only armed with the process executor.
     """
@@ -48,7 +51,12 @@ def enact_fault(spec: FaultSpec) -> None:
         case "fatal":
             raise RuntimeError(FATAL_CUDA_MESSAGE)
         case "hang":
-            time.sleep(spec.seconds)
+            _spin(spec.seconds)
+        case "slow":
+            if progress is not None:
+                progress.throttle(spec.seconds)
+            else:
+                time.sleep(spec.seconds)
         case "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         case "segfault":
@@ -57,6 +65,15 @@ def enact_fault(spec: FaultSpec) -> None:
             os.abort()
         case "device_assert":
             _device_assert()
+
+
+def _spin(seconds: float) -> None:
+    """Busy-loop for ``seconds``, holding a CPU and ticking no progress: what a step stuck in a
+    loop looks like to the step watchdog (a sleeping step would leave its core to others).
+    It only returns: a SIGTERM to the process ends it as it ends a step stuck in native code."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
 
 
 def _device_assert() -> None:
@@ -139,9 +156,10 @@ class FaultInjector:
         return fire
 
     @staticmethod
-    def in_thread(spec: FaultSpec | None) -> None:
-        """Enact ``spec`` (if any) in the thread executor's worker thread."""
+    def in_thread(spec: FaultSpec | None, progress: StepProgress | None = None) -> None:
+        """Enact ``spec`` (if any) in the thread executor's worker thread, before a step whose
+        progress counter is ``progress``."""
         if spec is not None:
             if spec.kind in PROCESS_ONLY_FAULTS:  # refused when armed; never kill the server
                 raise InjectedFault(f"injected fault {spec.kind!r} needs the process executor")
-            enact_fault(spec)
+            enact_fault(spec, progress)

@@ -36,6 +36,8 @@ class Health:
     restarts_by_kind: tuple[tuple[FailureKind, int], ...] = ()
     #: how the executor's model computes (None until an executor was ready)
     compute: ComputePath | None = None
+    #: the compute threads of the last step (0 before the first step)
+    threads: int = 0
 
     @property
     def ok(self) -> bool:
@@ -64,6 +66,7 @@ class EngineHealth:
         self._last_kind: FailureKind = "error"
         self._pid: int | None = None
         self._compute: ComputePath | None = None
+        self._threads = 0
         self._failure: EngineFailed | None = None
         self._failed = asyncio.Event()
 
@@ -85,6 +88,7 @@ class EngineHealth:
             self._pid,
             tuple(sorted(self._by_kind.items())),
             self._compute,
+            self._threads,
         )
 
     def check_accepting(self) -> None:
@@ -114,6 +118,13 @@ class EngineHealth:
         self._pid = pid
         if self._state in ("starting", "recovering"):
             self._state, self._reason = "serving", None
+
+    def compute_threads(self, threads: int) -> None:
+        """A step ran on ``threads`` compute threads (the executor's ``ThreadGovernor``: fewer
+        while other processes take CPUs); a change is logged as ``executor.threads``."""
+        if threads and threads != self._threads:
+            _log.info("executor.threads", threads=threads, before=self._threads)
+            self._threads = threads
 
     def recovering(self, kind: FailureKind) -> None:
         """An executor failure of ``kind`` is being recovered from."""

@@ -91,9 +91,14 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class StepTimeout:
-    """The watchdog: step ``step_id`` outlived the step timeout."""
+    """The watchdog: step ``step_id`` made no progress for the step timeout."""
 
     step_id: int
+    #: seconds since the step's last progress tick, and since it was sent
+    since_progress: float = 0.0
+    step_seconds: float = 0.0
+    #: the step's progress ticks (1 at its start, then 1 per decoder layer)
+    ticks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,9 @@ class ExecutorDown:
     #: the engine fails with this failure (the supervisor will not restart the executor): end
     #: every sequence with :class:`~stoic.errors.EngineFailed` for this reason instead
     final: str | None = None
+    #: the same, but only if the failure is charged to the engine (counted, it exceeds the
+    #: restart intensity); one charged to a suspect (``Recovered.charged``) recovers
+    final_if_charged: str | None = None
 
 
 class Recovered(NamedTuple):
@@ -123,6 +131,9 @@ class Recovered(NamedTuple):
     exhausted: int
     #: of ``failed``: found to cause the failures
     isolated: int
+    #: the failure counts toward the engine's restart intensity; False: it is charged to a
+    #: suspect instead (the failed step ran only suspects: an isolation probe)
+    charged: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,12 @@ from ._process import WorkerPool, WorkerProcess
 __all__ = ["ProcessExecutor"]
 
 
+def _exited(worker: WorkerProcess) -> ExecutorFault:
+    return ExecutorFault(
+        f"executor process {worker.exited}", "crash", pid=worker.pid, exitcode=worker.exitcode
+    )
+
+
 class ProcessExecutor(Actor[ExecutorMsg]):
     """Runs :class:`RunStep` messages in a worker process; a failed step, a dead worker or a hung
     one fails the actor (its supervisor recovers).
@@ -33,8 +39,9 @@ class ProcessExecutor(Actor[ExecutorMsg]):
     On start (every incarnation) it resets the cache manager's view of the KV pools and takes a
     ready worker from the pool: the same process with fresh KV pools when it survived the
     failure, else a spare or a new process. A worker whose device may be poisoned (``fatal``) is
-    killed before the actor fails, so it is never reused. A step that outlives ``step_timeout``
-    gets its worker killed (SIGTERM, then SIGKILL) and fails as ``hang``.
+    killed before the actor fails, so it is never reused. A step whose progress counter (shared
+    with the worker) does not move for ``step_timeout`` gets its worker killed (SIGTERM, then
+    SIGKILL) and fails as ``hang``; a slow step that keeps progressing runs to its end.
     """
 
     def __init__(
@@ -69,10 +76,17 @@ class ProcessExecutor(Actor[ExecutorMsg]):
         worker.on_exit = exited
         self._worker = worker
         if not worker.alive:  # it died between being handed out and now
-            raise ExecutorFault(f"executor process {worker.exited}", "crash")
+            raise _exited(worker)
+        worker.set_role("serving", incarnation)  # its process title says so
         self._health.executor_ready(incarnation, pid=worker.pid, compute=worker.compute)
         await self._scheduler.tell(ExecutorReady(incarnation, ref))
         self.context.log.info("executor.ready", pid=worker.pid, new_process=replaced)
+
+    def failure_expected(self, error: BaseException) -> bool:
+        """Every :class:`ExecutorFault` (the worker's step raised, it died, hung or could not
+        start) is expected: the recovery logs it as one event (``recovery.executor_failed``),
+        without a traceback, which would only show this process's side of the pipe."""
+        return isinstance(error, ExecutorFault)
 
     async def on_stop(self) -> None:
         if self._worker is not None:
@@ -97,6 +111,6 @@ class ProcessExecutor(Actor[ExecutorMsg]):
                 await self._scheduler.tell(StepResult(step_id, incarnation, output))
             case WorkerExited(pid=pid):
                 if pid == worker.pid:
-                    raise ExecutorFault(f"executor process {worker.exited}", "crash")
+                    raise _exited(worker)
             case _:
                 assert_never(message)

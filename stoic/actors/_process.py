@@ -29,9 +29,10 @@ from typing import Any
 
 from .._logging import get_logger
 from ..config import FaultSpec
-from ..model import ComputePath, StepBatch, StepOutput
+from ..model import ComputePath, StepBatch, StepOutput, StepProgress
 from ._failures import ExecutorFault
-from ._procworker import WorkerSpec
+from ._procworker import PROGRESS_FD_ENV, WorkerSpec
+from ._watchdog import ProgressWatch
 
 __all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
 
@@ -62,6 +63,9 @@ class WorkerProcess:
         self._inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
+        #: the worker's step progress, in a page of memory it shares with this process: read
+        #: by the step watchdog without a message (the worker may be stuck in native code)
+        self.progress, page = StepProgress.shared()
         # a fresh interpreter (what multiprocessing calls "spawn": nothing inherited from this
         # process's state, CUDA-safe), started without multiprocessing, so the embedding
         # application's __main__ is never imported again in the child. Started from the event
@@ -70,18 +74,25 @@ class WorkerProcess:
             [
                 sys.executable,
                 "-m",
-                "stoic.actors._procmain",
+                "stoic._procmain",
                 str(theirs.fileno()),
                 str(os.getpid()),
             ],
-            pass_fds=(theirs.fileno(),),
+            pass_fds=(theirs.fileno(), page),
+            env={**os.environ, PROGRESS_FD_ENV: str(page)},
             stdin=subprocess.DEVNULL,
             # whatever the worker prints (a native crash report, a library's warning) becomes a
             # log event of the server's: in JSON mode every line on stderr stays JSON
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            # a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group)
+            # reaches only the server, which stops its workers; a worker still importing torch
+            # would print a KeyboardInterrupt traceback. It still dies with the server
+            # (PR_SET_PDEATHSIG).
+            process_group=0,
         )
         theirs.close()  # only the child holds its end now: its death is EOF here
+        os.close(page)  # mapped here, and the child's
         self._conn = Connection(ours.detach())
         #: held while the connection is written to or closed. Only the reader thread closes
         #: it (after the child is gone): a close from another thread while it blocks in a
@@ -113,6 +124,18 @@ class WorkerProcess:
         """
         self.spec = spec
         self._send(("spec", spec))
+
+    def set_role(self, role: str, incarnation: int | None = None) -> None:
+        """Tell the worker what it is now (``"spare"``; ``"serving"`` executor ``incarnation``):
+        its process title says so (``stoic: executor 3 (serving)``). No answer; a worker that is
+        gone is ignored here (its exit is reported as usual)."""
+        with contextlib.suppress(ExecutorFault):
+            self._send(("role", role, incarnation))
+
+    @property
+    def exitcode(self) -> int | None:
+        """How the process ended (``-N``: killed by signal N); None while it runs."""
+        return self._proc.returncode
 
     @property
     def alive(self) -> bool:
@@ -165,7 +188,12 @@ class WorkerProcess:
             raise self._died() from exc
 
     def _died(self) -> ExecutorFault:
-        return ExecutorFault(f"executor process {self.exited or 'died'}", "crash")
+        return ExecutorFault(
+            f"executor process {self.exited or 'died'}",
+            "crash",
+            pid=self.pid,
+            exitcode=self._proc.returncode,
+        )
 
     async def _receive(self, limit: float | None) -> tuple[Any, ...]:
         message = await asyncio.wait_for(self._inbox.get(), limit)
@@ -182,7 +210,9 @@ class WorkerProcess:
             message = await self._receive(limit)
         except TimeoutError:
             self.kill()
-            raise ExecutorFault(f"executor process not ready after {limit:.0f}s", "hang") from None
+            raise ExecutorFault(
+                f"executor process not ready after {limit:.0f}s", "hang", pid=self.pid
+            ) from None
         assert message[0] == "ready", message
         self.ready = True
         summary = message[2] if len(message) > 2 else None
@@ -202,20 +232,21 @@ class WorkerProcess:
     async def step(
         self, step_id: int, batch: StepBatch, fault: FaultSpec | None, limit: float
     ) -> StepOutput:
-        """Run one step in the worker.
+        """Run one step in the worker. However long it takes, it runs as long as its progress
+        counter moves (:attr:`progress`, looked at every :attr:`ProgressWatch.interval`).
 
         :raises ExecutorFault: the step raised there (its kind), the worker died (``crash``), or
-            it outlived ``limit`` seconds (``hang``: the worker is then killed).
+            it made no progress for ``limit`` seconds (``hang``: the worker is then killed).
         """
+        watch = ProgressWatch(lambda: self.progress.count, limit)
         self._send(("step", step_id, batch, fault))
-        try:
-            message = await self._receive(limit)
-        except TimeoutError:
-            await self.terminate()
-            raise ExecutorFault(
-                f"step {step_id} exceeded the step timeout of {limit}s; executor process killed",
-                "hang",
-            ) from None
+        message: tuple[Any, ...] | None = None
+        while message is None:
+            try:
+                message = await self._receive(watch.interval)
+            except TimeoutError:
+                if watch.stalled():
+                    await self._hung(step_id, watch)
         match message:
             case ("result", int(done), output) if done == step_id:
                 assert isinstance(output, StepOutput)
@@ -226,6 +257,25 @@ class WorkerProcess:
                 raise ExecutorFault(
                     f"unexpected answer from the executor process: {message!r}", "error"
                 )
+
+    async def _hung(self, step_id: int, watch: ProgressWatch) -> None:
+        """Kill the worker whose step stopped progressing.
+
+        :raises ExecutorFault: always (``hang``).
+        """
+        fields = watch.fields()
+        _log.error(
+            "executor.step_hung", pid=self.pid, step=step_id, timeout=watch.timeout, **fields
+        )
+        await self.terminate()
+        raise ExecutorFault(
+            f"step {step_id} made no progress for {fields['since_progress']:g}s (step timeout "
+            f"{watch.timeout:g}s, {watch.ticks} progress ticks into the step); executor process "
+            "killed",
+            "hang",
+            pid=self.pid,
+            exitcode=self._proc.returncode,
+        )
 
     async def reset(self, limit: float) -> None:
         """Drop and recreate the worker's KV pools (after a failure the worker survived)."""
@@ -302,7 +352,9 @@ class WorkerPool:
             return
         self._spares = [w for w in self._spares if w.alive]
         while len(self._spares) < self._spares_wanted:
-            self._spares.append(self._start())
+            spare = self._start()
+            spare.set_role("spare")  # once loaded: the pipe keeps the order
+            self._spares.append(spare)
         if self._prestarted is None or not self._prestarted.alive:
             self._prestarted = self._new()
 
@@ -340,6 +392,12 @@ class WorkerPool:
             # at once they would compete for the CPU with the first steps of the new worker
             asyncio.get_running_loop().call_later(_REPLENISH_DELAY, self._replenish)
         return worker, True
+
+    def progress(self) -> int:
+        """The current worker's progress counter (0 while there is none): what the scheduler's
+        backstop watchdog watches."""
+        current = self.current
+        return current.progress.count if current is not None else 0
 
     def close(self) -> None:
         """Stop every worker started (current, spares, pre-started, any still loading)."""

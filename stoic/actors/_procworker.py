@@ -1,6 +1,6 @@
 """The executor's worker process: the model, its weights and the KV pools, one step at a time.
 
-This module is the child's side of the process boundary: ``python -m stoic.actors._procmain
+This module is the child's side of the process boundary: ``python -m stoic._procmain
 FD PARENT_PID`` runs :func:`worker_main` (see :mod:`stoic.actors._process`), ``FD`` its end of a socket pair. The protocol,
 each message one ``send_bytes`` of a pickled tuple of plain values and frozen dataclasses (token
 ids, positions, block tables and sampling parameters in; sampled ids and logprobs out; never a
@@ -13,7 +13,14 @@ tensor):
 * parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
   output)`` or ``("error", step_id, kind, type_name, message)``;
 * parent -> child ``("reset",)``: drop and recreate the KV pools; child -> parent ``("reset",)``;
+* parent -> child ``("role", role, incarnation)``: what the worker is now (``"spare"``, or
+  ``"serving"`` executor ``incarnation``), for its process title (:mod:`stoic._proctitle`);
+  no answer;
 * parent -> child ``("stop",)``, or the pipe's end: the child exits.
+
+The worker's step progress (:class:`stoic.model.StepProgress`) is a page of memory shared with
+the server, whose descriptor the environment variable :data:`PROGRESS_FD_ENV` names: the
+server's watchdog reads it without a message.
 
 The child never outlives the server: it asks the kernel for SIGKILL when its parent dies
 (``PR_SET_PDEATHSIG``), and a read that finds the pipe closed ends it.
@@ -32,15 +39,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._proctitle import set_title
 from ..config import FaultSpec, Quantization
 from ._faults import enact_fault
 
 if TYPE_CHECKING:
     from ..model import GrammarVocab
 
-__all__ = ["WorkerSpec", "worker_main"]
+__all__ = ["PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
 
 _PR_SET_PDEATHSIG = 1
+#: the environment variable that names the descriptor of the worker's shared progress page
+PROGRESS_FD_ENV = "STOIC_PROGRESS_FD"
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,10 @@ class WorkerSpec:
     block_size: int
     #: the token ids that end generation (the server's, from the tokenizer too)
     eos_token_ids: frozenset[int] = frozenset()
-    #: torch intra-op threads (None: torch's default)
+    #: compute threads (the server's CPU budget, ``compute_threads``; None: torch's default)
     threads: int | None = None
+    #: fewer threads while other processes take CPUs (:class:`~stoic.model.ThreadGovernor`)
+    adapt_threads: bool = True
     #: the tokenizer, for structured outputs' grammar masks (None: none)
     grammar: GrammarVocab | None = None
     #: the GGUF file ``model`` was converted from (its quantised blocks), and ``--quantization``
@@ -111,9 +123,18 @@ def worker_main(conn: Connection, parent: int) -> None:
     import torch
     import transformers  # noqa: F401  (the model classes load lazily from here)
 
-    from ..model import LLGuidanceBackend, ModelRunner, PagedKVCache, load_model
+    from ..model import (
+        LLGuidanceBackend,
+        ModelRunner,
+        PagedKVCache,
+        StepProgress,
+        ThreadGovernor,
+        load_model,
+    )
     from ._failures import classify_failure
 
+    if not conn.poll(0):  # imports done, nothing to load yet
+        set_title("pre-started")
     try:
         first = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
@@ -122,9 +143,18 @@ def worker_main(conn: Connection, parent: int) -> None:
         return
     assert first[0] == "spec", first
     spec: WorkerSpec = first[1]
+    set_title("loading")
+    progress = None
+    if (page := os.environ.pop(PROGRESS_FD_ENV, None)) is not None:  # the server's watchdog
+        progress = StepProgress.attach(int(page))
+        os.close(int(page))
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    governor = ThreadGovernor(
+        spec.threads or torch.get_num_threads(),
+        adapt=spec.adapt_threads,
+        family=(parent,),  # the server's CPU time is the engine's, not a neighbour's
+    )
+    governor.before_step()  # the load's own operators run on the budget too
     limit = os.environ.get("STOIC_WORKER_CUDA_MEMORY_LIMIT_MIB")  # a test hook (gpu_check.py)
     if limit and spec.device.startswith("cuda"):
         device = torch.device(spec.device)
@@ -143,6 +173,8 @@ def worker_main(conn: Connection, parent: int) -> None:
         loaded,
         LLGuidanceBackend(spec.grammar) if spec.grammar else None,
         quantization=spec.quantization,
+        progress=progress,
+        threads=governor,
     )
     kv_spec = runner.kv_spec(spec.num_blocks, spec.block_size)
     kv = PagedKVCache(kv_spec)
@@ -157,7 +189,7 @@ def worker_main(conn: Connection, parent: int) -> None:
             case ("step", step_id, batch, fault):
                 try:
                     if isinstance(fault, FaultSpec):
-                        enact_fault(fault)
+                        enact_fault(fault, runner.progress)
                     output = runner.execute(batch, kv)
                 except Exception as exc:
                     kind = classify_failure(exc)
@@ -172,6 +204,8 @@ def worker_main(conn: Connection, parent: int) -> None:
                     torch.cuda.empty_cache()
                 kv = PagedKVCache(kv_spec)
                 _send(conn, ("reset",))
+            case ("role", str(role), incarnation):
+                set_title(role, incarnation)
             case ("stop",):
                 return
             case _:

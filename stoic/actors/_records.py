@@ -59,6 +59,9 @@ class SchedulerStats(NamedTuple):
     resume_exhausted: int
     #: sequences found to cause repeated executor failures and ended alone
     isolated: int
+    #: executor failures of isolation probes (suspects run alone), charged to the suspect and
+    #: not counted toward the engine's restart intensity
+    isolation_failures: int
     #: tokens per step in force (below the configured budget after an out-of-memory failure)
     token_budget: int
     #: sequences running at once in force

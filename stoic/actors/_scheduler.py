@@ -2,7 +2,9 @@
 
 It dispatches messages to the core and does the core's I/O: blocks from the cache manager, steps
 to the executor, the step watchdog and the drain deadline (both timers that message the actor
-itself). One step is in flight at a time. When its result arrives the shell (1) lets the core
+itself). The watchdog looks at the executor's progress counter while a step runs: a step is
+hung when the counter has not moved for the step timeout, however long the step has run. One
+step is in flight at a time. When its result arrives the shell (1) lets the core
 apply the sampled tokens, (2) plans and sends the next step, and only then (3) lets the core
 detokenise and push deltas, so that text work overlaps the next forward pass.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import assert_never
 
 from ..runtime import Actor, ActorRef, MailboxFull, Reply
@@ -42,6 +45,7 @@ from ._messages import (
     Wake,
 )
 from ._plan import StepPlan
+from ._watchdog import ProgressWatch
 
 __all__ = ["Scheduler"]
 
@@ -67,12 +71,16 @@ class Scheduler(Actor[SchedulerMsg]):
         *,
         step_timeout: float,
         faults: FaultInjector | None = None,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         self.core = core
         self._faults = faults
         self._cache = cache
         self._health = health
         self._step_timeout = step_timeout
+        #: the executor's progress counter (None: one that never moves, so a step is hung once
+        #: it outlives the timeout)
+        self._read_progress: Callable[[], int] = progress or (lambda: 0)
         self._executor: ActorRef[ExecutorMsg] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._drain: tuple[Reply[int], asyncio.TimerHandle] | None = None
@@ -108,27 +116,35 @@ class Scheduler(Actor[SchedulerMsg]):
                     )
                     return
                 self._cancel_watchdog()
+                self._health.compute_threads(output.threads)
                 if core.budget.tokens != budget:
                     self._log_budget("clean_steps")
                 await self._step()  # keep the executor busy before the text work
                 core.emit(touched)
                 self._progress()
-            case StepTimeout(step_id=step_id):
+            case StepTimeout(step_id=step_id, since_progress=since):
                 if core.inflight_step == step_id:
-                    log.error("scheduler.watchdog_fired", step=step_id, timeout=self._step_timeout)
+                    log.error(
+                        "scheduler.watchdog_fired",
+                        step=step_id,
+                        timeout=self._step_timeout,
+                        since_progress=since,
+                        step_seconds=message.step_seconds,
+                        ticks=message.ticks,
+                    )
                     reason = (
-                        f"step {step_id} exceeded the step timeout of {self._step_timeout}s "
-                        "(hung executor)"
+                        f"step {step_id} made no progress for {since:g}s (step timeout "
+                        f"{self._step_timeout:g}s; hung executor)"
                     )
                     self._health.fail(reason)
                     self._fail_engine(reason)
-            case ExecutorDown(
-                error=error, kind=kind, incarnation=incarnation, reply=reply, final=final
-            ):
+            case ExecutorDown(error=error, kind=kind, incarnation=incarnation, reply=reply):
                 self._cancel_watchdog()
                 budget = core.budget.tokens
-                outcome = core.executor_down(error, kind, final=final)
-                log.warning(
+                outcome = core.executor_down(
+                    error, kind, final=message.final, final_if_charged=message.final_if_charged
+                )
+                log.debug(  # recovery.executor_failed reports it, with these counts
                     "scheduler.executor_down",
                     kind=kind,
                     executor_incarnation=incarnation,
@@ -141,7 +157,7 @@ class Scheduler(Actor[SchedulerMsg]):
                 self._executor = executor
                 stats: CacheStats = await self._cache.ask(GetCacheStats, timeout=ASK_TIMEOUT)
                 core.executor_ready(incarnation, stats.blocks_total - stats.blocks_used)
-                log.info("scheduler.executor_ready", executor_incarnation=incarnation)
+                log.debug("scheduler.executor_ready", executor_incarnation=incarnation)
                 await self._step()
             case EngineFailedNotice(reason=reason):
                 self._fail_engine(reason)
@@ -250,9 +266,19 @@ class Scheduler(Actor[SchedulerMsg]):
             pass
 
     def _arm_watchdog(self, step_id: int) -> None:
+        """Watch step ``step_id``'s progress until :meth:`_cancel_watchdog`. The timer looks
+        at the counter and at its own :class:`ProgressWatch`, nothing of the scheduler's state;
+        only the :class:`StepTimeout` it delivers changes that, as a message."""
         self._cancel_watchdog()
+        self._watch_step(step_id, ProgressWatch(self._read_progress, self._step_timeout))
+
+    def _watch_step(self, step_id: int, watch: ProgressWatch) -> None:
+        self._watchdog = None
+        if watch.stalled():
+            self._tell_self(StepTimeout(step_id, **watch.fields()))
+            return
         self._watchdog = asyncio.get_running_loop().call_later(
-            self._step_timeout, self._tell_self, StepTimeout(step_id)
+            watch.interval, self._watch_step, step_id, watch
         )
 
     def _cancel_watchdog(self) -> None:

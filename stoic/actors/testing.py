@@ -208,10 +208,19 @@ class SchedulerHarness:
             assert self.step(sample) is not None, "work remains but no step could start"
         raise AssertionError(f"not idle after {max_steps} steps")
 
-    def executor_down(self, error: BaseException | None = None, kind: Any = "error") -> Recovered:
+    def executor_down(
+        self,
+        error: BaseException | None = None,
+        kind: Any = "error",
+        *,
+        final_if_charged: str | None = None,
+    ) -> Recovered:
         """What recovery does: fence, fail (or resume) every sequence, drop the cache, restart.
-        Call it while a step is in flight (:meth:`start_step`) to fail that step."""
-        count = self.core.executor_down(error or RuntimeError("injected"), kind)
+        Call it while a step is in flight (:meth:`start_step`) to fail that step. With
+        ``final_if_charged``, a failure charged to the engine fails it (the supervisor's last)."""
+        count = self.core.executor_down(
+            error or RuntimeError("injected"), kind, final_if_charged=final_if_charged
+        )
         self.flush()
         self.inflight = None
         self.allocator.free_all()

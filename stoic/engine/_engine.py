@@ -18,6 +18,7 @@ from ..actors import (
     Delta,
     Drain,
     EngineHealth,
+    ExecutorFault,
     FaultInjector,
     Health,
     ResultStream,
@@ -84,6 +85,8 @@ class Engine:
 
         :raises ModelUnavailable: if the model cannot be found or loaded locally, or
             ``quantization="gguf"`` cannot be honoured.
+        :raises EngineFailed: if the first executor worker process dies or does not get ready
+            (``executor="process"``).
         """
         cfg = config or EngineConfig()
         in_process = cfg.executor == "thread"
@@ -126,7 +129,10 @@ class Engine:
                 executor = worker_pool(cfg, loaded, spec)
                 stack.callback(executor.close)  # after the actors stopped: no orphan workers
             system = await stack.enter_async_context(_actor_system())
-            parts = await wire(system, cfg, loaded, spec, health, faults, executor)
+            try:
+                parts = await wire(system, cfg, loaded, spec, health, faults, executor)
+            except ExecutorFault as exc:  # the first worker process died or hung while loading
+                raise EngineFailed(f"the model executor could not start: {exc}") from exc
             engine = cls(cfg, loaded, parts, health, faults)
             stack.push_async_callback(engine._drain)
             engine._log_started()

@@ -4,7 +4,6 @@ happens when the supervisor gives up."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from .._logging import get_logger
 from ..actors import (
@@ -14,12 +13,13 @@ from ..actors import (
     EngineFailedNotice,
     EngineHealth,
     ExecutorDown,
+    ExecutorFault,
     Recovered,
     SchedulerMsg,
     classify_failure,
 )
 from ..errors import EngineFailed
-from ..runtime import ActorRef, SupervisorEscalation
+from ..runtime import ActorRef, ChildFailure, SupervisorEscalation
 
 __all__ = ["Recovery"]
 
@@ -34,6 +34,10 @@ class Recovery:
     sequence with the error and its partial output (the scheduler); drop every KV block and the
     KV tensors (the cache manager). The supervisor then restarts the executor, which marks the
     engine serving again once it holds a fresh KV cache.
+
+    A failure of an isolation probe (a step that ran only a suspect) is charged to the suspect,
+    not to the engine: the hook exempts it from the supervisor's restart intensity (the
+    scheduler core bounds those, ``SchedulerCore._charged``).
     """
 
     def __init__(
@@ -54,47 +58,73 @@ class Recovery:
         self._replaces_worker = replaces_worker
         self._max_restarts = max_restarts
         self._restart_window = restart_window
-        #: failures in the supervisor's window, this one included (set once it is spawned)
-        self.failures_in_window: Callable[[], int] = lambda: 0
 
-    async def on_failure(self, error: BaseException, incarnation: int) -> None:
-        """Run the recovery procedure for executor ``incarnation``, which failed with ``error``.
+    async def on_failure(self, failure: ChildFailure) -> bool:
+        """Run the recovery procedure for the executor incarnation that failed.
+
+        Returns whether the failure counts toward the restart intensity (False: it was charged
+        to a suspect). When it is the supervisor's ``last`` and counts, every sequence ends with
+        :class:`~stoic.errors.EngineFailed` (the supervisor escalates after this hook), never
+        with an error that says the engine recovered.
 
         :raises EngineFailed: if the device is poisoned (``fatal``) and the model runs in this
             process (the thread executor): restarting cannot help, so the supervisor escalates.
         """
+        error, incarnation = failure.reason, failure.incarnation
         started = time.monotonic()
         kind = classify_failure(error)
-        log = _log.bind(kind=kind, executor_incarnation=incarnation)
-        log.error("recovery.executor_failed", error=f"{type(error).__name__}: {error}")
+        log = _log.bind(
+            kind=kind, executor_incarnation=incarnation, **self._origin(error, incarnation)
+        )
+        described = f"{type(error).__name__}: {error}"
         self._health.recovering(kind)
         final: str | None = None
         if kind == "fatal" and not self._replaces_worker:
             final = f"unrecoverable device error: {error}"
-        elif self.failures_in_window() > self._max_restarts:
-            # the supervisor escalates after this hook: the streams must not hear "recovered"
-            final = (
-                f"the executor failed more than {self._max_restarts} times within "
-                f"{self._restart_window:g} s (last: {kind}: {error})"
+        # if it counts, the supervisor escalates after this hook: streams must not hear "recovered"
+        over = (
+            f"the executor failed more than {self._max_restarts} times within "
+            f"{self._restart_window:g} s (last: {kind}: {error})"
+            if failure.last
+            else None
+        )
+        try:
+            outcome: Recovered = await self._scheduler.ask(
+                lambda r: ExecutorDown(error, kind, incarnation, r, final, over),
+                timeout=ASK_TIMEOUT,
             )
-        outcome: Recovered = await self._scheduler.ask(
-            lambda r: ExecutorDown(error, kind, incarnation, r, final), timeout=ASK_TIMEOUT
-        )
-        log.info(
-            "recovery.fenced",
-            sequences_failed=outcome.failed,
-            sequences_resumed=outcome.resumed,
-            resumes_exhausted=outcome.exhausted,
-            isolated=outcome.isolated,
-        )
+        except BaseException:
+            log.error("recovery.executor_failed", error=described, fenced=False)
+            raise
+        streams = {
+            "sequences_failed": outcome.failed,
+            "sequences_resumed": outcome.resumed,
+            "resumes_exhausted": outcome.exhausted,
+            "isolated": outcome.isolated,
+            "charged": outcome.charged,
+        }
+        # the one event an operator needs: what failed, how, and what became of the streams (no
+        # traceback: the executor's failure_expected keeps it for bugs); the rest is at debug
+        last = final or (over if outcome.charged else None)  # the supervisor gives up after this
+        (log.error if last else log.warning)("recovery.executor_failed", error=described, **streams)
+        log.debug("recovery.fenced", **streams)
         freed: int = await self._cache.ask(DropAll, timeout=ASK_TIMEOUT)
-        log.info(
+        log.debug(
             "recovery.cache_dropped",
             blocks_freed=freed,
             seconds=round(time.monotonic() - started, 4),
         )
         if kind == "fatal" and not self._replaces_worker:
             raise EngineFailed(f"unrecoverable device error: {error}")
+        return outcome.charged
+
+    def _origin(self, error: BaseException, incarnation: int) -> dict[str, object]:
+        """The failed process's ``pid`` and, if it ended, its ``signal`` or ``exit_code``."""
+        fields = error.exit_fields() if isinstance(error, ExecutorFault) else {}
+        health = self._health.snapshot()
+        if "pid" not in fields and health.incarnation == incarnation and health.executor_pid:
+            fields["pid"] = health.executor_pid  # the process that ran the failed incarnation
+        return fields
 
     async def on_escalate(self, escalation: SupervisorEscalation) -> None:
         """The supervisor gave up (restart intensity exceeded): the engine is failed."""

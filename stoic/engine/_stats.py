@@ -62,11 +62,17 @@ class EngineStats:
     resumes_exhausted: int
     #: requests found to cause repeated executor failures, ended alone
     requests_isolated: int
+    #: executor failures of isolation probes (a suspect run alone), charged to the suspect and
+    #: not counted toward the restart intensity
+    isolation_failures: int
     #: tokens per step in force (halved after an out-of-memory failure, then restored)
     token_budget: int
     #: how the executor's model computes (precision, quantised kernels); None until the first
     #: executor was ready
     compute: ComputePath | None = None
+    #: the compute threads of the last step: the CPU budget, fewer while other processes take
+    #: CPUs (0 before the first step)
+    compute_threads: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -102,6 +108,8 @@ def collect_stats(
         requests_resumed=sched.resumed,
         resumes_exhausted=sched.resume_exhausted,
         requests_isolated=sched.isolated,
+        isolation_failures=sched.isolation_failures,
         token_budget=sched.token_budget,
         compute=now.compute,
+        compute_threads=now.threads,
     )

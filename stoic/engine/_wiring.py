@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._logging import get_logger
 from ..actors import (
     CacheManager,
     CacheMsg,
@@ -35,14 +36,19 @@ from ..model import (
     LoadedModel,
     ModelRunner,
     PagedKVCache,
+    ThreadGovernor,
+    cpu_budget,
 )
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ._recovery import Recovery
 
-__all__ = ["EngineParts", "kv_cache_spec", "wire", "worker_pool"]
+__all__ = ["EngineParts", "compute_threads", "kv_cache_spec", "wire", "worker_pool"]
 
-#: with the process executor, the executor kills a hung worker after the step timeout; the
-#: scheduler's watchdog waits this much longer, as a backstop
+_log = get_logger("stoic.engine")
+
+#: with the process executor, the executor kills a worker whose step made no progress for the
+#: step timeout; the scheduler's watchdog watches the same counter and waits this much longer,
+#: as a backstop (for a step that never reached the worker, or an executor stuck itself)
 _WATCHDOG_MARGIN = 10.0
 
 
@@ -99,6 +105,18 @@ def grammar_vocab(loaded: LoadedModel) -> GrammarVocab | None:
         return None
 
 
+def compute_threads(config: EngineConfig) -> int:
+    """The step's compute threads: ``config.threads``, or what this process's CPU budget
+    (affinity, cgroup quota) allows; logged as ``engine.cpu_budget``."""
+    budget = cpu_budget()
+    threads = config.threads or budget.threads
+    _log.info(
+        "engine.cpu_budget",
+        **budget.describe() | {"threads": threads, "adapt_threads": config.adapt_threads},
+    )
+    return threads
+
+
 def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec) -> WorkerPool:
     """The worker processes of the process executor (none is started yet)."""
     spec = WorkerSpec(
@@ -109,7 +127,8 @@ def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec)
         num_blocks=kv_spec.num_blocks,
         block_size=kv_spec.block_size,
         eos_token_ids=loaded.eos_token_ids,
-        threads=torch.get_num_threads(),
+        threads=compute_threads(config),
+        adapt_threads=config.adapt_threads,
         grammar=grammar_vocab(loaded),
         gguf=loaded.gguf,
         quantization=config.quantization,
@@ -156,22 +175,26 @@ async def wire(
         ),
         loaded.tokenizer.backend_tokenizer,
     )
-    watchdog = config.step_timeout + (0.0 if in_process else _WATCHDOG_MARGIN)
-    scheduler = await system.spawn(
-        Scheduler(core, cache, health, step_timeout=watchdog, faults=faults),
-        name="scheduler",
-        mailbox_size=4096,
-    )
     if isinstance(executor, StepWorker):
         # built on the thread that runs its steps (the blocks' repacking and checks are torch
         # operators too): one OpenMP pool in the process (Engine.start)
+        governor = ThreadGovernor(compute_threads(config), adapt=config.adapt_threads)
         runner = await executor.run(
-            functools.partial(ModelRunner, loaded, grammar, quantization=config.quantization)
+            functools.partial(
+                ModelRunner,
+                loaded,
+                grammar,
+                quantization=config.quantization,
+                threads=governor,
+            )
         )
         thread = executor
 
         def factory() -> Any:
             return Executor(runner, cache, scheduler, faults, health, thread)
+
+        def progress() -> int:
+            return runner.progress.count
 
     else:
         pool = executor
@@ -181,6 +204,29 @@ async def wire(
                 pool, cache, scheduler, faults, health, step_timeout=config.step_timeout
             )
 
+        def progress() -> int:
+            return pool.progress()
+
+    # The step watchdog: a step whose progress counter (a tick per decoder layer) stops for
+    # step_timeout is hung; one that keeps ticking is never stopped, however slow. With the
+    # thread executor the scheduler's watchdog is the only one (a thread cannot be killed: the
+    # engine is failed). With the process executor the executor kills the worker first; the
+    # scheduler's watchdog stays as a backstop on the same counter, later by a margin, rather
+    # than going away: it catches a step that never reached the worker or an executor stuck
+    # itself, and, watching the counter, it never stops a step that progresses either.
+    scheduler = await system.spawn(
+        Scheduler(
+            core,
+            cache,
+            health,
+            step_timeout=config.step_timeout + (0.0 if in_process else _WATCHDOG_MARGIN),
+            faults=faults,
+            progress=progress,
+        ),
+        name="scheduler",
+        mailbox_size=4096,
+    )
+
     recovery = Recovery(
         health,
         scheduler,
@@ -189,7 +235,7 @@ async def wire(
         max_restarts=config.max_restarts,
         restart_window=config.restart_window,
     )
-    supervisor = await system.spawn_supervisor(
+    await system.spawn_supervisor(
         "executor-supervisor",
         [
             ChildSpec(
@@ -206,7 +252,6 @@ async def wire(
         backoff=Backoff(initial=0.0, factor=2.0, maximum=1.0, jitter=0.0),
         on_escalate=recovery.on_escalate,
     )
-    recovery.failures_in_window = lambda: supervisor.statistics().restarts_in_window
     vocab = vocab_size(loaded)
     intake = await system.spawn(
         Intake(

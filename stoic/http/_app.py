@@ -91,7 +91,7 @@ async def _answer(
         response = internal_error_response(request_id)
     if not response.prepared:
         response.headers["x-request-id"] = request_id
-    quiet = request.path.endswith(("/health", "/metrics")) and response.status < 400
+    quiet = _is_probe(request.path, response.status)
     (_log.debug if quiet else _log.info)(
         "http.request",
         method=request.method,
@@ -100,6 +100,14 @@ async def _answer(
         duration_ms=round((time.monotonic() - started) * 1000, 1),
     )
     return response
+
+
+def _is_probe(path: str, status: int) -> bool:
+    """A health probe (``/health``, ``/health/...``), whatever it answered (a 503 while the
+    model loads or the executor recovers), or a successful ``/metrics`` scrape: logged at debug
+    level, since orchestrators and scrapers ask every few seconds."""
+    health = path.endswith("/health") or "/health/" in path
+    return health or (path.endswith("/metrics") and status < 400)
 
 
 def create_app(

@@ -152,5 +152,6 @@ def _idle_stats(config: EngineConfig) -> EngineStats:
         requests_resumed=0,
         resumes_exhausted=0,
         requests_isolated=0,
+        isolation_failures=0,
         token_budget=config.max_num_batched_tokens or 0,
     )

@@ -119,10 +119,22 @@ class _EngineCollector:
             "Requests found to cause repeated executor failures and ended alone.",
             stats.requests_isolated,
         )
+        yield counter(
+            "stoic_isolation_failures",
+            "Executor failures of isolation probes (a suspect run alone): charged to the suspect, "
+            "not counted toward the restart intensity.",
+            stats.isolation_failures,
+        )
         yield gauge(
             "stoic_scheduler_token_budget",
             "Tokens per step in force (halved after an out-of-memory failure, then restored).",
             stats.token_budget,
+        )
+        yield gauge(
+            "stoic_compute_threads",
+            "Compute threads of the last step: the CPU budget, fewer while other processes "
+            "take CPUs from the server.",
+            stats.compute_threads,
         )
         yield counter("stoic_engine_steps", "Engine steps run.", stats.steps)
         state = GaugeMetricFamily(

@@ -112,15 +112,14 @@ async def serve(
         if not isinstance(target, DeferredEngine):
             return await run.until_stopped(target)
         _log.info("http.listening", url=url, state="starting")
-        try:
-            async with Engine.start(target.config) as started:
-                target.attach(started)
-                return await run.until_stopped(started)
-        except asyncio.CancelledError:
-            if main is not None and main.uncancel() == 0 and stop.is_set():
-                _log.info("http.stopped_while_starting")
-                return 0
-            raise
+        async with Engine.start(target.config) as started:
+            target.attach(started)
+            return await run.until_stopped(started)
+    except asyncio.CancelledError:  # a signal while starting: binding the port, loading
+        if main is not None and main.uncancel() == 0 and stop.is_set():
+            _log.info("http.stopped_while_starting")
+            return 0
+        raise
     finally:
         if handle_signals:
             for signum in _SIGNALS:

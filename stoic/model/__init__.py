@@ -4,6 +4,7 @@ from ._batch import SampledToken, SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._chat import apply_chat_template
 from ._compute import ComputePath
+from ._cpu import CpuBudget, cpu_budget
 from ._grammar import Constraint, ConstraintKind, GrammarBackend, GrammarVocab
 from ._llguidance import LLGuidanceBackend
 from ._loader import (
@@ -19,12 +20,15 @@ from ._params import SamplingParams
 from ._quant import require_quantized
 from ._runner import ModelRunner
 from ._source import check_model_source
+from ._stepprogress import StepProgress
+from ._threads import ThreadGovernor
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "ComputePath",
     "Constraint",
     "ConstraintKind",
+    "CpuBudget",
     "GrammarBackend",
     "GrammarVocab",
     "KVCacheSpec",
@@ -37,8 +41,11 @@ __all__ = [
     "SeqChunk",
     "StepBatch",
     "StepOutput",
+    "StepProgress",
+    "ThreadGovernor",
     "apply_chat_template",
     "check_model_source",
+    "cpu_budget",
     "default_cache_dir",
     "default_gguf_path",
     "load_model",

@@ -28,6 +28,7 @@ import torch
 from ._paged import StepMetadata
 from ._qkernels import Kernels, Product
 from ._quant import MAX_KERNEL_ROWS
+from ._stepprogress import tick
 
 __all__ = ["CDecoder", "LayerWeights", "block_tables"]
 
@@ -117,6 +118,7 @@ class CDecoder:
                 _recorded("stoic::layer_post", post),
             )
         for layer in self._layers:
+            tick()  # the step watchdog's progress: one a layer
             qkv, o, gu, down = layer.qkv, layer.o, layer.gate_up, layer.down
             rc = pre(
                 hp, m, width, layer.norm_in.data_ptr(), eps, qkv.layout, qkv.pointer,

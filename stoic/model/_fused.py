@@ -33,6 +33,7 @@ from ._cops import PrefillOps
 from ._paged import StepMetadata, paged_attention
 from ._qkernels import Kernels
 from ._quant import MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
+from ._stepprogress import tick
 
 __all__ = ["FusedLlama", "fuse_llama"]
 
@@ -246,6 +247,7 @@ class FusedLlama:
             else None
         )
         for layer in self._layers:
+            tick()  # the step watchdog's progress: one a layer
             q, k, v = self.attention_inputs(
                 hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps, ops
             )

@@ -35,6 +35,8 @@ from ._paged import (
 )
 from ._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, prepare_quantized
 from ._sampling import sample
+from ._stepprogress import StepProgress, tick
+from ._threads import ThreadGovernor
 
 _log = get_logger("stoic.model")
 
@@ -58,6 +60,10 @@ class ModelRunner:
     GGUF file multiplies steps of few tokens by the file's quantised blocks where this machine
     can; ``"gguf"`` requires it; ``"none"`` keeps the de-quantised weights only.
 
+    ``progress`` (:attr:`progress`, private by default) counts each step's progress: a tick at
+    its start and end and one per decoder layer, for the watchdog that tells a slow step from a
+    hung one.
+
     :raises ModelUnavailable: with ``quantization="gguf"``, if the quantised kernels cannot be
         used for this model here.
     """
@@ -69,8 +75,14 @@ class ModelRunner:
         *,
         fused: bool = True,
         quantization: Quantization = "auto",
+        progress: StepProgress | None = None,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         register_paged_attention()
+        #: sizes the compute threads before each step (None: torch's count, untouched)
+        self.threads = threads
+        #: ticked while a step runs (read by the step watchdog)
+        self.progress = progress if progress is not None else StepProgress()
         self.loaded = loaded
         model = loaded.model
         if hasattr(model, "set_attn_implementation"):
@@ -106,6 +118,8 @@ class ModelRunner:
             if fused
             else None
         )
+        if self._fused is None:
+            _tick_per_layer(self._base)
         self._head = QLinear.checked(
             head.weight,
             head.bias,
@@ -160,13 +174,20 @@ class ModelRunner:
             device=self.loaded.device,
         )
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
-        """Run one step: write the chunks' keys/values into ``cache``, sample where asked.
+        """Run one step: write the chunks' keys/values into ``cache``, sample where asked;
+        :attr:`progress` ticks meanwhile.
 
         :raises RuntimeError: if ``cache`` was released (the executor was fenced).
         :raises torch.OutOfMemoryError: and anything else the forward pass raises.
         """
+        if self.threads is not None:
+            self.threads.before_step()
+        with self.progress.running():
+            return self._execute(batch, cache)
+
+    @torch.inference_mode()
+    def _execute(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
         if cache.released:
             raise RuntimeError("KV cache was released")
         device = self.loaded.device
@@ -207,7 +228,16 @@ class ModelRunner:
                         tokens[i] = dataclasses.replace(tokens[i], grammar_complete=True)
             for chunk, token in zip(chunks, tokens, strict=True):
                 sampled[chunk.seq_id] = token
-        return StepOutput(sampled=sampled)
+        return StepOutput(sampled, torch.get_num_threads())
+
+
+def _tick_per_layer(base: Any) -> None:
+    """One progress tick before each decoder layer of transformers' forward (a forward
+    pre-hook; registered once per model, whatever the number of runners over it)."""
+    for layer in getattr(base, "layers", None) or ():
+        if not getattr(layer, "_stoic_ticks", False):
+            layer.register_forward_pre_hook(lambda _module, _args: tick())
+            layer._stoic_ticks = True
 
 
 def _build_inputs(

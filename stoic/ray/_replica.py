@@ -13,7 +13,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._logging import get_logger
@@ -65,19 +65,19 @@ def _replica_id() -> str:
 class EngineReplica:
     """A Serve deployment class: starts an engine from ``config`` and serves requests to it.
 
-    :param threads: torch threads of this replica (the launcher splits a machine's cores
-        between its replicas); ``None`` leaves torch's default.
+    :param threads: compute threads of this replica (the launcher splits a machine's cores
+        between its replicas), unless ``config.threads`` is set; ``None``: the engine's CPU
+        budget.
     :param board: the name of the :class:`~stoic.ray._board.StatsBoard` actor to post to.
     """
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async __init__
         self, config: EngineConfig, threads: int | None = None, board: str | None = None
     ) -> None:
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)
-            os.environ["OMP_NUM_THREADS"] = str(threads)  # the process executor's workers
+        if threads is not None and config.threads is None:
+            # the replica's share of the machine is its compute budget (workers included);
+            # its threads still shrink while a neighbour takes CPUs (``adapt_threads``)
+            config = replace(config, threads=threads)
         self.replica = _replica_id()
         self._stack = contextlib.AsyncExitStack()
         self.engine: Engine = await self._stack.enter_async_context(Engine.start(config))

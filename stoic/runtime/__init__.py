@@ -20,6 +20,7 @@ from ._mailbox import MailboxStatistics as MailboxStatistics
 from ._ref import ActorRef as ActorRef
 from ._reply import Reply as Reply
 from ._spec import Backoff as Backoff
+from ._spec import ChildFailure as ChildFailure
 from ._spec import ChildSpec as ChildSpec
 from ._spec import Restart as Restart
 from ._spec import Strategy as Strategy
@@ -37,6 +38,7 @@ __all__ = [
     "ActorSystem",
     "AskTimeout",
     "Backoff",
+    "ChildFailure",
     "ChildSpec",
     "Clock",
     "MailboxFull",

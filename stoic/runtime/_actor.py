@@ -118,3 +118,16 @@ class Actor(abc.ABC, Generic[M]):
     async def pre_restart(self, error: BaseException) -> None:
         """Run on the failed instance, after its ``on_stop`` and just before the new
         instance starts.  Exceptions are logged and ignored."""
+
+    def failure_expected(self, error: BaseException) -> bool:
+        """Whether ``error``, which ``on_start`` or ``receive`` raised, is a failure this actor
+        anticipates (a worker process died, a device ran out of memory) rather than a bug.
+
+        The runtime logs a failure's own events (``actor.failed`` or ``actor.start_failed``,
+        ``actor.stopped``, ``actor.restarting``, the next ``actor.started``) at error, warning
+        and info level with the traceback of a bug; an expected failure's at debug level, the
+        traceback only there: whoever recovers from it (a supervisor's ``on_failure`` hook)
+        reports it, as one event. The default: no failure is expected. Must not raise (an
+        exception counts as False).
+        """
+        return False

@@ -20,6 +20,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from structlog.stdlib import BoundLogger
+
 from .._logging import get_logger
 from ._actor import Actor, ActorContext, Terminated
 from ._exceptions import ActorStopped, SupervisorEscalation
@@ -38,6 +40,25 @@ _logger = get_logger("stoic.runtime")
 
 def _describe(reason: BaseException | None) -> str | None:
     return None if reason is None else f"{type(reason).__name__}: {reason}"
+
+
+def expected_failure(instance: Actor[Any] | None, error: BaseException | None) -> bool:
+    """:meth:`Actor.failure_expected`, for a failure (``error`` not None); False if it raises."""
+    if instance is None or error is None:
+        return False
+    try:
+        return bool(instance.failure_expected(error))
+    except Exception:
+        return False
+
+
+def _log_failure(log: BoundLogger, event: str, instance: Actor[Any], error: Exception) -> None:
+    """A bug at error level with its traceback; an expected failure at debug level (its
+    traceback shows only there)."""
+    if expected_failure(instance, error):
+        log.debug(event, error=_describe(error), expected=True, exc_info=error)
+    else:
+        log.error(event, error=_describe(error), exc_info=error)
 
 
 class ActorCell:
@@ -168,19 +189,21 @@ class ActorCell:
                 await instance.on_start()
             except Exception as exc:
                 reason = exc
-                log.error("actor.start_failed", error=_describe(exc), exc_info=exc)
+                _log_failure(log, "actor.start_failed", instance, exc)
                 if not started.done():
                     started.set_exception(exc)
                 return
             started_ok = True
             if not started.done():
                 started.set_result(None)
-            log.info("actor.started")
+            # the restart after an expected failure is part of the recovery its owner reports
+            quiet = expected_failure(previous, restart_error)
+            (log.debug if quiet else log.info)("actor.started")
             try:
                 await self._serve(instance)
             except Exception as exc:
                 reason = exc
-                log.error("actor.failed", error=_describe(exc), exc_info=exc)
+                _log_failure(log, "actor.failed", instance, exc)
             try:
                 await instance.on_stop()
             except Exception as exc:
@@ -213,7 +236,8 @@ class ActorCell:
         self.last_reason = reason
         if not started_ok:
             return  # whoever awaits start() handles it
-        self.log.info("actor.stopped", reason=_describe(reason))
+        quiet = expected_failure(self.instance, reason)
+        (self.log.debug if quiet else self.log.info)("actor.stopped", reason=_describe(reason))
         if self._stop_requested or self.dead:
             return  # whoever stopped it handles it
         if self.supervisor is not None:

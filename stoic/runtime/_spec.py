@@ -7,11 +7,11 @@ import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from ._actor import Actor
 
-__all__ = ["Backoff", "ChildSpec", "Restart", "Strategy"]
+__all__ = ["Backoff", "ChildFailure", "ChildSpec", "Restart", "Strategy"]
 
 M = TypeVar("M")
 
@@ -89,6 +89,18 @@ class Backoff:
         return 0.0 if math.isnan(base) else min(max(base, 0.0), self.maximum)
 
 
+class ChildFailure(NamedTuple):
+    """What a supervisor tells a child's ``on_failure`` hook about one failure."""
+
+    #: the exception the child failed with
+    reason: BaseException
+    #: the incarnation that failed
+    incarnation: int
+    #: counted, this failure exceeds the restart intensity: unless the hook exempts it, the
+    #: supervisor gives up after the hook instead of restarting the child
+    last: bool
+
+
 @dataclass(frozen=True)
 class ChildSpec(Generic[M]):
     """How a supervisor starts, restarts and stops one child.
@@ -108,9 +120,13 @@ class ChildSpec(Generic[M]):
     #: capacity of the child's mailbox
     mailbox_size: int = 64
     #: awaited by the supervisor after the child failed, before it is restarted,
-    #: with the error and the failed incarnation; runs even if the restart
-    #: intensity is then exceeded; raising escalates like an exceeded intensity
-    on_failure: Callable[[BaseException, int], Awaitable[None]] | None = None
+    #: with a :class:`ChildFailure`; runs even if the restart intensity is then
+    #: exceeded; raising escalates like an exceeded intensity. It returns whether
+    #: the failure counts toward the restart intensity: ``False`` exempts it (it is
+    #: not recorded, and the child is restarted even if it was ``last``); ``None``
+    #: or ``True`` counts it. The supervisor cannot bound exempt failures: a hook
+    #: that exempts some must bound them itself.
+    on_failure: Callable[[ChildFailure], Awaitable[bool | None]] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:

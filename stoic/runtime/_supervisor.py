@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar
 import anyio
 
 from ._actor import Actor
-from ._cell import ActorCell, _describe
+from ._cell import ActorCell, _describe, expected_failure
 from ._exceptions import ActorStopped, SupervisorEscalation
 from ._ref import ActorRef
 from ._reply import Reply
-from ._spec import Backoff, ChildSpec, Restart, Strategy
+from ._spec import Backoff, ChildFailure, ChildSpec, Restart, Strategy
 
 if TYPE_CHECKING:
     from ._system import ActorSystem
@@ -51,6 +51,9 @@ class SupervisorStatistics(NamedTuple):
     restarts_in_window: int
     #: times it gave up and escalated
     escalations: int
+    #: failures a child's ``on_failure`` hook exempted from the intensity (restarted, not
+    #: counted)
+    exempted: int
 
 
 @dataclass
@@ -105,6 +108,13 @@ class _SupervisorActor(Actor[Any]):
     async def on_stop(self) -> None:
         await self._supervisor._stop_children()
 
+    def failure_expected(self, error: BaseException) -> bool:
+        """Giving up is this actor's way of failing (``supervisor.escalated`` reports it), and a
+        child's start failure that the child expects is expected here too: it only passes on."""
+        if isinstance(error, SupervisorEscalation):
+            return True
+        return any(expected_failure(c.cell.instance, error) for c in self._supervisor._children)
+
 
 class Supervisor:
     """Starts children, restarts them per :class:`Strategy`, and gives up when
@@ -113,8 +123,10 @@ class Supervisor:
     Create with :meth:`ActorSystem.spawn_supervisor`.  More than
     ``max_restarts`` restarts within ``within`` seconds (a sliding window on
     the system clock) makes it stop all children in reverse start order and
-    escalate.  The handle and every child reference stay valid across
-    restarts, including restarts of this supervisor by its parent.
+    escalate.  A failure the child's ``on_failure`` hook exempts (it returns
+    ``False``) is restarted without being counted.  The handle and every child
+    reference stay valid across restarts, including restarts of this
+    supervisor by its parent.
     """
 
     def __init__(
@@ -149,6 +161,7 @@ class Supervisor:
         self._parent = parent
         self._history: deque[float] = deque()
         self._escalations = 0
+        self._exempted = 0
         #: restarts carried out since spawned (one per handled exit)
         self.restart_count = 0
         self._cell = ActorCell(
@@ -219,6 +232,7 @@ class Supervisor:
             restart_count=self.restart_count,
             restarts_in_window=len(self._prune(self._system.clock.now())),
             escalations=self._escalations,
+            exempted=self._exempted,
         )
 
     def __repr__(self) -> str:
@@ -330,12 +344,21 @@ class Supervisor:
             now = self._system.clock.now()
             history = self._prune(now)
             attempt = len(history)
-            history.append(now)
+            counted = True
             if reason is not None and child.spec.on_failure is not None:
+                last = attempt + 1 > self.max_restarts
                 try:
-                    await child.spec.on_failure(reason, child.cell.incarnation)
+                    verdict = await child.spec.on_failure(
+                        ChildFailure(reason, child.cell.incarnation, last)
+                    )
                 except Exception as exc:
+                    history.append(now)
                     await self._escalate(child, exc, "its on_failure hook raised")
+                counted = verdict is not False
+            if counted:
+                history.append(now)
+            else:
+                self._exempted += 1
             if len(history) > self.max_restarts:
                 await self._escalate(child, reason, f"it exited {len(history)} times")
             affected = self._affected(child)
@@ -347,12 +370,15 @@ class Supervisor:
                 else:
                     self._finish(sibling, sibling.cell.last_reason)
             delay = self.backoff.delay(attempt, self._rng)
-            log.warning(
+            # an expected failure's restart is reported by whoever recovers from it
+            quiet = expected_failure(child.cell.instance, reason)
+            (log.debug if quiet else log.warning)(
                 "actor.restarting",
                 supervisor=self.name,
                 reason=_describe(reason),
                 delay=delay,
                 restarts=[c.spec.name for c in restart],
+                counted=counted,
             )
             if delay > 0 and not await self._sleep(delay):
                 return  # we are being stopped; the children stay down

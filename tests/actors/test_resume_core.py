@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from stoic.actors._budget import CLEAN_STEPS_PER_DOUBLING
 from stoic.actors.testing import SchedulerHarness, create_scheduler, drain
-from stoic.errors import ExecutorFailed
+from stoic.errors import EngineFailed, ExecutorFailed
 
 PROMPTS = ["hello there", "a longer prompt than that", "abcd", "XYZZY poison", "zz"]
 
@@ -108,6 +108,70 @@ def test_a_poison_request_is_isolated_and_every_other_completes() -> None:
     stats = h.core.stats()
     assert stats.isolated == 1 and stats.failed_sequences == 1
     assert h.allocator.used_blocks == 0
+
+
+def test_isolation_failures_are_charged_to_the_suspect_not_the_engine() -> None:
+    """The failures that make the poison request a suspect (steps with everyone in them) count
+    toward the engine's restart intensity; its two failures alone (isolation probes) are
+    charged to it instead (``Recovered.charged`` is False), so isolating it costs the engine
+    two failures whatever failed before."""
+    prompts = [*PROMPTS[:3], "XYZZY poison", "more text here"]
+    h = create_scheduler(num_blocks=64, block_size=4, recovery="resume")
+    streams = [h.add(p, max_tokens=10) for p in prompts]
+    h.step()
+    charged: list[bool] = []
+    while not h.core.idle:
+        assert h.start_step() is not None
+        if any("XYZZY" in prompt for prompt in h.core.inflight_prompts()):
+            charged.append(h.executor_down(RuntimeError("poisoned"), "error").charged)
+        else:
+            h.finish_step()
+        h.check()
+    assert charged == [True, True, False, False]
+    assert [drain(s)[2] is None for s in streams] == [True, True, True, False, True]
+    stats = h.core.stats()
+    assert stats.isolated == 1 and stats.isolation_failures == 2
+
+
+def test_a_step_failing_whatever_it_holds_is_charged_after_two_probe_failures() -> None:
+    """A worker that fails every step (a crash loop, not a poison request) makes no clean step:
+    after two failures charged to suspects every failure counts again, so the restart
+    intensity still stops it. A failure with no step in flight counts too."""
+    h = create_scheduler(
+        num_blocks=64, block_size=4, max_num_batched_tokens=64, recovery="resume", max_resumes=10
+    )
+    for p in PROMPTS[:4]:
+        h.add(p, max_tokens=10)
+    charged: list[bool] = []
+    while not h.core.idle:
+        assert h.start_step() is not None
+        charged.append(h.executor_down(RuntimeError("broken"), "error").charged)
+    # the batch twice (everyone a suspect), the first probe twice (charged to it, isolated),
+    # then each further probe twice, charged to the engine
+    assert charged == [True, True, False, False, True, True, True, True, True, True]
+    assert h.core.stats().isolation_failures == 2
+    assert h.executor_down(RuntimeError("idle")).charged  # nothing in flight
+
+
+def test_the_last_failure_fails_the_engine_only_if_charged_to_it() -> None:
+    """``final_if_charged`` (counted, the failure exceeds the restart intensity) fails the
+    engine only for a failure charged to it: an isolation probe's failure recovers and the
+    poison request is isolated; the next failure without a clean step in between is charged
+    and fails the engine, every sequence ending with ``EngineFailed``."""
+    h = create_scheduler(num_blocks=64, block_size=4, recovery="resume")
+    poison, other = h.add("XYZZY", max_tokens=6), h.add("hello", max_tokens=6)
+    h.step()
+    _fail_inflight(h)
+    _fail_inflight(h)  # both suspects; the poison runs alone first
+    for _ in range(2):
+        assert h.start_step() is not None and h.core.inflight_prompts() == ["XYZZY"]
+        outcome = h.executor_down(RuntimeError("poisoned"), final_if_charged="over")
+        assert not outcome.charged and h.core.failed is None
+    assert isinstance(drain(poison)[2], ExecutorFailed) and not other.done
+    assert h.start_step() is not None and h.core.inflight_prompts() == ["hello"]
+    outcome = h.executor_down(RuntimeError("again"), final_if_charged="over")
+    assert outcome.charged and h.core.failed == "over"
+    assert isinstance(drain(other)[2], EngineFailed)
 
 
 def test_requests_arriving_during_an_isolation_wait_and_then_complete() -> None:

@@ -40,6 +40,18 @@ async def wait_idle(engine: stoic.Engine, limit: float = 5.0) -> stoic.EngineSta
         await asyncio.sleep(0.005)
 
 
+async def wait_restarts(engine: stoic.Engine, n: int, limit: float = 60.0) -> None:
+    """Wait until the engine has restarted its executor ``n`` times.
+
+    :raises AssertionError: if it has not within ``limit`` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while engine.stats().restarts < n:
+        assert loop.time() < deadline, f"fewer than {n} restarts: {engine.stats()}"
+        await asyncio.sleep(0.005)
+
+
 async def collect(stream: Any) -> tuple[str, BaseException | None]:
     """Read a request stream to its end: the text received, and the error that ended it."""
     text = ""

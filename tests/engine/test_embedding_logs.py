@@ -184,3 +184,34 @@ def test_library_code_gets_its_loggers_from_stoic_logging() -> None:
         if "structlog.get_logger(" in path.read_text(encoding="utf-8")
     ]
     assert offenders == []
+
+
+def _log_a_bug() -> None:
+    secret_local = "LOCAL-VALUE-42"  # shown with the traceback at debug level only
+    try:
+        raise KeyError(secret_local[:5])
+    except KeyError as exc:
+        get_logger("stoic.testing").error("test.bug", exc_info=exc)
+
+
+@pytest.mark.usefixtures("unconfigured")
+@pytest.mark.parametrize("fmt", ["console", "json"])
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_a_traceback_shows_locals_only_at_debug_level(
+    fmt: str, level: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stoic serve``: a bug's traceback is logged in both formats, each frame's local
+    variables only with ``--log-level debug`` (at info a console traceback is Python's own
+    format, a few lines a frame)."""
+    configure_logging(fmt, level)
+    _log_a_bug()
+    err = capsys.readouterr().err
+    assert "test.bug" in err and "_log_a_bug" in err
+    assert ("LOCAL-VALUE-42" in err) == (level == "debug")
+    if fmt == "json":
+        (record,) = [json.loads(line) for line in err.splitlines()]
+        frames = record["exception"][0]["frames"]
+        assert all(("locals" in frame) == (level == "debug") for frame in frames)
+    elif level == "info":
+        assert "Traceback (most recent call last):" in err
+        assert len(err.splitlines()) < 12

@@ -4,12 +4,11 @@ default model)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, engine_config, wait_idle
+from engine_helpers import collect, engine_config, wait_idle, wait_restarts
 
 import stoic
 from stoic.errors import ContextLengthExceeded, ExecutorFailed
@@ -20,13 +19,6 @@ pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 LONG_PROMPT = "Here is a list of facts about rivers, mountains and old towns. " + " ".join(
     f"Fact {i}: the river number {i} flows past the mountain called peak {i}." for i in range(16)
 )
-
-
-async def _wait_restarts(engine: stoic.Engine, n: int, limit: float = 120.0) -> None:
-    deadline = time.monotonic() + limit
-    while engine.stats().restarts < n:
-        assert time.monotonic() < deadline, f"fewer than {n} restarts: {engine.stats()}"
-        await asyncio.sleep(0.005)
 
 
 async def test_an_oom_mid_chunked_prefill_fails_the_request_not_retryable(
@@ -66,7 +58,7 @@ async def test_an_oom_mid_chunked_prefill_resumes_with_the_fault_free_text(
         assert stream.prompt_tokens >= 4 * 64
         await engine.inject_fault(stoic.FaultSpec(kind="oom", after_steps=2))
         reader = asyncio.ensure_future(collect(stream))
-        await _wait_restarts(engine, 1)
+        await wait_restarts(engine, 1, limit=120.0)
         # restored only after 64 clean steps: the request has far fewer left
         assert engine.stats().token_budget == 32
         text, error = await asyncio.wait_for(reader, 300)

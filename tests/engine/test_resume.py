@@ -7,12 +7,11 @@ float32 throughout: resumed text must equal the fault-free text token for token.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, engine_config, wait_idle
+from engine_helpers import collect, engine_config, wait_idle, wait_restarts
 
 import stoic
 from stoic.errors import ExecutorFailed
@@ -52,13 +51,6 @@ async def _complete(engine: stoic.Engine, prompt: str, params: stoic.SamplingPar
         return None, exc
 
 
-async def _wait_restarts(engine: stoic.Engine, n: int, limit: float = 30.0) -> None:
-    deadline = time.monotonic() + limit
-    while engine.stats().restarts < n:
-        assert time.monotonic() < deadline, f"fewer than {n} restarts: {engine.stats()}"
-        await asyncio.sleep(0.01)
-
-
 async def _three_failures(engine: stoic.Engine, requests: list[Any], kinds: list[str]) -> list[Any]:
     """Submit every request (the first ten streamed, the rest not), then inject one fault of
     each kind in turn while they generate."""
@@ -70,7 +62,7 @@ async def _three_failures(engine: stoic.Engine, requests: list[Any], kinds: list
     ]
     for n, kind in enumerate(kinds, start=1):
         await engine.inject_fault(stoic.FaultSpec(kind=kind, after_steps=3))  # type: ignore[arg-type]
-        await _wait_restarts(engine, n)
+        await wait_restarts(engine, n, limit=30.0)
     return await asyncio.wait_for(asyncio.gather(*readers), 120)
 
 
@@ -117,7 +109,7 @@ async def test_a_spent_resume_budget_fails_the_request_with_its_partial(
         reader = asyncio.ensure_future(collect(stream))
         for n in (1, 2):
             await engine.inject_fault(stoic.FaultSpec(kind="error", after_steps=4))
-            await _wait_restarts(engine, n)
+            await wait_restarts(engine, n, limit=30.0)
         text, error = await asyncio.wait_for(reader, 30)
         assert isinstance(error, ExecutorFailed) and error.partial is not None
         assert want.startswith(error.partial.text) and error.partial.completion_tokens >= 4
@@ -165,7 +157,7 @@ async def test_an_oom_halves_the_token_budget_and_clean_steps_restore_it(
         assert engine.stats().token_budget == 64
         stream = await engine.submit("the quick brown fox", params)
         await engine.inject_fault(stoic.FaultSpec(kind="oom", after_steps=2))
-        await _wait_restarts(engine, 1)
+        await wait_restarts(engine, 1, limit=30.0)
         assert engine.stats().token_budget == 32
         text, error = await asyncio.wait_for(collect(stream), 60)
         assert error is None and text

@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 LONG = stoic.SamplingParams(max_tokens=480, temperature=0, ignore_eos=True)
 #: a few steps: finishes within any drain below
 SHORT = stoic.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-#: every step takes at least 50 ms (a ``hang`` that returns): LONG needs 24 s or more, whatever
-#: the machine's speed, so it cannot finish within a drain of a few seconds, and SHORT can
-SLOW_STEPS = stoic.FaultSpec(kind="hang", probability=1.0, seed=0, seconds=0.05)
+#: every step takes at least 50 ms (a ``slow`` fault: the tiny model's 4 progress ticks a step, its
+#: start, 2 layers and its end, wait 12.5 ms each): LONG needs 24 s or more, whatever the
+#: machine's speed, so it cannot finish within a drain of a few seconds, and SHORT can
+SLOW_STEPS = stoic.FaultSpec(kind="slow", probability=1.0, seed=0, seconds=0.0125)
 DRAIN = 5.0
 PROMPTS = ("Write about the sea.", "Write about a cat.", "Write about winter.")
 

@@ -32,7 +32,9 @@ class FakeStats:
     requests_resumed: int = 0
     resumes_exhausted: int = 0
     requests_isolated: int = 0
+    isolation_failures: int = 0
     token_budget: int = 256
+    compute_threads: int = 0
     #: a fake engine has no model: no stoic_model_info
     compute: None = None
 

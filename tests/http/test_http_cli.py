@@ -33,6 +33,8 @@ def test_cli_arguments_map_to_config() -> None:
             "--max-resumes", "5",
             "--fault", '{"kind": "error", "match": "XYZZY"}',
             "--quantization", "none",
+            "--threads", "3",
+            "--no-adapt-threads",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -43,6 +45,7 @@ def test_cli_arguments_map_to_config() -> None:
     assert config.enable_fault_injection and config.drain_timeout == 3.0
     assert (config.recovery, config.max_resumes) == ("resume", 5)
     assert config.quantization == "none"
+    assert (config.threads, config.adapt_threads) == (3, False)
     assert config.faults == (
         FaultSpec(kind="error", after_steps=2),
         FaultSpec(kind="oom", probability=0.5, seed=1),
@@ -64,6 +67,7 @@ def test_cli_arguments_map_to_config() -> None:
         ["serve", "--recovery", "retry"],
         ["serve", "--max-resumes", "-1"],
         ["serve", "--quantization", "int3"],
+        ["serve", "--threads", "0"],
         ["serve", "--fault", '{"kind": "error", "match": ""}'],
         ["serve", "--fault", '{"kind": "error", "match": "x", "after_steps": 1}'],
     ],

@@ -238,6 +238,8 @@ async def test_resume_kill_9_and_a_poison_request_clients_do_not_notice(
         resumed = re.search(r"^stoic_requests_resumed_total (\S+)$", metrics, re.M)
         assert resumed and float(resumed[1]) >= 8
         assert re.search(r"^stoic_requests_isolated_total 1\.0$", metrics, re.M)
+        # its two failures alone were charged to it, not to the restart intensity
+        assert re.search(r"^stoic_isolation_failures_total 2\.0$", metrics, re.M)
         assert re.search(r"^stoic_requests_resume_exhausted_total 0\.0$", metrics, re.M)
         assert re.search(r"^stoic_scheduler_token_budget 256\.0$", metrics, re.M)
         assert re.search(r"^stoic_kv_cache_blocks_used 0\.0$", metrics, re.M)

@@ -11,6 +11,7 @@ import pytest
 from stoic.runtime import (
     ActorSystem,
     Backoff,
+    ChildFailure,
     ChildSpec,
     Restart,
     Strategy,
@@ -202,8 +203,8 @@ async def test_on_failure_hook_runs_before_the_restart() -> None:
     async with ActorSystem() as system:
         probe = await TestProbe.spawn(system)
 
-        async def recover(error: BaseException, incarnation: int) -> None:
-            await probe.ref.tell(("hook", str(error), incarnation))
+        async def recover(failure: ChildFailure) -> None:
+            await probe.ref.tell(("hook", str(failure.reason), failure.incarnation))
 
         sup = await system.spawn_supervisor("sup", [worker("w", probe.ref, on_failure=recover)])
         await take(probe, 1)
@@ -219,10 +220,10 @@ async def test_on_failure_hook_runs_before_the_restart() -> None:
 async def test_on_failure_hook_runs_even_when_the_intensity_is_exceeded() -> None:
     """The hook still runs for the failure that exceeds the intensity, then the
     supervisor escalates instead of restarting."""
-    calls: list[int] = []
+    calls: list[ChildFailure] = []
 
-    async def recover(error: BaseException, incarnation: int) -> None:
-        calls.append(incarnation)
+    async def recover(failure: ChildFailure) -> None:
+        calls.append(failure)
 
     async def scenario() -> None:
         async with ActorSystem() as system:
@@ -235,14 +236,14 @@ async def test_on_failure_hook_runs_even_when_the_intensity_is_exceeded() -> Non
 
     with pytest.raises(SupervisorEscalation):
         await scenario()
-    assert calls == [0]
+    assert [(f.incarnation, f.last) for f in calls] == [(0, True)]
 
 
 async def test_a_raising_on_failure_hook_escalates() -> None:
     """If the recovery hook itself raises, the supervisor escalates with that error as
     the cause, whatever the remaining intensity."""
 
-    async def recover(error: BaseException, incarnation: int) -> None:
+    async def recover(failure: ChildFailure) -> None:
         raise RuntimeError("cannot recover")
 
     async def scenario() -> None:
@@ -257,6 +258,47 @@ async def test_a_raising_on_failure_hook_escalates() -> None:
     with pytest.raises(SupervisorEscalation) as raised:
         await scenario()
     assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+async def test_a_failure_the_hook_exempts_is_restarted_and_not_counted() -> None:
+    """on_failure returning False exempts that failure from the restart intensity: the child is
+    restarted even when the failure was ``last`` (counted, it would exceed the intensity), and
+    the window does not hold it. Failures it counts (None) still make the supervisor give up."""
+    seen: list[ChildFailure] = []
+    verdicts = iter([None, None, False, False, None])
+
+    async def recover(failure: ChildFailure) -> bool | None:
+        seen.append(failure)
+        return next(verdicts)
+
+    async def scenario() -> None:
+        async with ActorSystem(clock=MockClock()) as system:
+            probe = await TestProbe.spawn(system)
+            sup = await system.spawn_supervisor(
+                "sup", [worker("w", probe.ref, on_failure=recover)], max_restarts=2, within=60.0
+            )
+            await take(probe, 1)
+            for incarnation in range(1, 5):
+                await sup.child("w").tell("boom")
+                assert await take(probe, 2) == [
+                    ("stop", "w", incarnation - 1),
+                    ("start", "w", incarnation),
+                ]
+            stats = sup.statistics()
+            assert (stats.restart_count, stats.restarts_in_window, stats.exempted) == (4, 2, 2)
+            await sup.child("w").tell("boom")
+            await asyncio.wait_for(system.wait_failed(), 1)
+
+    with pytest.raises(SupervisorEscalation) as raised:
+        await scenario()
+    assert raised.value.restarts == 3
+    assert [(f.incarnation, f.last) for f in seen] == [
+        (0, False),
+        (1, False),
+        (2, True),
+        (3, True),
+        (4, True),
+    ]
 
 
 async def test_temporary_child_is_never_restarted() -> None:

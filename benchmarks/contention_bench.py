@@ -1,0 +1,232 @@
+"""Throughput on a shared machine: quiet, next to a busy neighbour, and under a CPU quota.
+
+Each system serves the same streaming load (``--requests`` chat requests of ``--max-tokens``
+tokens at ``--concurrency`` clients, greedy, EOS ignored) three ways:
+
+* **quiet**: the machine to itself;
+* **neighbour**: while one CPU-bound Python process runs in another session (``setsid``: its own
+  scheduler autogroup, so ``nice`` cannot shield the server from it: a co-tenant);
+* **quota**: the server started inside a cgroup with a CPU quota of ``--quota`` CPUs (cgroup v1
+  ``cpu.cfs_quota_us`` or v2 ``cpu.max``; needs a writable cgroup file system, else skipped).
+
+The table gives tokens/s, its share of the same system's quiet figure (the target: >= 40% next
+to the neighbour on 2 cores, 50% the ideal), TTFT and inter-token latency, and for stoic the
+compute-thread changes its log reports. Systems: ``stoic`` (``stoic serve`` defaults: the
+process executor, threads sized to the CPU budget and following contention), ``stoic-before``
+(``--threads <CPU count> --no-adapt-threads``: every step on all the machine's CPUs whatever the
+quota or the neighbours, as stoic ran before), and llama.cpp's
+server with ``--llama-server PATH`` (built by ``benchmarks/build_llama_server.sh``; ``--threads``
+= the CPU count, as its users run it).
+
+    python benchmarks/contention_bench.py --llama-server "$(benchmarks/build_llama_server.sh)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving.load import Result, run_load
+from serving.systems import System, free_port, llama_system
+
+from stoic.model import default_gguf_path
+
+CONDITIONS = ("quiet", "neighbour", "quota")
+TOPICS = ("a lighthouse", "a bicycle", "the moon", "a library", "a river", "a clock", "snow")
+
+
+def stoic_system(work: Path, name: str, flags: list[str], condition: str) -> System:
+    port = free_port()
+    argv = [str(Path(sys.executable).parent / "stoic"), "serve", "--port", str(port)]
+    argv += ["--log-level", "info", *flags]
+    extra = {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    return System(name, argv, port, "default", extra, work / f"{name}-{condition}.log")
+
+
+def bodies(system: System, n: int, max_tokens: int, offset: int = 0) -> list[dict[str, object]]:
+    out = []
+    for i in range(offset, offset + n):
+        text = f"Tell a short story about {TOPICS[i % len(TOPICS)]}, number {i}."
+        out.append(system.body([{"role": "user", "content": text}], max_tokens))
+    return out
+
+
+@contextlib.contextmanager
+def neighbour() -> Iterator[None]:
+    """One CPU-bound process in a session of its own (its own autogroup)."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(1.0)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def quota_cgroup(cpus: float) -> Path | None:
+    """A fresh cgroup limited to ``cpus`` CPUs, or None where none can be made."""
+    period = 100_000
+    name = f"stoic-bench-{os.getpid()}"
+    v1 = Path("/sys/fs/cgroup/cpu")
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "cpu.cfs_quota_us").exists():
+            group = v1 / name
+            group.mkdir(exist_ok=True)
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+            return group
+        if "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            with contextlib.suppress(OSError):
+                (v2 / "cgroup.subtree_control").write_text("+cpu")
+            group = v2 / name
+            group.mkdir(exist_ok=True)
+            (group / "cpu.max").write_text(f"{int(cpus * period)} {period}")
+            return group
+    except OSError as exc:
+        print(f"no CPU quota here ({exc}): the quota condition is skipped", file=sys.stderr)
+    return None
+
+
+def in_cgroup(argv: list[str], group: Path) -> list[str]:
+    """``argv`` started inside ``group`` (what it starts stays there too)."""
+    script = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
+    return ["sh", "-c", script, "sh", *argv]
+
+
+def _busy_ticks() -> int:
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:9]
+    values = [int(v) for v in fields]
+    return sum(values) - values[3] - values[4]
+
+
+async def settle(limit: float = 60.0) -> None:
+    """Wait until the machine is idle (under 0.2 CPU busy for a second): a server that just
+    started is still starting its spare and pre-started worker processes."""
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = _busy_ticks()
+        await asyncio.sleep(1.0)
+        if (_busy_ticks() - before) * tick < 0.2:
+            return
+
+
+def thread_changes(log: Path, since: int) -> tuple[int, str]:
+    """How many times stoic's log says the compute threads changed past byte ``since``
+    (``executor.threads`` events after the first), and the count in force at the end."""
+    text = log.read_text(errors="replace")[since:]
+    lines = [
+        line
+        for line in text.splitlines()
+        if "executor.threads " in line and "before=0 " not in line
+    ]
+    last = lines[-1].split("threads=")[1].split()[0] if lines else "-"
+    return len(lines), last
+
+
+async def measure(
+    system: System, condition: str, args: argparse.Namespace, group: Path | None
+) -> Result | None:
+    if condition == "quota":
+        if group is None:
+            return None
+        system.argv = in_cgroup(system.argv, group)
+    await system.start()
+    try:
+        url = system.url + "/v1/chat/completions"
+        await run_load(url, bodies(system, 8, 8, offset=1000), 8, budget=120)  # warm-up
+        await settle()
+        mark = system.log.stat().st_size
+        with neighbour() if condition == "neighbour" else contextlib.nullcontext():
+            records, seconds = await run_load(
+                url,
+                bodies(system, args.requests, args.max_tokens),
+                args.concurrency,
+                budget=args.budget,
+            )
+        result = Result(system.name, args.concurrency, args.requests, records, seconds)
+        if system.name.startswith("stoic"):
+            changes, last = thread_changes(system.log, mark)
+            result.note = f"{changes} thread changes, last {last}"
+        return result
+    finally:
+        system.stop()
+
+
+def table(results: dict[tuple[str, str], Result]) -> str:
+    lines = [
+        "| system | condition | tokens/s | vs quiet | TTFT p50 / p99 s | ITL p50 / p99 ms "
+        "| errors | threads |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, condition), r in results.items():
+        quiet = results.get((name, "quiet"))
+        share = (
+            f"{r.tokens_per_s / quiet.tokens_per_s:.0%}" if quiet and quiet.tokens_per_s else "-"
+        )
+        ttft = f"{r.ttft(0.5) or 0:.2f} / {r.ttft(0.99) or 0:.2f}"
+        itl = f"{1000 * (r.itl(0.5) or 0):.0f} / {1000 * (r.itl(0.99) or 0):.0f}"
+        lines.append(
+            f"| {name} | {condition} | {r.tokens_per_s:.1f} | {share} | {ttft} | {itl} "
+            f"| {r.errors} | {r.note or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+async def main(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="stoic-contention-"))
+    group = quota_cgroup(args.quota) if "quota" in args.conditions else None
+    results: dict[tuple[str, str], Result] = {}
+    for name in args.systems:
+        for condition in args.conditions:
+            if name == "stoic":
+                system = stoic_system(work, name, [], condition)
+            elif name == "stoic-before":
+                flags = ["--threads", str(os.cpu_count() or 1), "--no-adapt-threads"]
+                system = stoic_system(work, name, flags, condition)
+            elif name == "llama-server" and args.llama_server:
+                system = llama_system(work, args.llama_server, default_gguf_path(), 16)
+            else:
+                continue
+            print(f"{name}: {condition} ...", file=sys.stderr, flush=True)
+            result = await measure(system, condition, args, group)
+            if result is not None:
+                results[(name, condition)] = result
+                print(f"  {result.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+    if group is not None:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+    from serving.cpu import cpu_model
+
+    cpu = cpu_model()
+    print(
+        f"\n{os.cpu_count()} CPUs ({cpu}); {args.requests} requests x {args.max_tokens} tokens at "
+        f"{args.concurrency} clients; quota {args.quota} CPU\n"
+    )
+    print(table(results))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", nargs="+", default=["stoic", "stoic-before", "llama-server"])
+    parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
+    parser.add_argument("--llama-server", help="path of a llama-server binary")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--quota", type=float, default=1.0, help="CPUs of the quota condition")
+    parser.add_argument(
+        "--budget", type=float, default=120.0, help="no new request starts after this (s)"
+    )
+    asyncio.run(main(parser.parse_args()))
