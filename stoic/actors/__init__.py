@@ -7,7 +7,6 @@ Test helpers live in :mod:`stoic.actors.testing`.
 from ._allocator import BlockAllocator, OutOfBlocks
 from ._cache import CacheManager
 from ._core import SchedulerConfig, SchedulerCore, SchedulerStats
-from ._detok import Detokenizer
 from ._executor import Executor, StepWorker
 from ._failures import ExecutorFault, classify_failure
 from ._faults import FaultInjector, InjectedFault
@@ -46,7 +45,6 @@ __all__ = [
     "CacheMsg",
     "CacheStats",
     "Delta",
-    "Detokenizer",
     "Drain",
     "DropAll",
     "EngineFailedNotice",

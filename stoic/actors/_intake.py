@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import assert_never
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
-from ..model import GrammarBackend, apply_chat_template
+from ..model import GrammarBackend, TokenCodec
 from ..runtime import Actor, ActorRef, Reply
 from ._health import EngineHealth
 from ._messages import Abort, AddSequence, IntakeMsg, SchedulerMsg, Submit
@@ -26,7 +26,6 @@ class IntakeConfig:
     #: tokens the whole KV cache holds: one sequence can never be longer
     kv_capacity_tokens: int
     max_waiting: int
-    vocab_size: int
 
 
 class Intake(Actor[IntakeMsg]):
@@ -37,14 +36,14 @@ class Intake(Actor[IntakeMsg]):
     def __init__(
         self,
         config: IntakeConfig,
-        tokenizer: Any,
+        codec: TokenCodec,
         scheduler: ActorRef[SchedulerMsg],
         health: EngineHealth,
         grammar: GrammarBackend | None = None,
     ) -> None:
         self.cfg = config
         self._grammar = grammar
-        self._tokenizer = tokenizer
+        self._codec = codec
         self._scheduler = scheduler
         self._health = health
         self.outstanding = 0
@@ -94,40 +93,17 @@ class Intake(Actor[IntakeMsg]):
                 f"request id {msg.request_id!r} is already in use", param="request_id"
             )
         params = msg.params
-        params.validate(vocab_size=self.cfg.vocab_size)
+        params.validate(vocab_size=self._codec.vocab_size)
         if self.outstanding >= self.cfg.max_waiting:
             raise Overloaded(
                 f"{self.outstanding} requests in flight (limit {self.cfg.max_waiting}); retry later"
             )
-        if msg.messages is not None:
-            if msg.prompt is not None:
-                raise InvalidRequest("give either messages or a prompt, not both", param="messages")
-            ids = apply_chat_template(
-                self._tokenizer, msg.messages, template_kwargs=msg.chat_template_kwargs
-            )
-            param = "messages"
-        elif isinstance(msg.prompt, str):
-            if not msg.prompt:
-                raise InvalidRequest("prompt must not be empty", param="prompt")
-            ids = self._tokenizer.encode(msg.prompt, add_special_tokens=True)
-            param = "prompt"
-        elif isinstance(msg.prompt, tuple):
-            ids = list(msg.prompt)
-            if not ids:
-                raise InvalidRequest("prompt must not be empty", param="prompt")
-            bad = [
-                t
-                for t in ids
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size
-            ]
-            if bad:
-                raise InvalidRequest(
-                    f"token id {bad[0]!r} is outside the vocabulary (size {self.cfg.vocab_size})",
-                    param="prompt",
-                )
-            param = "prompt"
-        else:
-            raise InvalidRequest("a prompt or messages is required", param="prompt")
+        param = "prompt" if msg.messages is None else "messages"
+        if msg.messages is None and msg.prompt is not None and not msg.prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        ids = self._codec.tokenize(
+            msg.prompt, messages=msg.messages, chat_template_kwargs=msg.chat_template_kwargs
+        )
         if not ids:
             raise InvalidRequest("the prompt tokenised to nothing", param=param)
         limit = min(self.cfg.max_model_len, self.cfg.kv_capacity_tokens)

@@ -54,11 +54,12 @@ class SchedulerStats(NamedTuple):
     #: the scheduler's estimate of the cache manager's free blocks
     free_blocks: int
     #: resumes after executor failures (``--recovery resume``), one per sequence per failure
-    resumed: int
+    #: (a sequence is one engine request: the names are :class:`stoic.EngineStats`'s)
+    requests_resumed: int
     #: sequences that failed because they had been resumed ``max_resumes`` times
-    resume_exhausted: int
+    resumes_exhausted: int
     #: sequences found to cause repeated executor failures and ended alone
-    isolated: int
+    requests_isolated: int
     #: executor failures of isolation probes (suspects run alone), charged to the suspect and
     #: not counted toward the engine's restart intensity
     isolation_failures: int

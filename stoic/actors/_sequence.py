@@ -8,8 +8,7 @@ from array import array
 from typing import Any
 
 from ..errors import PartialOutput
-from ..model import SampledToken, SamplingParams
-from ._detok import Detokenizer
+from ..model import Detokenizer, SampledToken, SamplingParams
 from ._stream import FinishReason, ResultStream, TokenLogprob
 
 __all__ = ["SeqStatus", "Sequence", "block_hashes"]
@@ -98,7 +97,10 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self._detok = Detokenizer(
-            tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens
+            tokenizer,
+            stop=params.stop,
+            min_tokens=params.min_tokens,
+            skip_special_tokens=params.skip_special_tokens,
         )
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[TokenLogprob] = []
@@ -171,9 +173,7 @@ class Sequence:
         ids, self._pending_ids = self._pending_ids, []
         # the EOS / stop token itself is not part of the text
         text_ids = ids[:-1] if isinstance(self.stop_reason, int) else ids
-        matched = self._detok.add(
-            text_ids, stops_allowed=self.num_generated >= self.params.min_tokens
-        )
+        matched = self._detok.add(text_ids)
         if matched is not None:
             self.finish_reason, self.stop_reason = "stop", matched
         logprobs = self._pending_logprobs if self.params.logprobs else None

@@ -13,11 +13,10 @@ from typing import get_args
 
 from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
 from ..errors import FailureKind
-from ..model import Constraint, SamplingParams
+from ..model import Constraint, Detokenizer, SamplingParams, TokenCodec
 from ._engine import Engine
 from ._stats import EngineStats
 from ._stream import CompletionResult, RequestStream
-from ._tokens import TokenCodec
 
 #: every kind of executor failure (exported as metric labels)
 FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
@@ -28,6 +27,7 @@ __all__ = [
     "CompletionResult",
     "Constraint",
     "Delta",
+    "Detokenizer",
     "Engine",
     "EngineStats",
     "FinishReason",
@@ -45,6 +45,7 @@ for _name in (
     "CompletionResult",
     "Constraint",
     "Delta",
+    "Detokenizer",
     "Engine",
     "EngineStats",
     "Health",

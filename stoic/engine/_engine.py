@@ -31,6 +31,7 @@ from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, St
 from ..model import (
     LoadedModel,
     SamplingParams,
+    TokenCodec,
     default_cache_dir,
     load_model,
     require_quantized,
@@ -38,8 +39,7 @@ from ..model import (
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
-from ._tokens import TokenCodec
-from ._wiring import EngineParts, kv_cache_spec, vocab_size, wire, worker_pool
+from ._wiring import EngineParts, kv_cache_spec, wire, worker_pool
 
 __all__ = ["Engine"]
 
@@ -69,7 +69,7 @@ class Engine:
         self._parts = parts
         self._health = health
         self._faults = faults
-        self._codec = TokenCodec(loaded.tokenizer, vocab_size(loaded))
+        self._codec = TokenCodec.of(loaded)
 
     # -- lifecycle ------------------------------------------------------------------------------
     @classmethod

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from ..actors import CacheManager, FaultInjector, SchedulerCore, State
 from ..actors import EngineHealth as _Health
@@ -14,7 +15,15 @@ __all__ = ["EngineStats", "collect_stats"]
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """A snapshot of the engine's counters and gauges."""
+    """A snapshot of the engine's counters and gauges: the one record the scheduler's counts
+    reach ``/metrics`` and Ray's summed statistics in (the HTTP layer and the tests use this
+    type, not a restatement of it).
+
+    Every field annotated plain ``int`` is a count or gauge that is 0 on an engine that has run
+    nothing: :meth:`idle` zero-fills them, so a new counter is a field here, its line in
+    :func:`collect_stats` and its metric (``stoic/http/_metrics.py``). A field of another type
+    needs a value in :meth:`idle` (or a default).
+    """
 
     #: sequences being generated
     running: int
@@ -74,6 +83,24 @@ class EngineStats:
     #: CPUs (0 before the first step)
     compute_threads: int = 0
 
+    @classmethod
+    def idle(cls, state: State = "starting", *, token_budget: int = 0) -> EngineStats:
+        """The record of an engine that has run nothing: every count 0, no executor process,
+        no restarts, no compute path yet; ``token_budget`` the configured tokens per step.
+
+        What ``/metrics`` shows while the server's model loads and before any Ray replica has
+        reported; tests override fields of it with :func:`dataclasses.replace`.
+        """
+        record: dict[str, Any] = {f.name: 0 for f in fields(cls) if f.type in ("int", int)}
+        record.update(
+            state=state,
+            executor_pid=None,
+            restarts_by_kind=(),
+            token_budget=token_budget,
+            compute=None,
+        )
+        return cls(**record)
+
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of the KV blocks in use (0 to 1)."""
@@ -105,9 +132,9 @@ def collect_stats(
         kv_blocks_cached=blocks.cached_blocks,
         executor_pid=now.executor_pid,
         restarts_by_kind=now.restarts_by_kind,
-        requests_resumed=sched.resumed,
-        resumes_exhausted=sched.resume_exhausted,
-        requests_isolated=sched.isolated,
+        requests_resumed=sched.requests_resumed,
+        resumes_exhausted=sched.resumes_exhausted,
+        requests_isolated=sched.requests_isolated,
         isolation_failures=sched.isolation_failures,
         token_budget=sched.token_budget,
         compute=now.compute,

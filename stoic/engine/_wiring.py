@@ -37,7 +37,9 @@ from ..model import (
     ModelRunner,
     PagedKVCache,
     ThreadGovernor,
+    TokenCodec,
     cpu_budget,
+    vocab_size,
 )
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ._recovery import Recovery
@@ -90,17 +92,13 @@ def kv_cache_spec(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
     return spec(max(1, budget // spec(1).bytes_per_block))
 
 
-def vocab_size(loaded: LoadedModel) -> int:
-    """The token ids a request may name: the model's vocabulary (its logits' width)."""
-    return int(getattr(loaded.config, "vocab_size", 0) or len(loaded.tokenizer))
-
-
 def grammar_vocab(loaded: LoadedModel) -> GrammarVocab | None:
     """What the grammar backend needs of ``loaded``'s tokenizer (None: it has none usable, and
     structured outputs are refused)."""
-    vocab = int(getattr(loaded.config, "vocab_size", 0) or 0)
     try:
-        return GrammarVocab.from_tokenizer(loaded.tokenizer, vocab, loaded.eos_token_ids)
+        return GrammarVocab.from_tokenizer(
+            loaded.tokenizer, vocab_size(loaded), loaded.eos_token_ids
+        )
     except TypeError:
         return None
 
@@ -252,16 +250,14 @@ async def wire(
         backoff=Backoff(initial=0.0, factor=2.0, maximum=1.0, jitter=0.0),
         on_escalate=recovery.on_escalate,
     )
-    vocab = vocab_size(loaded)
     intake = await system.spawn(
         Intake(
             IntakeConfig(
                 max_model_len=max_len,
                 kv_capacity_tokens=spec.capacity_tokens,
                 max_waiting=config.max_waiting,
-                vocab_size=vocab,
             ),
-            loaded.tokenizer,
+            TokenCodec.of(loaded),
             scheduler,
             health,
             grammar,

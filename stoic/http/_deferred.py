@@ -106,10 +106,10 @@ class DeferredEngine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self._loaded().detokenize(token_ids)
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         if self._engine is not None:
             return self._engine.stats()
-        return _idle_stats(self._config)
+        return EngineStats.idle("starting", token_budget=self._config.max_num_batched_tokens or 0)
 
     def health(self) -> Any:
         if self._engine is not None:
@@ -125,33 +125,3 @@ class DeferredEngine:
     async def wait_failed(self) -> EngineFailed:
         await self._attached.wait()
         return await self._loaded().wait_failed()
-
-
-def _idle_stats(config: EngineConfig) -> EngineStats:
-    return EngineStats(
-        running=0,
-        waiting=0,
-        kv_blocks_used=0,
-        kv_blocks_total=0,
-        incarnation=0,
-        restarts=0,
-        failed_sequences=0,
-        steps=0,
-        max_batch_size=0,
-        preemptions=0,
-        fenced_results=0,
-        prompt_tokens=0,
-        generated_tokens=0,
-        faults_injected=0,
-        state="starting",
-        prefix_cached_tokens=0,
-        prefix_guess_missed_tokens=0,
-        kv_blocks_cached=0,
-        executor_pid=None,
-        restarts_by_kind=(),
-        requests_resumed=0,
-        resumes_exhausted=0,
-        requests_isolated=0,
-        isolation_failures=0,
-        token_budget=config.max_num_batched_tokens or 0,
-    )

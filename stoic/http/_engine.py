@@ -1,7 +1,8 @@
 """The part of :class:`stoic.Engine` the HTTP layer uses, as structural types.
 
 The application only talks to the engine through these protocols, so any object with the same
-surface (the real engine, or a fake in tests) can be served.
+surface (the real engine, or a fake in tests) can be served. Its statistics are the engine's own
+record, :class:`~stoic.EngineStats`, not a protocol restating its fields.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from ..config import EngineConfig, FaultSpec
-from ..engine import Delta, SamplingParams
+from ..engine import Delta, EngineStats, SamplingParams
 from ..errors import EngineFailed
 
-__all__ = ["EngineLike", "HealthLike", "RequestStreamLike", "StatsLike"]
+__all__ = ["EngineLike", "HealthLike", "RequestStreamLike"]
 
 
 class RequestStreamLike(Protocol):
@@ -32,77 +33,6 @@ class RequestStreamLike(Protocol):
 
     async def aclose(self) -> None:
         """Abort the request if it has not finished (frees its KV blocks); idempotent."""
-
-
-class ComputeLike(Protocol):
-    """How the model computes (:class:`stoic.model.ComputePath`)."""
-
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def dense_dtype(self) -> str: ...
-    @property
-    def quantized_projections(self) -> int: ...
-    @property
-    def projections(self) -> int: ...
-    @property
-    def head(self) -> str | None: ...
-    @property
-    def c_layers(self) -> bool: ...
-    @property
-    def kernel_rows(self) -> int: ...
-
-
-class StatsLike(Protocol):
-    @property
-    def running(self) -> int: ...
-    @property
-    def waiting(self) -> int: ...
-    @property
-    def kv_blocks_used(self) -> int: ...
-    @property
-    def kv_blocks_total(self) -> int: ...
-    @property
-    def incarnation(self) -> int: ...
-    @property
-    def restarts(self) -> int: ...
-    @property
-    def failed_sequences(self) -> int: ...
-    @property
-    def steps(self) -> int: ...
-    @property
-    def prefix_cached_tokens(self) -> int: ...
-    @property
-    def prefix_guess_missed_tokens(self) -> int: ...
-    @property
-    def kv_blocks_cached(self) -> int: ...
-    @property
-    def kv_cache_usage(self) -> float: ...
-    @property
-    def executor_pid(self) -> int | None: ...
-    @property
-    def restarts_by_kind(self) -> tuple[tuple[str, int], ...]: ...
-
-    @property
-    def requests_resumed(self) -> int: ...
-
-    @property
-    def resumes_exhausted(self) -> int: ...
-
-    @property
-    def requests_isolated(self) -> int: ...
-
-    @property
-    def isolation_failures(self) -> int: ...
-
-    @property
-    def token_budget(self) -> int: ...
-
-    @property
-    def compute_threads(self) -> int: ...
-
-    @property
-    def compute(self) -> ComputeLike | None: ...
 
 
 class HealthLike(Protocol):
@@ -172,7 +102,10 @@ class EngineLike(Protocol):
         """
         ...
 
-    def stats(self) -> StatsLike: ...
+    def stats(self) -> EngineStats:
+        """The engine's counters now (an idle record, :meth:`EngineStats.idle`, while nothing
+        has run: a fake engine in tests overrides fields of one)."""
+        ...
 
     def health(self) -> HealthLike: ...
 

@@ -21,6 +21,7 @@ from ._quant import require_quantized
 from ._runner import ModelRunner
 from ._source import check_model_source
 from ._stepprogress import StepProgress
+from ._text import Detokenizer, StopStrings, TokenCodec, vocab_size
 from ._threads import ThreadGovernor
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Constraint",
     "ConstraintKind",
     "CpuBudget",
+    "Detokenizer",
     "GrammarBackend",
     "GrammarVocab",
     "KVCacheSpec",
@@ -42,7 +44,9 @@ __all__ = [
     "StepBatch",
     "StepOutput",
     "StepProgress",
+    "StopStrings",
     "ThreadGovernor",
+    "TokenCodec",
     "apply_chat_template",
     "check_model_source",
     "cpu_budget",
@@ -52,4 +56,5 @@ __all__ = [
     "require_quantized",
     "resolve_device",
     "resolve_dtype",
+    "vocab_size",
 ]

@@ -4,6 +4,8 @@ Ray installed: ``stoic serve --help`` lists these flags everywhere)."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .._argtypes import non_negative_float, non_negative_int, positive_int
@@ -22,7 +24,7 @@ _log = get_logger("stoic.cli")
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
-        "scale-out on Ray Serve (needs the stoic[ray] extra; docs/scale-out.md)"
+        "scale-out on Ray Serve (needs the ray extra: pip install -e '.[ray]'; docs/scale-out.md)"
     )
     g.add_argument(
         "--replicas",
@@ -119,12 +121,17 @@ async def serve_replicas(
         installed).
     """
     try:
+        # stoic.ray imports Ray only where it uses it, so check Ray Serve here, before any work:
+        # `make serve` installs no Ray, and a missing extra is a clear exit 2, not a traceback
+        for module in ("ray", "ray.serve"):  # each: a cached submodule skips its parent
+            importlib.import_module(module)
         from ._launch import run_replicas
     except ImportError as exc:
         _log.error(
             "stoic.start_failed",
             error="ImportError",
-            message=f"--replicas needs Ray Serve: pip install 'stoic[ray]' ({exc})",
+            message=f"--replicas needs Ray Serve: in the checkout, {sys.executable} -m pip install "
+            f"-e '.[ray]' ({exc})",
         )
         return 2
     from ..http import serve

@@ -20,7 +20,7 @@ from typing import Any
 
 from .._logging import get_logger
 from ..config import EngineConfig, FaultSpec
-from ..engine import Delta, SamplingParams, TokenCodec
+from ..engine import Delta, EngineStats, SamplingParams, TokenCodec
 from ..errors import EngineFailed, EngineStopped, Overloaded, PartialOutput, StoicError
 from ._redecode import Continuation
 from ._stats import ReplicaView
@@ -161,7 +161,7 @@ class RayEngine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self._codec.detokenize(token_ids)
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """The replicas' statistics summed (see :class:`~stoic.ray._stats.ReplicaView`)."""
         return self.view.total()
 
@@ -331,13 +331,9 @@ class MigratingStream:
     def _original_prompt_ids(self) -> list[int]:
         """The prompt's token ids, exactly as the first replica's intake computed them."""
         r = self._request
-        if isinstance(r.prompt, list):
-            return list(r.prompt)
-        if r.messages is not None:
-            return self._engine.codec.tokenize(
-                messages=r.messages, chat_template_kwargs=r.chat_template_kwargs
-            )
-        return self._engine.codec.tokenize(r.prompt)
+        return self._engine.codec.tokenize(
+            r.prompt, messages=r.messages, chat_template_kwargs=r.chat_template_kwargs
+        )
 
     def _partial(self) -> PartialOutput:
         return PartialOutput(text="".join(self._text), token_ids=tuple(self._ids))

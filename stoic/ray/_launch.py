@@ -120,13 +120,6 @@ def engine_deployment(
     return deployment.bind(config, options.threads, board)
 
 
-def _idle_stats(config: EngineConfig) -> EngineStats:
-    """What ``/metrics`` shows before any replica has reported."""
-    zero: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(EngineStats)}
-    zero.update(state="starting", executor_pid=None, restarts_by_kind=(), compute=None)
-    return EngineStats(**zero)
-
-
 def make_board(name: str) -> Any:
     """The named :class:`~stoic.ray._board.StatsBoard` actor (created, or found)."""
     import ray
@@ -149,7 +142,9 @@ async def front_end(
     """
     codec = await asyncio.to_thread(TokenCodec.load, config)
     info: ReplicaInfo = await handle.info.remote()
-    view = ReplicaView(board, _idle_stats(config))
+    # what /metrics shows before any replica has reported
+    idle = EngineStats.idle("starting", token_budget=config.max_num_batched_tokens or 0)
+    view = ReplicaView(board, idle)
     with contextlib.suppress(Exception):
         await view.refresh()
     view_task = asyncio.create_task(view.run())

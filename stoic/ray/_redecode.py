@@ -13,16 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
-from ..engine import Delta, SamplingParams
+from ..engine import Delta, Detokenizer, SamplingParams
 
 __all__ = ["Continuation"]
 
 
 class Continuation:
     """Decodes a continuation's deltas after ``generated`` (the tokens generated before the
-    migration, of which the client has received ``emitted`` as text).
+    migration, of which the client has received ``emitted`` as text), with the replica's own
+    :class:`~stoic.engine.Detokenizer`: the same stop-string semantics on either side of the
+    migration.
 
     :param backend: the model's ``tokenizers.Tokenizer``.
     """
@@ -30,24 +30,14 @@ class Continuation:
     def __init__(
         self, backend: Any, params: SamplingParams, generated: Sequence[int], emitted: str
     ) -> None:
-        self._backend = backend
-        self._decoder = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self._stop = params.stop
-        self._hold = max((len(s) for s in params.stop), default=1) - 1
-        self._min_tokens = params.min_tokens
-        self._generated = len(generated)
-        self.text = ""
-        for tid in generated:
-            self._step(tid)
-        #: the client has this much of ``text``
-        self._emitted = len(emitted)
-        self.stop_matched: str | None = None
-
-    def _step(self, tid: int) -> str:
-        piece: str | None = self._decoder.step(self._backend, tid)
-        if piece:
-            self.text += piece
-        return piece or ""
+        self._detok = Detokenizer(
+            backend,
+            stop=params.stop,
+            min_tokens=params.min_tokens,
+            skip_special_tokens=params.skip_special_tokens,
+            generated=generated,
+            emitted=len(emitted),
+        )
 
     def take(self, delta: Delta) -> tuple[str, str | None]:
         """The client's text for ``delta`` (a delta of the continuation), and the stop string
@@ -55,27 +45,5 @@ class Continuation:
         ids = list(delta.token_ids)
         if delta.finish_reason == "stop" and isinstance(delta.stop_reason, int) and ids:
             ids = ids[:-1]  # an EOS or stop token is not part of the text
-        self._generated += len(delta.token_ids)
-        stops_allowed = self._generated >= self._min_tokens
-        for tid in ids:
-            piece = self._step(tid)
-            if piece and self._stop and stops_allowed and self._match(len(piece)):
-                break
-        final = delta.finish_reason is not None or self.stop_matched is not None
-        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
-        new = self.text[self._emitted : end]
-        self._emitted = end
-        return new, self.stop_matched
-
-    def _match(self, added: int) -> bool:
-        window = max(0, len(self.text) - added - self._hold)
-        best: tuple[int, str] | None = None
-        for stop in self._stop:
-            at = self.text.find(stop, window)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return False
-        self.text = self.text[: best[0]]
-        self.stop_matched = best[1]
-        return True
+        self._detok.add(ids)
+        return self._detok.take(final=delta.finish_reason is not None), self._detok.stop_matched

@@ -46,7 +46,7 @@ def test_resumed_streams_continue_exactly_where_they_stopped() -> None:
     h.check()
     assert [drain(s) for s in streams] == [(t, "length", None) for t in expected]
     stats = h.core.stats()
-    assert stats.resumed == 6 and stats.failed_sequences == 0
+    assert stats.requests_resumed == 6 and stats.failed_sequences == 0
     assert h.allocator.used_blocks == 0
 
 
@@ -64,7 +64,7 @@ def test_a_spent_resume_budget_ends_the_request_with_its_partial() -> None:
     _, _, error = drain(stream)
     assert isinstance(error, ExecutorFailed) and error.partial is not None
     assert error.partial.text == "lm" and expected.startswith("lm")
-    assert h.core.stats().resume_exhausted == 1
+    assert h.core.stats().resumes_exhausted == 1
     assert h.allocator.used_blocks == 0 and h.core.idle
 
 
@@ -106,7 +106,7 @@ def test_a_poison_request_is_isolated_and_every_other_completes() -> None:
         else:
             assert (text, finish, error) == (want, "length", None)
     stats = h.core.stats()
-    assert stats.isolated == 1 and stats.failed_sequences == 1
+    assert stats.requests_isolated == 1 and stats.failed_sequences == 1
     assert h.allocator.used_blocks == 0
 
 
@@ -130,7 +130,7 @@ def test_isolation_failures_are_charged_to_the_suspect_not_the_engine() -> None:
     assert charged == [True, True, False, False]
     assert [drain(s)[2] is None for s in streams] == [True, True, True, False, True]
     stats = h.core.stats()
-    assert stats.isolated == 1 and stats.isolation_failures == 2
+    assert stats.requests_isolated == 1 and stats.isolation_failures == 2
 
 
 def test_a_step_failing_whatever_it_holds_is_charged_after_two_probe_failures() -> None:

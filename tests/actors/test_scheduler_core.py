@@ -431,7 +431,7 @@ def test_random_operations_keep_every_invariant(
     assert h.refusals == 0
     if resume:
         stats = h.core.stats()
-        assert stats.failed_sequences == stats.resume_exhausted + stats.isolated
+        assert stats.failed_sequences == stats.resumes_exhausted + stats.requests_isolated
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

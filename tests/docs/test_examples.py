@@ -6,7 +6,6 @@ import importlib.util
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -88,13 +88,6 @@ def test_stream_chat_streams_at_most_max_tokens(executor: str) -> None:
     assert int(match[2]) > 0 and 1 <= int(match[3]) <= 4
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _request(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     headers = {"content-type": "application/json"} if body is not None else {}
@@ -118,7 +111,7 @@ def _wait_until_serving(url: str, proc: subprocess.Popen[str]) -> Any:
 def test_aiohttp_host_serves_its_routes_and_stoic_under_llm() -> None:
     """aiohttp_host.py starts the engine on startup, answers its own route and stoic's routes
     under /llm (models, one chat completion), and stops cleanly on SIGTERM."""
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "examples/aiohttp_host.py", "--port", str(port)],

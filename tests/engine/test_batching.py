@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from engine_helpers import wait_idle
+from support import until, wait_idle
 
 import stoic
 
@@ -45,13 +45,6 @@ async def engine(default_model_dir: Path) -> Any:
     config = stoic.EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=512)
     async with stoic.Engine.start(config) as eng:
         yield eng
-
-
-async def _wait_until(predicate: Any, limit: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + limit
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_32_concurrent_mixed_requests_share_the_batch(engine: Any) -> None:
@@ -101,7 +94,7 @@ async def test_aborting_half_frees_their_blocks_at_once(engine: Any) -> None:
     # their sequences left the batch at once (running is updated with the abort) ...
     assert engine.stats().running == 16
     # ... and their blocks are back (one message hop later) while the survivors still run
-    await _wait_until(lambda: engine.stats().kv_blocks_used <= survivor_bound, limit=60.0)
+    await until(lambda: engine.stats().kv_blocks_used <= survivor_bound, limit=60.0)
     assert engine.stats().running == 16
     assert not any(s.done for s in survivors), "a survivor ended before the aborted were freed"
     finished = await asyncio.wait_for(asyncio.gather(*(_drain(s) for s in survivors)), 600)
@@ -116,7 +109,7 @@ async def test_breaking_out_of_chat_aborts(engine: Any) -> None:
     msgs = [{"role": "user", "content": "Count to one hundred."}]
     async for _delta in engine.chat(msgs, stoic.SamplingParams(max_tokens=200, ignore_eos=True)):
         break
-    await _wait_until(
+    await until(
         lambda: engine.stats().running == 0 and engine.stats().kv_blocks_used == 0, limit=60.0
     )
     # by outcome: a no-op abort would let it run to 200 tokens

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from engine_helpers import collect, engine_config
+from support import collect, engine_config
 
 import stoic
 from stoic.model import cpu_budget

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
-from engine_helpers import wait_idle
+from support import wait_idle
 
 import stoic
 from stoic.model import default_cache_dir, load_model

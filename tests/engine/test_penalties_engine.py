@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from engine_helpers import engine_config, wait_idle
+from support import engine_config, wait_idle
 
 import stoic
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from engine_helpers import wait_idle
+from support import wait_idle
 
 import stoic
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_helpers import engine_config
+from support import engine_config
 
 import stoic
 from stoic import _proctitle

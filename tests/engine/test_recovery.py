@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, engine_config, wait_idle
+from support import collect, engine_config, wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from engine_helpers import wait_idle
+from support import wait_idle
 
 import stoic
 from stoic.errors import ContextLengthExceeded, InvalidRequest

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, engine_config, wait_idle, wait_restarts
+from support import collect, engine_config, wait_idle, wait_restarts
 
 import stoic
 from stoic.errors import ExecutorFailed

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import engine_config
+from support import engine_config
 
 import stoic
 from stoic.engine import _engine, _wiring

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from engine_helpers import collect, engine_config, wait_idle
+from support import PROMPTS, collect, engine_config, until, wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, EngineStopped, ExecutorFailed
@@ -29,15 +28,6 @@ SHORT = stoic.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 #: machine's speed, so it cannot finish within a drain of a few seconds, and SHORT can
 SLOW_STEPS = stoic.FaultSpec(kind="slow", probability=1.0, seed=0, seconds=0.0125)
 DRAIN = 5.0
-PROMPTS = ("Write about the sea.", "Write about a cat.", "Write about winter.")
-
-
-async def _until(check: Callable[[], bool], limit: float, what: str) -> None:
-    """Poll ``check`` until true; fail after ``limit`` seconds (a hang, not a slow machine)."""
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {limit}s"
-        await asyncio.sleep(0.005)
 
 
 async def _first(stream: Any) -> str:
@@ -77,7 +67,7 @@ class _Held:
         """Start leaving the block; return once the engine reports ``"stopping"``."""
         engine = await self.entered()
         self._leave.set()
-        await _until(lambda: engine.health().state == "stopping", 30, "stopping")
+        await until(lambda: engine.health().state == "stopping", 30, "stopping")
 
 
 async def test_leaving_the_engine_drains_finishable_streams_and_stops_the_rest_with_a_prefix(
@@ -181,7 +171,7 @@ async def test_cancelling_the_task_leaving_the_engine_cuts_the_drain_short_but_s
     assert error.partial is not None and error.partial.completion_tokens >= 1
     left = asyncio.all_tasks() - before - {asyncio.current_task()}
     assert not left, left
-    await _until(lambda: not _executor_threads(), 10, "the executor thread ended")
+    await until(lambda: not _executor_threads(), 10, "the executor thread ended")
     with pytest.raises(EngineStopped):
         await engine.submit(PROMPTS[1], SHORT)
 
@@ -246,7 +236,7 @@ async def test_an_anyio_cancel_scope_around_the_engine_waits_for_the_whole_drain
     assert short_text
     left = asyncio.all_tasks() - before - {asyncio.current_task()}
     assert not left, left
-    await _until(lambda: not _executor_threads(), 10, "the executor thread ended")
+    await until(lambda: not _executor_threads(), 10, "the executor thread ended")
 
 
 async def test_requests_submitted_during_recovery_wait_and_an_abort_there_frees_them(
@@ -263,17 +253,17 @@ async def test_requests_submitted_during_recovery_wait_and_an_abort_there_frees_
         head = await _first(victim)
         victim_task = asyncio.create_task(_rest(victim, head))
         await engine.inject_fault(stoic.FaultSpec(kind="hang", after_steps=1, seconds=60))
-        await _until(lambda: engine.health().state == "recovering", 60, "recovering")
+        await until(lambda: engine.health().state == "recovering", 60, "recovering")
         _text, error = await asyncio.wait_for(victim_task, 10)
         assert isinstance(error, ExecutorFailed) and error.kind == "hang", error
         failed = engine.stats().failed_sequences
 
         queued = await engine.submit(PROMPTS[1], SHORT)
         aborted = await engine.submit(PROMPTS[2], LONG)
-        await _until(lambda: engine.stats().waiting == 2, 10, "both queued")
+        await until(lambda: engine.stats().waiting == 2, 10, "both queued")
         assert engine.health().state == "recovering"  # the premise: the worker is not back yet
         await aborted.aclose()
-        await _until(lambda: engine.stats().waiting == 1, 10, "the aborted request dequeued")
+        await until(lambda: engine.stats().waiting == 1, 10, "the aborted request dequeued")
         assert engine.health().state == "recovering"
 
         text, error = await asyncio.wait_for(collect(queued), 60)
@@ -299,7 +289,7 @@ async def test_failures_spaced_wider_than_the_restart_window_never_fail_the_engi
             await engine.inject_fault(stoic.FaultSpec(kind="error", after_steps=1))
             _text, error = await asyncio.wait_for(collect(await engine.submit("hi", params)), 30)
             assert isinstance(error, ExecutorFailed) and error.kind == "error", error
-            await _until(
+            await until(
                 lambda n=n: engine.health().ok and engine.stats().restarts == n,  # type: ignore[misc]
                 30,
                 f"recovery {n}",
@@ -326,7 +316,7 @@ async def test_a_hung_steps_late_result_is_fenced_after_the_watchdog_fired(
         health = engine.health()
         assert health.state == "failed" and "hung" in (health.reason or "")
         assert engine.stats().fenced_results == fenced  # the step has not returned yet
-        await _until(lambda: engine.stats().fenced_results > fenced, 30, "the late result")
+        await until(lambda: engine.stats().fenced_results > fenced, 30, "the late result")
         await asyncio.sleep(0.5)
         assert engine.stats().fenced_results == fenced + 1
         assert engine.stats().running == 0

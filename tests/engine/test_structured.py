@@ -14,7 +14,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from engine_helpers import engine_config, wait_idle
+from support import engine_config, wait_idle
 
 import stoic
 from stoic.engine import Constraint

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, engine_config, wait_idle
+from support import PROMPTS, collect, engine_config, wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed
@@ -20,7 +20,6 @@ pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 TIMEOUT = 1.0
 PARAMS = stoic.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 LONG = stoic.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-PROMPTS = ("Write about the sea.", "Write about a cat.", "Write about winter.")
 #: the default model's step ticks 32 times (its start, 30 layers, its end): at 0.125 s a tick
 #: one step takes 4 s or more, four times the step timeout, and never 1 s without progress
 SLOW_DEFAULT = stoic.FaultSpec(kind="slow", after_steps=1, seconds=0.125)

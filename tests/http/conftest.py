@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import openai
 import pytest_asyncio
 from aiohttp import web
-from http_helpers import wait_idle
+from http_helpers import Server, run_app
+from support import wait_idle
 
 import stoic
 from stoic.http import create_app
@@ -33,39 +33,10 @@ ALTERNATING_TEMPLATE = (
 )
 
 
-@dataclass
-class Server:
-    """An app listening on 127.0.0.1."""
-
-    url: str
-    app: web.Application
-    runner: web.AppRunner
-
-    def client(self, prefix: str = "") -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60
-        )
-
-
 async def _peer(request: web.Request) -> web.Response:
     """Test-only route: the client's address as the server sees it (identifies a connection)."""
     peer = request.transport.get_extra_info("peername") if request.transport else None
     return web.json_response({"peer": list(peer) if peer else None})
-
-
-@contextlib.asynccontextmanager
-async def run_app(
-    app: web.Application, *, handler_cancellation: bool = False
-) -> AsyncIterator[Server]:
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield Server(f"http://{host}:{port}", app, runner)
-    finally:
-        await runner.cleanup()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -96,7 +67,7 @@ async def fault_cleanup(server: Server, engine: stoic.Engine) -> AsyncIterator[N
     yield
     async with aiohttp.ClientSession() as http, http.delete(f"{server.url}/admin/faults") as r:
         assert r.status == 200
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -135,7 +106,7 @@ async def alternating_template(set_chat_template: Callable[[str], None]) -> None
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def fake_server() -> AsyncIterator[Callable[..., Any]]:
-    """Factory: serve a :class:`~tests.http.fakes.FakeEngine` (closed at the end of the test)."""
+    """Factory: serve an engine stand-in (``http_fakes.FakeEngine``; closed at the end of the test)."""
     stack = contextlib.AsyncExitStack()
 
     async def start(engine: EngineLike, **kwargs: Any) -> Server:

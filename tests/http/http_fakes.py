@@ -4,43 +4,15 @@ made to take on demand (overload, a failed engine, an unexpected exception)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from stoic import Delta, EngineConfig, FaultSpec, SamplingParams
+from stoic import Delta, EngineConfig, EngineStats, FaultSpec, SamplingParams
 from stoic.errors import EngineFailed, PartialOutput
-
-
-@dataclass(frozen=True)
-class FakeStats:
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 64
-    incarnation: int = 0
-    restarts: int = 0
-    failed_sequences: int = 0
-    steps: int = 0
-    prefix_cached_tokens: int = 0
-    prefix_guess_missed_tokens: int = 0
-    kv_blocks_cached: int = 0
-    executor_pid: int | None = None
-    restarts_by_kind: tuple[tuple[str, int], ...] = ()
-    requests_resumed: int = 0
-    resumes_exhausted: int = 0
-    requests_isolated: int = 0
-    isolation_failures: int = 0
-    token_budget: int = 256
-    compute_threads: int = 0
-    #: a fake engine has no model: no stoic_model_info
-    compute: None = None
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
 
 
 @dataclass(frozen=True)
@@ -153,8 +125,11 @@ class FakeEngine:
         self.streams.append(stream)
         return stream
 
-    def stats(self) -> FakeStats:
-        return FakeStats()
+    def stats(self) -> EngineStats:
+        """An engine serving nothing; a fake has no model, so no ``stoic_model_info``."""
+        return dataclasses.replace(
+            EngineStats.idle("serving", token_budget=256), kv_blocks_total=64
+        )
 
     def health(self) -> FakeHealth:
         return self.health_state

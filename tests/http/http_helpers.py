@@ -6,28 +6,46 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import openai
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import stoic
 from stoic.http import serve
 from stoic.http._engine import EngineLike
 
 
-async def wait_idle(engine: stoic.Engine, within: float = 10.0) -> None:
-    """Wait until the engine serves (not mid-recovery), runs nothing and every KV block is free."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        stats = engine.stats()
-        idle = stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
-        if idle and engine.health().ok:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"engine not idle after {within}s: {stats}")
-        await asyncio.sleep(0.02)
+@dataclass
+class Server:
+    """An app listening on 127.0.0.1."""
+
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    def client(self, prefix: str = "") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+
+
+@contextlib.asynccontextmanager
+async def run_app(
+    app: web.Application, *, handler_cancellation: bool = False
+) -> AsyncIterator[Server]:
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield Server(f"http://{host}:{port}", app, runner)
+    finally:
+        await runner.cleanup()
 
 
 def chat_body(**overrides: Any) -> dict[str, Any]:

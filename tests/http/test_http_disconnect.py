@@ -6,9 +6,9 @@ import asyncio
 
 import aiohttp
 import pytest
-from conftest import Server
-from http_helpers import completion_body, wait_idle
+from http_helpers import Server, completion_body
 from prometheus_client.parser import text_string_to_metric_families
+from support import wait_idle
 
 import stoic
 
@@ -45,7 +45,7 @@ async def test_disconnecting_clients_free_their_blocks(
     """8 streaming clients that disconnect mid-stream leave no running sequence and every KV
     block free shortly after (the app runs without handler cancellation: a failed write is
     enough to abort); /metrics counts exactly these 8 as aborted."""
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)
     before = await _aborted(server)
     started = [asyncio.Event() for _ in range(8)]
     go = asyncio.Event()
@@ -55,7 +55,7 @@ async def test_disconnecting_clients_free_their_blocks(
     assert stats.running + stats.waiting == 8 and stats.kv_blocks_used > 0
     go.set()
     await asyncio.gather(*clients)
-    await wait_idle(engine, within=10.0)
+    await wait_idle(engine, 10.0, serving=True)
     # each handler records its outcome once its write failed: poll a little, then the exact 8
     deadline = asyncio.get_running_loop().time() + 10
     while (aborted := await _aborted(server) - before) < 8:

@@ -8,8 +8,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from conftest import Server
-from http_helpers import chat_body, completion_body
+from http_helpers import Server, chat_body, completion_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

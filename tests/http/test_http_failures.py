@@ -13,9 +13,9 @@ import aiohttp
 import openai
 import pytest
 import structlog
-from conftest import Server
 from http_fakes import FakeEngine, FakeHealth, partial
-from http_helpers import chat_body, completion_body, read_sse, stream_with_error_at_step, wait_idle
+from http_helpers import Server, chat_body, completion_body, read_sse, stream_with_error_at_step
+from support import wait_idle
 
 import stoic
 from stoic.errors import EngineFailed, Overloaded
@@ -39,7 +39,7 @@ async def test_executor_failure_mid_stream_sends_error_event(
     text = "".join(e["choices"][0]["text"] for e in events[:-2])
     assert 0 < error["partial"]["completion_tokens"] < 16
     assert error["partial"]["text"].startswith(text)
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)
     assert engine.stats().restarts == restarts + 1
     async with http.post(f"{server.url}/v1/completions", json=completion_body()) as r:
         assert r.status == 200

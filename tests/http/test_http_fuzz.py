@@ -12,10 +12,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import Server
-from http_helpers import check_examples, completion_body, wait_idle
+from http_helpers import Server, check_examples, completion_body
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
+from support import wait_idle
 
 import stoic
 
@@ -173,7 +173,7 @@ async def test_random_bodies_never_5xx(server: Server, engine: stoic.Engine) -> 
         request_timeout=30.0,
         suppress=[HealthCheck.data_too_large],
     )
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         status, _, text = await _post(http, f"{server.url}/v1/completions", completion_body())
     assert status == 200, text

@@ -7,8 +7,7 @@ from collections.abc import Callable
 import aiohttp
 import openai
 import pytest
-from conftest import Server
-from http_helpers import chat_body, completion_body, read_sse
+from http_helpers import Server, chat_body, completion_body, read_sse
 
 import stoic
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from conftest import Server, run_app
-from http_helpers import stream_with_error_at_step, wait_idle
+from http_helpers import Server, run_app, stream_with_error_at_step
 from prometheus_client.parser import text_string_to_metric_families
+from support import wait_idle
 
 import stoic
 from stoic.http import create_app
+from stoic.http._deferred import DeferredEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -101,11 +105,11 @@ async def test_an_executor_failure_moves_the_failure_counters(
     restart of kind "error" (no other kind), one failed sequence and one completions request
     with outcome "failed" (read from the exposition text before and after, not engine.stats())."""
     url = f"{server.url}/metrics"
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)
     before = await _samples(http, url)
     events = await stream_with_error_at_step(http, server.url, 4)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "executor_error"
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)
     after = await _samples(http, url)
 
     def delta(name: str, labels: str = "") -> float:
@@ -119,6 +123,25 @@ async def test_an_executor_failure_moves_the_failure_counters(
     assert delta("stoic_requests_total", "endpoint=completions,outcome=failed") == 1
     assert delta("stoic_requests_total", "endpoint=completions,outcome=success") == 0
     assert after[("stoic_engine_state", "state=serving")] == 1.0
+
+
+async def test_metrics_while_the_model_loads_show_an_idle_engine(
+    fake_server: Callable[..., Any], http: aiohttp.ClientSession
+) -> None:
+    """While the model loads, /metrics shows the idle record (EngineStats.idle): state
+    starting, the configured token budget, no executor pid or model info, every other engine
+    count and gauge 0."""
+    config = stoic.EngineConfig(model="fake", max_num_batched_tokens=64)
+    server = await fake_server(DeferredEngine(config))
+    samples = await _samples(http, f"{server.url}/metrics")
+    assert samples.pop(("stoic_engine_state", "state=starting")) == 1.0
+    assert samples.pop(("stoic_scheduler_token_budget", "")) == 64
+    names = {name for name, _labels in samples}
+    assert "stoic_executor_pid" not in names and "stoic_model_info" not in names
+    assert {"stoic_sequences_running", "stoic_kv_cache_blocks_total"} <= names
+    assert {"stoic_requests_resumed_total", "stoic_compute_threads"} <= names
+    nonzero = {k: v for k, v in samples.items() if v and not k[0].endswith("_created")}
+    assert nonzero == {}
 
 
 async def test_health_ok(server: Server, http: aiohttp.ClientSession, engine: stoic.Engine) -> None:

@@ -17,9 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import structlog
-from conftest import Server
 from http_fakes import FakeEngine, FakeHealth
-from http_helpers import completion_body
+from http_helpers import Server, completion_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from conftest import Server, run_app
-from http_helpers import read_sse, wait_idle
+from http_helpers import Server, read_sse, run_app
 from prometheus_client.parser import text_string_to_metric_families
+from support import wait_idle
 
 import stoic
 from stoic.http import create_app
@@ -123,7 +123,7 @@ async def test_overload_at_max_waiting_is_429_with_retry_after(start: Start) -> 
         for response in await asyncio.gather(*holders):
             assert response.status == 200
             response.close()  # the client goes away: its request is aborted
-        await wait_idle(engine, within=30.0)
+        await wait_idle(engine, 30.0, serving=True)
         async with http.post(f"{server.url}/v1/completions", json=_body(model=model)) as r:
             assert r.status == 200
 
@@ -207,17 +207,12 @@ async def test_a_refused_choice_rolls_back_the_admitted_ones(start: Start, strea
             assert r.status == 429
             assert r.headers["Retry-After"] == "1"
             assert (await r.json())["error"]["code"] == "overloaded"
-        stats = await asyncio.wait_for(_idle_stats(engine), 30)
+        stats = await wait_idle(engine, 30.0, serving=True)
         assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
         body = _body(model=model, n=2, max_tokens=3)
         async with http.post(f"{server.url}/v1/completions", json=body) as r:
             assert r.status == 200
             assert len((await r.json())["choices"]) == 2
-
-
-async def _idle_stats(engine: stoic.Engine) -> stoic.EngineStats:
-    await wait_idle(engine, within=30.0)
-    return engine.stats()
 
 
 async def test_an_oom_while_the_request_was_prefilling_is_500_not_retryable(
@@ -242,7 +237,7 @@ async def test_an_oom_while_the_request_was_prefilling_is_500_not_retryable(
             error = (await r.json())["error"]
         assert (error["type"], error["code"]) == ("server_error", "executor_oom")
         assert error["partial"]["completion_tokens"] == 0
-        await wait_idle(engine, within=30.0)
+        await wait_idle(engine, 30.0, serving=True)
         assert dict(engine.stats().restarts_by_kind).get("oom") == 1
         async with http.post(f"{server.url}/v1/completions", json=_body(model=model)) as r:
             assert r.status == 200

@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-from conftest import Server
+from http_helpers import Server
 
 import stoic
 from stoic.http._deferred import DeferredEngine

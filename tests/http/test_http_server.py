@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 from http_fakes import FakeEngine
-from http_helpers import completion_body, read_sse, serving, wait_idle
+from http_helpers import completion_body, read_sse, serving
+from support import wait_idle
 
 import stoic
 from stoic.http import EXIT_ENGINE_FAILED
@@ -65,7 +66,7 @@ async def test_drain_timeout_ends_requests_with_error(engine: stoic.Engine) -> N
         assert error["code"] == "engine_stopped"
         assert 0 < error["partial"]["completion_tokens"] < 500
         assert await asyncio.wait_for(task, 10) == 0
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)
 
 
 async def test_non_streaming_disconnect_aborts(engine: stoic.Engine) -> None:
@@ -83,7 +84,7 @@ async def test_non_streaming_disconnect_aborts(engine: stoic.Engine) -> None:
             request.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await request
-        await wait_idle(engine, within=10.0)
+        await wait_idle(engine, 10.0, serving=True)
 
 
 async def test_exit_on_fatal() -> None:
@@ -226,7 +227,7 @@ async def test_a_client_hanging_up_right_after_done_is_counted_a_success(
                 asyncio.gather(*(_read_to_done_and_hang_up(url, body) for _ in range(12))), 120
             )
             assert all(b'"finish_reason":"length"' in a for a in answers)
-            await wait_idle(engine)
+            await wait_idle(engine, 10.0, serving=True)
             await asyncio.sleep(0.2)  # the handlers' last steps after the hang-ups
             async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
                 text = await r.text()

@@ -13,9 +13,9 @@ import aiohttp
 import jsonschema
 import openai
 import pytest
-from conftest import Server
-from http_helpers import chat_body, check_examples, completion_body, json_schemas, wait_idle
+from http_helpers import Server, chat_body, check_examples, completion_body, json_schemas
 from pydantic import BaseModel, Field
+from support import wait_idle
 
 import stoic
 
@@ -253,4 +253,4 @@ async def test_generated_schemas_never_5xx(server: Server, engine: stoic.Engine)
             jsonschema.validate(json.loads(data["choices"][0]["message"]["content"]), schema)
 
     await check_examples(json_schemas, post, max_examples=20)
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)

@@ -13,9 +13,9 @@ import aiohttp
 import jsonschema
 import openai
 import pytest
-from conftest import Server
 from http_fakes import FakeEngine
-from http_helpers import check_examples, json_schemas, wait_idle
+from http_helpers import Server, check_examples, json_schemas
+from support import wait_idle
 
 import stoic
 
@@ -350,4 +350,4 @@ async def test_generated_parameter_schemas_never_5xx(server: Server, engine: sto
                 jsonschema.validate(json.loads(call["function"]["arguments"]), params)
 
     await check_examples(json_schemas, post, max_examples=15)
-    await wait_idle(engine)
+    await wait_idle(engine, 10.0, serving=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from support import free_port
 
 pytest.importorskip("ray")
 
 #: Ray's start and the model's load on a busy 2-core machine
 READY_WITHIN = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -42,7 +35,7 @@ def test_stoic_serve_replicas_serves_the_default_model(
     """``stoic serve --replicas 1`` starts a local Ray and a replica of the default model,
     answers the official SDK, reports the replica on /health and /metrics, and exits 0 on
     SIGINT, leaving no replica process behind."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "stoic", "serve", "--replicas", "1", "--port", str(port)]
     cmd += ["--dtype", "float32", "--executor", "thread", "--replica-cpus", "1"]

@@ -16,10 +16,9 @@ from ray.serve.exceptions import BackPressureError
 from tokenizers.decoders import DecodeStream
 
 from stoic import Constraint, EngineConfig
-from stoic.engine import Delta, SamplingParams, TokenCodec
+from stoic.engine import Delta, EngineStats, SamplingParams, TokenCodec
 from stoic.errors import EngineFailed, InvalidRequest, Overloaded
 from stoic.ray._ingress import RayEngine
-from stoic.ray._launch import _idle_stats
 from stoic.ray._stats import ReplicaView
 from stoic.ray._wire import Admitted, ReplicaRequest, pack_error
 
@@ -116,7 +115,7 @@ def finishes(codec: TokenCodec, ids: list[int], *, decode: bool = False) -> Scri
 
 
 def engine(codec: TokenCodec, handle: FakeHandle, **kwargs: Any) -> RayEngine:
-    view = ReplicaView(board=None, idle=_idle_stats(EngineConfig()))
+    view = ReplicaView(board=None, idle=EngineStats.idle())
     return RayEngine(
         handle,
         EngineConfig(),

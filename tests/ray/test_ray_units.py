@@ -4,6 +4,7 @@ continuation's text, summed statistics, the replica options and the ``--replicas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -143,10 +144,7 @@ def test_continuation_leaves_an_eos_out_of_the_text(codec: TokenCodec) -> None:
 
 
 def _stats(**fields: Any) -> EngineStats:
-    base: dict[str, Any] = {f: 0 for f in EngineStats.__dataclass_fields__}
-    base.update(state="serving", executor_pid=None, restarts_by_kind=())
-    base.update(fields)
-    return EngineStats(**base)
+    return dataclasses.replace(EngineStats.idle("serving"), **fields)
 
 
 def test_replica_stats_sum_counts_and_keep_the_best_state() -> None:

@@ -1,12 +1,24 @@
-"""Helpers shared by the engine tests."""
+"""Support code shared by the tests of every directory: engine configs, waits, prompts, ports.
+
+Imported as ``from support import ...`` from any test module: ``tests/conftest.py`` has no
+package above it, so pytest puts ``tests/`` on ``sys.path`` before it collects a test (the same
+rule that makes ``from http_helpers import ...`` work inside ``tests/http``). Code used by one
+directory only stays in that directory's helpers (``tests/http/http_helpers.py``,
+``tests/http/http_fakes.py``, ``tests/model/gguf_fakes.py``, ``tests/runtime/helpers.py``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import stoic
+
+#: three short prompts with different continuations (the stop-path and watchdog tests)
+PROMPTS = ("Write about the sea.", "Write about a cat.", "Write about winter.")
 
 
 def engine_config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
@@ -21,8 +33,23 @@ def engine_config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
     return stoic.EngineConfig(**base)
 
 
-async def wait_idle(engine: stoic.Engine, limit: float = 5.0) -> stoic.EngineStats:
-    """Wait until no sequence runs or waits and every KV block is free; return the stats.
+async def until(check: Callable[[], bool], limit: float = 5.0, what: str = "condition") -> None:
+    """Poll ``check`` until it is true.
+
+    :raises AssertionError: if it is not within ``limit`` seconds (a hang, not a slow machine).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not check():
+        assert loop.time() < deadline, f"{what}: not within {limit}s"
+        await asyncio.sleep(0.005)
+
+
+async def wait_idle(
+    engine: stoic.Engine, limit: float = 5.0, *, serving: bool = False
+) -> stoic.EngineStats:
+    """Wait until no sequence runs or waits and every KV block is free (with ``serving``: and
+    the engine serves, not mid-recovery); return the stats.
 
     Freeing is one message hop behind a stream's end (the scheduler tells the cache manager), so
     a test must not expect ``kv_blocks_used == 0`` in the same instant a stream finishes.
@@ -33,7 +60,8 @@ async def wait_idle(engine: stoic.Engine, limit: float = 5.0) -> stoic.EngineSta
     deadline = loop.time() + limit
     while True:
         stats = engine.stats()
-        if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+        idle = stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
+        if idle and (not serving or engine.health().ok):
             return stats
         if loop.time() > deadline:
             raise AssertionError(f"engine not idle after {limit}s: {stats}")
@@ -61,3 +89,11 @@ async def collect(stream: Any) -> tuple[str, BaseException | None]:
     except stoic.errors.StoicError as exc:
         return text, exc
     return text, None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server started as a process)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
