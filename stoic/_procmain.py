@@ -1,8 +1,8 @@
 """The executor's worker process: ``python -m stoic._procmain FD PARENT_PID``
-(:mod:`stoic.actors._procworker` is its code, :mod:`stoic.actors._process` starts it).
+(:mod:`stoic.executor._procworker` is its code, :mod:`stoic.executor._process` starts it).
 
-At the top of the package, not in :mod:`stoic.actors`: ``-m`` imports every parent package
-before the module's first statement, and ``stoic.actors`` imports torch (seconds), while
+At the top of the package, not in :mod:`stoic.executor`: ``-m`` imports every parent package
+before the module's first statement, and ``stoic.executor`` imports torch (seconds), while
 ``stoic`` imports nothing heavy. So this module's first statements run at once: SIGINT is
 ignored and the process title set before any import can be interrupted. Imported by nobody, so
 ``-m`` runs it without importing it twice.
@@ -22,7 +22,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from multiprocessing.connection import Connection  # noqa: E402
 
-from stoic.actors._procworker import worker_main  # noqa: E402  (torch: seconds)
+from stoic.executor._procworker import worker_main  # noqa: E402  (torch: seconds)
 
 if __name__ == "__main__":
     fd = int(sys.argv[1])

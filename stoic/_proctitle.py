@@ -3,7 +3,7 @@
 ``stoic: executor (starting)`` while it imports, ``(pre-started)`` once it waits for a model,
 ``(loading)``, ``(spare)`` once a warm spare, ``stoic: executor 3 (serving)`` while it runs
 executor incarnation 3. The worker sets the first three itself; the server tells it the others
-(``("role", role, incarnation)``, :meth:`stoic.actors._process.WorkerProcess.set_role`).
+(``("role", role, incarnation)``, :meth:`stoic.executor._process.WorkerProcess.set_role`).
 
 Through the ``setproctitle`` package (a dependency); without it the title stays the command
 line (``python -m stoic._procmain FD PARENT_PID``) and nothing fails.

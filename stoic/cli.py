@@ -117,7 +117,7 @@ def _quiet_progress_bars() -> None:
 
 
 def _fault(text: str) -> FaultSpec:
-    from .http._schemas import FaultRequest
+    from .http._util_schemas import FaultRequest
 
     try:
         body = FaultRequest.model_validate(json.loads(text))

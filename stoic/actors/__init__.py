@@ -1,5 +1,6 @@
-"""The engine's actors: intake, scheduler (a pure core and an actor shell), cache manager,
-executor and guardian; their messages, result streams, sequences, health and fault injection.
+"""The engine's actors: intake, scheduler (a pure core and an actor shell), cache manager and
+guardian; their messages (the executor's too: it is :mod:`stoic.executor`), result streams,
+sequences, health, fault injection and the step watchdog's rule.
 
 Test helpers live in :mod:`stoic.actors.testing`.
 """
@@ -7,15 +8,14 @@ Test helpers live in :mod:`stoic.actors.testing`.
 from ._allocator import BlockAllocator, OutOfBlocks
 from ._cache import CacheManager
 from ._core import SchedulerConfig, SchedulerCore, SchedulerStats
-from ._executor import Executor, StepWorker
-from ._failures import ExecutorFault, classify_failure
-from ._faults import FaultInjector, InjectedFault
+from ._faults import FaultInjector, InjectedFault, enact_fault
 from ._guardian import Guardian
 from ._health import STATES, EngineHealth, Health, State
 from ._intake import Intake, IntakeConfig
 from ._messages import (
     ASK_TIMEOUT,
     Abort,
+    AcquireKV,
     CacheMsg,
     CacheStats,
     Drain,
@@ -23,23 +23,26 @@ from ._messages import (
     EngineFailedNotice,
     ExecutorDown,
     ExecutorMsg,
+    ExecutorReady,
     IntakeMsg,
     Recovered,
+    RunStep,
     SchedulerMsg,
+    StepResult,
     Submit,
+    WorkerExited,
 )
 from ._plan import Planned, StepPlan
-from ._proc_executor import ProcessExecutor
-from ._process import WorkerPool, WorkerProcess
-from ._procworker import WorkerSpec
 from ._scheduler import Scheduler
 from ._sequence import SeqStatus, Sequence, block_hashes
 from ._stream import Delta, FinishReason, ResultStream, TokenLogprob
+from ._watchdog import ProgressWatch
 
 __all__ = [
     "ASK_TIMEOUT",
     "STATES",
     "Abort",
+    "AcquireKV",
     "BlockAllocator",
     "CacheManager",
     "CacheMsg",
@@ -49,10 +52,9 @@ __all__ = [
     "DropAll",
     "EngineFailedNotice",
     "EngineHealth",
-    "Executor",
     "ExecutorDown",
-    "ExecutorFault",
     "ExecutorMsg",
+    "ExecutorReady",
     "FaultInjector",
     "FinishReason",
     "Guardian",
@@ -63,9 +65,10 @@ __all__ = [
     "IntakeMsg",
     "OutOfBlocks",
     "Planned",
-    "ProcessExecutor",
+    "ProgressWatch",
     "Recovered",
     "ResultStream",
+    "RunStep",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerCore",
@@ -75,12 +78,10 @@ __all__ = [
     "Sequence",
     "State",
     "StepPlan",
-    "StepWorker",
+    "StepResult",
     "Submit",
     "TokenLogprob",
-    "WorkerPool",
-    "WorkerProcess",
-    "WorkerSpec",
+    "WorkerExited",
     "block_hashes",
-    "classify_failure",
+    "enact_fault",
 ]

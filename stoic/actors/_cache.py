@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import assert_never
 
-import torch
-
-from ..model import KVCacheSpec, PagedKVCache
+from ..model import KVCacheSpec, PagedKVCache, empty_device_cache
 from ..runtime import Actor, Reply
 from ._allocator import BlockAllocator, OutOfBlocks
 from ._messages import (
@@ -130,5 +128,4 @@ class CacheManager(Actor[CacheMsg]):
         if self._kv is not None:
             self._kv.release()
             self._kv = None
-        if self.spec.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        empty_device_cache(self.spec.device)

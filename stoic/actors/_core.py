@@ -22,15 +22,15 @@ Block frees and prefix-cache commits are queued and taken by the shell
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import EngineFailed, EngineStopped, FailureKind, StoicError
+from ..errors import EngineFailed, EngineStopped
 from ..model import SamplingParams, StepBatch, StepOutput
 from ._budget import StepBudget
-from ._messages import Allocation, BlockCommit, BlockGrant, PrefixQuery, Recovered
-from ._outcomes import exhausted_error, failed_error, isolated_error
+from ._core_blocks import CoreBlocks
+from ._core_recovery import CoreRecovery
+from ._messages import Allocation, BlockCommit, BlockGrant, PrefixQuery
 from ._plan import (
     Planned,
     StepPlan,
@@ -43,14 +43,10 @@ from ._plan import (
 )
 from ._prefix_view import PrefixView
 from ._records import SchedulerConfig, SchedulerStats
-from ._sequence import SeqStatus, Sequence, block_hashes
+from ._sequence import SeqStatus, Sequence
 from ._stream import ResultStream
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats"]
-
-#: failures alone that end a suspect as the cause; also the most failures charged to suspects
-#: between two clean steps (beyond that the isolation makes no progress: they count)
-_SOLO_FAILURES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +56,7 @@ class _Inflight:
     planned: tuple[Planned, ...]
 
 
-class SchedulerCore:
+class SchedulerCore(CoreBlocks, CoreRecovery):
     """Waiting and running queues, the step plan and every sequence's fate.
 
     Invariants (checked by ``tests/actors/test_scheduler_core.py``): every admitted sequence ends with
@@ -68,6 +64,11 @@ class SchedulerCore:
     sequence are queued for release at once; at most one step is in flight; the tokens of a
     step never exceed the token budget; a result whose step or incarnation is not the one in
     flight changes nothing.
+
+    Two mixins over the same state hold the rest: the block tables and the prefix cache's
+    bookkeeping (:class:`~stoic.actors._core_blocks.CoreBlocks`), and the executor's lifecycle and
+    failures, i.e. fencing, fail/resume, poison isolation and the engine's end
+    (:class:`~stoic.actors._core_recovery.CoreRecovery`).
     """
 
     def __init__(self, config: SchedulerConfig, tokenizer: Any) -> None:
@@ -223,34 +224,6 @@ class SchedulerCore:
         if seq is self._probe:
             self._next_probe()
 
-    def _release(self, seq: Sequence) -> int:
-        """The one way blocks go back: forget ``seq``'s table and queue its blocks' release.
-
-        Returns how many blocks became free (a block another sequence shares stays in use).
-        """
-        if not seq.block_table:
-            return 0
-        freed = self._set_table(seq, ())
-        seq.committed_blocks = 0
-        self._to_free.append(seq.seq_id)
-        return freed
-
-    def _set_table(self, seq: Sequence, table: tuple[int, ...]) -> int:
-        """Give ``seq`` a new block table, keeping the holder counts; returns how many blocks
-        of its old table nobody holds any more (they count as free again)."""
-        holders = self._holders
-        for block in table:
-            holders[block] += 1
-        freed = 0
-        for block in seq.block_table:
-            holders[block] -= 1
-            if holders[block] == 0:
-                del holders[block]
-                freed += 1
-        seq.block_table = table
-        self._free_blocks += freed
-        return freed
-
     def _preempt(self, seq: Sequence) -> int:
         """Give a running sequence's blocks back; it is recomputed when readmitted (queue front).
         Returns how many blocks became free."""
@@ -261,13 +234,6 @@ class SchedulerCore:
         self._waiting.appendleft(seq)
         self._preemptions += 1
         return freed
-
-    def take_cache_updates(self) -> tuple[tuple[BlockCommit, ...], tuple[int, ...]]:
-        """The prefix-cache commits and block frees queued since the last call, to be sent in
-        that order (a finished sequence's full blocks must be committed before they are freed)."""
-        commits, self._to_commit = tuple(self._to_commit), []
-        frees, self._to_free = tuple(self._to_free), []
-        return commits, frees
 
     # -- planning -------------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:
@@ -346,33 +312,6 @@ class SchedulerCore:
         self._max_batch = max(self._max_batch, len(planned))
         return self._next_step_id, incarnation, StepBatch(chunks, fresh)
 
-    def _hashes(self, seq: Sequence, count: int) -> tuple[bytes, ...]:
-        return block_hashes(seq.all_ids, self.cfg.block_size, count, seq.hashes)
-
-    def _learn_prefixes(self, planned: list[Planned], cached_blocks: dict[int, int]) -> None:
-        """Update the prefix view from the cache manager's answer (``cached_blocks``: the blocks
-        it shared, by sequence): shared blocks are the most recently used now; blocks believed
-        cached but not shared are believed no more (the next request is not misled), and
-        counted as missed."""
-        size = self.cfg.block_size
-        for p in planned:
-            shared = cached_blocks.get(p.seq.seq_id, 0)
-            self._prefix_view.add(p.seq.hashes[:shared])
-            if p.charge is None:
-                continue
-            believed = (p.n_tokens - p.charge) // size
-            if believed > shared:
-                self._prefix_missed_tokens += (believed - shared) * size
-                self._prefix_view.discard(p.seq.hashes[shared:believed])
-
-    def _believed_cached(self, seq: Sequence) -> int:
-        """Tokens of ``seq``'s prefix the prefix cache is believed to share when it starts."""
-        if not self._prefix_view:
-            return 0
-        count = prefix_blocks(seq, self.cfg.block_size)
-        return self._prefix_view.leading(self._hashes(seq, count)) * self.cfg.block_size
-
-    # -- completion -----------------------------------------------------------------------------
     def complete(self, step_id: int, incarnation: int, output: StepOutput) -> list[Sequence] | None:
         """Apply a step's sampled tokens and the token-level stops (EOS, stop ids, max_tokens).
 
@@ -425,184 +364,3 @@ class SchedulerCore:
                 self._remove(seq)
                 ended.append(seq)
         return ended
-
-    def _commit_full_blocks(self, seq: Sequence) -> None:
-        """Queue the blocks this step filled for the prefix cache."""
-        full = min(seq.num_computed // self.cfg.block_size, len(seq.block_table))
-        if full > seq.committed_blocks:
-            hashes = self._hashes(seq, full)[seq.committed_blocks :]
-            self._to_commit.append(BlockCommit(seq.seq_id, seq.committed_blocks, hashes))
-            self._prefix_view.add(hashes)
-            seq.committed_blocks = full
-
-    # -- the executor's lifecycle and failures --------------------------------------------------
-    def executor_ready(self, incarnation: int, free_blocks: int) -> None:
-        """Executor ``incarnation`` is ready; the cache manager has ``free_blocks`` free."""
-        if self.failed is None:
-            self._incarnation = incarnation
-            self._free_blocks = free_blocks
-
-    def fail_all(self, error: Callable[[Sequence], StoicError]) -> int:
-        """The one exit path for errors: end every waiting and running sequence with
-        ``error(seq)`` and give its blocks back. Returns how many ended."""
-        ended = [*self._running, *self._waiting, *self._held]
-        for seq in ended:
-            self._fail(seq, error(seq))
-        return len(ended)
-
-    def _fail(self, seq: Sequence, error: StoicError) -> None:
-        seq.stream.fail(error)
-        self._remove(seq)
-        self._failed_sequences += 1
-
-    def executor_down(
-        self,
-        error: BaseException,
-        kind: FailureKind,
-        *,
-        final: str | None = None,
-        final_if_charged: str | None = None,
-    ) -> Recovered:
-        """The executor failed: fence it (its late results are dropped), back the step budget
-        off after an out-of-memory failure, and settle every sequence that had started.
-
-        Under ``"fail"`` they end with an :class:`~stoic.errors.ExecutorFailed` carrying their
-        partial output; under ``"resume"`` they are re-admitted (see :meth:`_resume`).
-        Sequences still waiting for their first step lost nothing: they stay queued and run
-        once the executor is back. With ``final`` (the executor will not be restarted), or
-        ``final_if_charged`` and a failure charged to the engine (see :meth:`_charged`), the
-        engine fails instead (:meth:`fail_engine`): every sequence ends with ``EngineFailed``.
-        """
-        self._prefix_view.clear()  # the cache is dropped with the executor
-        planned = self._inflight.planned if self._inflight is not None else ()
-        batch = [p.seq for p in planned if p.seq.status is SeqStatus.RUNNING]
-        charged = self._charged(batch)
-        final = final or (final_if_charged if charged else None)
-        if final is not None:
-            return Recovered(self.fail_engine(final), 0, 0, 0, charged)
-        prefilling = {p.seq.seq_id for p in planned if p.n_tokens > 1}
-        self._incarnation = None
-        self._inflight = None
-        if kind == "oom":
-            self.budget.out_of_memory()
-        if self.cfg.recovery == "resume":
-            return self._resume(batch, error, kind)._replace(charged=charged)
-        queued = [seq for seq in self._waiting if seq.num_generated == 0]
-        for seq in queued:
-            self._waiting.remove(seq)
-        count = self.fail_all(lambda seq: failed_error(seq, error, kind, seq.seq_id in prefilling))
-        for seq in queued:  # their cached prefix blocks (if any) were dropped with the cache
-            self._release(seq)
-            seq.num_computed = 0
-        self._waiting.extend(queued)
-        return Recovered(count, 0, 0, 0, charged)
-
-    def _charged(self, batch: list[Sequence]) -> bool:
-        """Whether the failure of the step that ran ``batch`` counts toward the engine's restart
-        intensity.
-
-        A step that ran only suspects (an isolation probe: one suspect alone) is charged to the
-        suspect instead, so isolating a poison request does not fail the engine whatever
-        failed in the last window. That stays bounded: a suspect is ended after two failures
-        alone, and at most two failures are charged to suspects between two clean steps. A
-        worker that fails every step whatever it holds makes no clean step, so from the third
-        probe failure on its failures count and the engine fails as without isolation. A
-        step with nothing in it, or with any non-suspect, is charged to the engine.
-        """
-        if (
-            batch
-            and all(seq.strikes >= 2 for seq in batch)
-            and self._suspect_charges < _SOLO_FAILURES
-        ):
-            self._suspect_charges += 1
-            self._isolation_failures += 1
-            return False
-        return True
-
-    def _resume(self, batch: list[Sequence], error: BaseException, kind: FailureKind) -> Recovered:
-        """Re-admit every running sequence with its prompt and generated tokens as context (its
-        detokeniser, stop-string and sampling state are its own and carry on), unless it was
-        resumed ``max_resumes`` times already or is found to cause the failures.
-
-        **Isolation.** Each sequence counts the failed steps it was in since its last clean step.
-        One that failed twice in a row is a suspect: while suspects exist, they run one at a time,
-        alone, everything else held back. A suspect whose step completes is cleared; one that
-        fails alone twice in a row is the cause and ends with the error. (Twice, so that a
-        random failure while an innocent suspect runs alone does not end it.)
-        """
-        previous, self._probe = self._probe, None
-        for seq in batch:
-            seq.strikes += 1
-        if len(batch) == 1 and batch[0].strikes >= 2:
-            batch[0].solo_failures += 1
-        resumed: list[Sequence] = []
-        exhausted = isolated = 0
-        for seq in list(self._running):
-            if seq.solo_failures >= _SOLO_FAILURES:
-                isolated += 1
-                self._fail(seq, isolated_error(seq, error, kind))
-            elif seq.resumes >= self.cfg.max_resumes:
-                exhausted += 1
-                self._fail(seq, exhausted_error(seq, error, kind))
-            else:
-                self._running.remove(seq)
-                seq.resumes += 1
-                resumed.append(seq)
-        everyone = sorted([*resumed, *self._waiting, *self._held], key=lambda q: q.seq_id)
-        for seq in everyone:  # their blocks were dropped with the cache
-            self._release(seq)
-            seq.num_computed = 0
-            seq.status = SeqStatus.WAITING
-        self._resumed += len(resumed)
-        self._isolated += isolated
-        self._exhausted += exhausted
-        self._waiting, self._held = deque(everyone), []
-        suspects = [seq for seq in everyone if seq.strikes >= 2]
-        if suspects:
-            self._hold_all_but(previous if previous in suspects else suspects[0])
-        return Recovered(isolated + exhausted, len(resumed), exhausted, isolated)
-
-    def _hold_all_but(self, probe: Sequence) -> None:
-        """Run ``probe`` alone (it waits): hold back every other waiting sequence."""
-        self._probe = probe
-        self._held = sorted([*self._held, *self._waiting], key=lambda q: q.seq_id)
-        self._held.remove(probe)
-        self._waiting = deque([probe])
-
-    def _next_probe(self) -> None:
-        """The probe was cleared (or ended): test the next suspect, or end the isolation."""
-        probe, self._probe = self._probe, None
-        suspects = [seq for seq in self._held if seq.strikes >= 2]
-        if not suspects:  # the isolation is over: the held sequences queue again, in order
-            self._waiting.extend(self._held)
-            self._held = []
-            return
-        if probe is not None and probe.status is SeqStatus.RUNNING:
-            # cleared: it steps aside (its full blocks stay in the prefix cache for its return)
-            self._running.remove(probe)
-            self._release(probe)
-            probe.num_computed = 0
-            probe.status = SeqStatus.WAITING
-            self._waiting.append(probe)
-        self._hold_all_but(suspects[0])
-
-    def fail_engine(self, reason: str) -> int:
-        """The engine is failed for good: fence, end every sequence, refuse new ones."""
-        if self.failed is not None:
-            return 0
-        self.failed = reason
-        self._incarnation = None
-        self._inflight = None
-        return self.fail_all(
-            lambda seq: EngineFailed(f"engine failed: {reason}", partial=seq.partial())
-        )
-
-    def stop(self) -> int:
-        """End every sequence with :class:`~stoic.errors.EngineStopped` (a drain's deadline, or
-        the scheduler stopping) and admit nothing more."""
-        self.admitting = False
-        return self.fail_all(
-            lambda seq: EngineStopped(
-                "engine stopped before the request finished", partial=seq.partial()
-            )
-        )

@@ -2,7 +2,7 @@
 
 :class:`FaultInjector` decides, step by step, whether a step fails and how (on the event loop, or
 in the thread executor's worker thread); :func:`enact_fault` makes it happen where the model
-runs: in the worker thread, or in the worker process (:mod:`stoic.actors._procworker`).
+runs: in the worker thread, or in the worker process (:mod:`stoic.executor._procworker`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import uuid
@@ -18,16 +17,14 @@ from ..actors import (
     Delta,
     Drain,
     EngineHealth,
-    ExecutorFault,
     FaultInjector,
     Health,
     ResultStream,
-    StepWorker,
     Submit,
-    WorkerPool,
 )
 from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
+from ..executor import ExecutorFault, make_backend
 from ..model import (
     LoadedModel,
     SamplingParams,
@@ -39,7 +36,7 @@ from ..model import (
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
-from ._wiring import EngineParts, kv_cache_spec, wire, worker_pool
+from ._wiring import EngineParts, kv_cache_spec, wire
 
 __all__ = ["Engine"]
 
@@ -89,28 +86,26 @@ class Engine:
             (``executor="process"``).
         """
         cfg = config or EngineConfig()
-        in_process = cfg.executor == "thread"
         async with contextlib.AsyncExitStack() as stack:
-            # the thread executor loads, builds and runs its model on one thread (every
-            # executor incarnation's): torch's OpenMP pool is per calling thread, and a second
-            # pool in the process (here: the loading thread's) makes libgomp stop spinning
-            # between parallel regions when the pools' threads outnumber the cores, so every
-            # region waits on a futex: a prefill step of a burst measured 1.8x slower
-            # (docs/benchmarks.md, "One OpenMP pool"). With the process executor the weights live
-            # in the worker process only, and this process loads the tokenizer and config.
-            step_thread = stack.enter_context(StepWorker("stoic-executor")) if in_process else None
-            load = functools.partial(
-                load_model,
-                cfg.model,
-                device=cfg.device,
-                dtype=cfg.dtype,
-                cache_root=cfg.cache_dir,
-                served_name=cfg.served_model_name,
-                weights=in_process,
-                quantization=cfg.quantization,
-            )
-            loaded = await (
-                _load_on(step_thread, load) if step_thread else anyio.to_thread.run_sync(load)
+            # where the steps run (stoic.executor). The thread executor loads, builds and runs
+            # its model on one thread (every executor incarnation's): torch's OpenMP pool is per
+            # calling thread, and a second pool in the process (here: the loading thread's)
+            # makes libgomp stop spinning between parallel regions when the pools' threads
+            # outnumber the cores, so every region waits on a futex: a prefill step of a burst
+            # measured 1.8x slower (docs/benchmarks.md, "One OpenMP pool"). With the process
+            # executor the weights live in the worker process only, and this process loads the
+            # tokenizer and config. Closed after the actors stopped: no orphan workers.
+            backend = stack.enter_context(make_backend(cfg))
+            loaded = await backend.load(
+                functools.partial(
+                    load_model,
+                    cfg.model,
+                    device=cfg.device,
+                    dtype=cfg.dtype,
+                    cache_root=cfg.cache_dir,
+                    served_name=cfg.served_model_name,
+                    quantization=cfg.quantization,
+                )
             )
             if cfg.quantization == "gguf":  # refused here, not in a worker process starting
                 await anyio.to_thread.run_sync(
@@ -122,15 +117,9 @@ class Engine:
             spec = kv_cache_spec(cfg, loaded)
             health = EngineHealth()
             faults = FaultInjector(cfg.faults)
-            executor: StepWorker | WorkerPool
-            if step_thread is not None:
-                executor = step_thread
-            else:
-                executor = worker_pool(cfg, loaded, spec)
-                stack.callback(executor.close)  # after the actors stopped: no orphan workers
             system = await stack.enter_async_context(_actor_system())
             try:
-                parts = await wire(system, cfg, loaded, spec, health, faults, executor)
+                parts = await wire(system, cfg, loaded, spec, health, faults, backend)
             except ExecutorFault as exc:  # the first worker process died or hung while loading
                 raise EngineFailed(f"the model executor could not start: {exc}") from exc
             engine = cls(cfg, loaded, parts, health, faults)
@@ -384,16 +373,3 @@ async def _actor_system() -> AsyncIterator[ActorSystem]:
     with contextlib.suppress(SupervisorEscalation):
         async with ActorSystem("stoic") as system:
             yield system
-
-
-async def _load_on(thread: StepWorker, load: Callable[[], LoadedModel]) -> LoadedModel:
-    """``load()`` on ``thread``; a cancellation waits for the load to end before it propagates
-    (as ``anyio.to_thread.run_sync`` does), so no load outlives the start that asked for it (a
-    second cancellation stops the wait)."""
-    task = asyncio.ensure_future(thread.run(load))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(BaseException):
-            await asyncio.wait({task})
-        raise

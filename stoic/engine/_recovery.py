@@ -13,12 +13,11 @@ from ..actors import (
     EngineFailedNotice,
     EngineHealth,
     ExecutorDown,
-    ExecutorFault,
     Recovered,
     SchedulerMsg,
-    classify_failure,
 )
 from ..errors import EngineFailed
+from ..executor import ExecutorFault, classify_failure
 from ..runtime import ActorRef, ChildFailure, SupervisorEscalation
 
 __all__ = ["Recovery"]

@@ -2,56 +2,42 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from .._logging import get_logger
 from ..actors import (
     CacheManager,
     CacheMsg,
     EngineHealth,
-    Executor,
     FaultInjector,
     Guardian,
     Intake,
     IntakeConfig,
     IntakeMsg,
-    ProcessExecutor,
     Scheduler,
     SchedulerConfig,
     SchedulerCore,
     SchedulerMsg,
-    StepWorker,
-    WorkerPool,
-    WorkerSpec,
 )
 from ..config import EngineConfig
+from ..executor import Executor, StepBackend
 from ..model import (
     GrammarVocab,
     KVCacheSpec,
     LLGuidanceBackend,
     LoadedModel,
-    ModelRunner,
-    PagedKVCache,
-    ThreadGovernor,
     TokenCodec,
     cpu_budget,
+    free_device_memory,
     vocab_size,
 )
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ._recovery import Recovery
 
-__all__ = ["EngineParts", "compute_threads", "kv_cache_spec", "wire", "worker_pool"]
+__all__ = ["EngineParts", "compute_threads", "kv_cache_spec", "wire"]
 
 _log = get_logger("stoic.engine")
-
-#: with the process executor, the executor kills a worker whose step made no progress for the
-#: step timeout; the scheduler's watchdog watches the same counter and waits this much longer,
-#: as a backstop (for a step that never reached the worker, or an executor stuck itself)
-_WATCHDOG_MARGIN = 10.0
 
 
 @dataclass(frozen=True)
@@ -85,7 +71,7 @@ def kv_cache_spec(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
     if config.num_kv_blocks:
         return spec(config.num_kv_blocks)
     if loaded.device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(loaded.device)
+        free = free_device_memory(loaded.device)
         budget = int(free * config.gpu_memory_utilization)
     else:
         budget = int(config.kv_cache_memory_gib * 2**30)
@@ -115,28 +101,6 @@ def compute_threads(config: EngineConfig) -> int:
     return threads
 
 
-def worker_pool(config: EngineConfig, loaded: LoadedModel, kv_spec: KVCacheSpec) -> WorkerPool:
-    """The worker processes of the process executor (none is started yet)."""
-    spec = WorkerSpec(
-        model=str(loaded.path),
-        device=str(loaded.device),
-        dtype=str(loaded.dtype).removeprefix("torch."),
-        cache_dir=config.cache_dir,
-        num_blocks=kv_spec.num_blocks,
-        block_size=kv_spec.block_size,
-        eos_token_ids=loaded.eos_token_ids,
-        threads=compute_threads(config),
-        adapt_threads=config.adapt_threads,
-        grammar=grammar_vocab(loaded),
-        gguf=loaded.gguf,
-        quantization=config.quantization,
-        dense_dtype=(
-            str(loaded.dense_dtype).removeprefix("torch.") if loaded.dense_dtype else None
-        ),
-    )
-    return WorkerPool(spec, spares=config.executor_spares)
-
-
 async def wire(
     system: ActorSystem,
     config: EngineConfig,
@@ -144,11 +108,11 @@ async def wire(
     spec: KVCacheSpec,
     health: EngineHealth,
     faults: FaultInjector,
-    executor: StepWorker | WorkerPool,
+    backend: StepBackend,
 ) -> EngineParts:
     """Spawn cache, scheduler, the executor's supervisor (which starts the executor), intake and
-    guardian into ``system``; shutdown goes in reverse order. ``executor`` is the thread the
-    thread executor runs steps in, or the pool of the process executor's workers.
+    guardian into ``system``; shutdown goes in reverse order. ``backend`` is where the
+    executor's steps run (prepared here).
 
     :raises Exception: what an actor's start raised (the system stops what was started).
     """
@@ -157,8 +121,7 @@ async def wire(
     # one backend for the intake (which compiles at admission) and a thread executor: a
     # constraint is compiled once; a process executor's worker builds its own
     grammar = LLGuidanceBackend(vocab_spec) if vocab_spec is not None else None
-    in_process = isinstance(executor, StepWorker)
-    cache_manager = CacheManager(spec, make_cache=PagedKVCache if in_process else None)
+    cache_manager = CacheManager(spec, make_cache=backend.make_cache)
     cache = await system.spawn(cache_manager, name="cache", mailbox_size=1024)
     core = SchedulerCore(
         SchedulerConfig(
@@ -173,53 +136,29 @@ async def wire(
         ),
         loaded.tokenizer.backend_tokenizer,
     )
-    if isinstance(executor, StepWorker):
-        # built on the thread that runs its steps (the blocks' repacking and checks are torch
-        # operators too): one OpenMP pool in the process (Engine.start)
-        governor = ThreadGovernor(compute_threads(config), adapt=config.adapt_threads)
-        runner = await executor.run(
-            functools.partial(
-                ModelRunner,
-                loaded,
-                grammar,
-                quantization=config.quantization,
-                threads=governor,
-            )
-        )
-        thread = executor
+    await backend.prepare(
+        config, loaded, spec, threads=compute_threads(config), vocab=vocab_spec, grammar=grammar
+    )
 
-        def factory() -> Any:
-            return Executor(runner, cache, scheduler, faults, health, thread)
-
-        def progress() -> int:
-            return runner.progress.count
-
-    else:
-        pool = executor
-
-        def factory() -> Any:
-            return ProcessExecutor(
-                pool, cache, scheduler, faults, health, step_timeout=config.step_timeout
-            )
-
-        def progress() -> int:
-            return pool.progress()
+    def factory() -> Any:
+        return Executor(backend, cache, scheduler, faults, health, step_timeout=config.step_timeout)
 
     # The step watchdog: a step whose progress counter (a tick per decoder layer) stops for
     # step_timeout is hung; one that keeps ticking is never stopped, however slow. With the
     # thread executor the scheduler's watchdog is the only one (a thread cannot be killed: the
-    # engine is failed). With the process executor the executor kills the worker first; the
-    # scheduler's watchdog stays as a backstop on the same counter, later by a margin, rather
-    # than going away: it catches a step that never reached the worker or an executor stuck
-    # itself, and, watching the counter, it never stops a step that progresses either.
+    # engine is failed; margin 0). With the process executor the executor kills the worker
+    # first; the scheduler's watchdog stays as a backstop on the same counter, later by the
+    # backend's margin, rather than going away: it catches a step that never reached the worker
+    # or an executor stuck itself, and, watching the counter, it never stops a step that
+    # progresses either.
     scheduler = await system.spawn(
         Scheduler(
             core,
             cache,
             health,
-            step_timeout=config.step_timeout + (0.0 if in_process else _WATCHDOG_MARGIN),
+            step_timeout=config.step_timeout + backend.watchdog_margin,
             faults=faults,
-            progress=progress,
+            progress=backend.progress,
         ),
         name="scheduler",
         mailbox_size=4096,
@@ -229,7 +168,7 @@ async def wire(
         health,
         scheduler,
         cache,
-        replaces_worker=not in_process,
+        replaces_worker=backend.replaces_worker,
         max_restarts=config.max_restarts,
         restart_window=config.restart_window,
     )

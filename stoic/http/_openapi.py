@@ -16,10 +16,8 @@ from ._schemas import (
     TOOL_CALL_SCHEMA,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    FaultRequest,
-    TokenizeRequest,
 )
+from ._util_schemas import DetokenizeRequest, FaultRequest, TokenizeRequest
 
 __all__ = ["openapi_document"]
 

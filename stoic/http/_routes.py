@@ -24,14 +24,12 @@ from ._openapi import openapi_document
 from ._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    FaultRequest,
-    TokenizeRequest,
     choice_params,
 )
 from ._state import RECORD, REQUEST_ID, STATE, AppState, RequestRecord
 from ._toolconv import render_conversation
 from ._tools import tool_syntax
+from ._util_schemas import DetokenizeRequest, FaultRequest, TokenizeRequest
 
 __all__ = ["add_routes"]
 

@@ -22,7 +22,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..config import FaultKind
 from ..engine import SamplingParams
 from ..errors import InvalidRequest
 from ._structured import constraint_of
@@ -36,11 +35,8 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
-    "DetokenizeRequest",
-    "FaultRequest",
     "Prompt",
     "StreamOptions",
-    "TokenizeRequest",
 ]
 
 #: most choices one request may ask for (``n`` times the number of prompts)
@@ -483,43 +479,3 @@ class CompletionRequest(_GenerationRequest):
                 f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs"
             )
         return self._params(self.max_tokens, logprobs=top is not None, top_logprobs=top or 0)
-
-
-class TokenizeRequest(_Model):
-    """Body of ``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    #: also answer each token's text (``token_strs``)
-    return_token_strs: bool = False
-
-    def engine_messages(self) -> list[dict[str, Any]] | None:
-        return None if self.messages is None else [m.to_engine() for m in self.messages]
-
-
-class DetokenizeRequest(_Model):
-    """Body of ``POST /detokenize`` (vLLM's shape)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    tokens: list[int]
-
-
-class FaultRequest(_Model):
-    """Body of ``POST /admin/faults``: the fields of :class:`~stoic.FaultSpec`."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    kind: FaultKind
-    after_steps: int | None = None
-    probability: float | None = None
-    seed: int | None = None
-    match: str | None = None
-    seconds: float = 30.0

@@ -15,7 +15,7 @@ from ._loader import (
     resolve_device,
     resolve_dtype,
 )
-from ._paged import KVCacheSpec, PagedKVCache
+from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache, free_device_memory
 from ._params import SamplingParams
 from ._quant import require_quantized
 from ._runner import ModelRunner
@@ -52,6 +52,8 @@ __all__ = [
     "cpu_budget",
     "default_cache_dir",
     "default_gguf_path",
+    "empty_device_cache",
+    "free_device_memory",
     "load_model",
     "require_quantized",
     "resolve_device",

@@ -31,6 +31,7 @@ __all__ = [
     "PagedKVCache",
     "PrefillChunk",
     "StepMetadata",
+    "empty_device_cache",
     "group_decodes",
     "paged_attention",
     "register_paged_attention",
@@ -122,6 +123,26 @@ class PagedKVCache:
         """Drop every tensor (idempotent). The memory returns to the allocator once unreferenced."""
         self.keys.clear()
         self.values.clear()
+
+
+def empty_device_cache(device: torch.device) -> None:
+    """Hand the caching allocator's unused memory back to the device after a cache is released.
+
+    CUDA only (a no-op on CPU, or where CUDA is unavailable); it raises nothing of its own.
+    """
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes free on a CUDA ``device`` now (what the KV cache may be sized from).
+
+    :raises RuntimeError: if ``device`` is not a CUDA device or CUDA cannot answer.
+    """
+    if device.type != "cuda":
+        raise RuntimeError(f"free memory is asked of CUDA devices only, not {device}")
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from structlog.stdlib import BoundLogger
 
-from .._logging import get_logger
 from ._actor import Actor, ActorContext, Terminated
 from ._exceptions import ActorStopped, SupervisorEscalation
+from ._log import get_logger
 from ._mailbox import Envelope, Mailbox
 from ._ref import ActorRef
 from ._reply import Reply

@@ -9,11 +9,11 @@ from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
-from .._logging import get_logger
 from ._actor import Actor
 from ._cell import ActorCell
 from ._clock import Clock, MonotonicClock
 from ._exceptions import SupervisorEscalation
+from ._log import get_logger
 from ._ref import ActorRef
 from ._spec import Backoff, ChildSpec, Strategy
 from ._supervisor import Supervisor

@@ -12,7 +12,8 @@ import pytest
 from support import engine_config
 
 import stoic
-from stoic.engine import _engine, _wiring
+from stoic.engine import _engine
+from stoic.executor import _backend
 from stoic.model import ModelRunner
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
@@ -52,7 +53,7 @@ async def test_thread_executor_loads_builds_and_runs_the_model_on_its_step_threa
     monkeypatch.setattr(_engine, "load_model", load)
     monkeypatch.setattr(ModelRunner, "__init__", init)
     monkeypatch.setattr(ModelRunner, "execute", execute)
-    assert _wiring.ModelRunner is ModelRunner
+    assert _backend.ModelRunner is ModelRunner
     config = engine_config(tiny_model_dir, executor="thread")
     async with stoic.Engine.start(config) as engine:
         params = stoic.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

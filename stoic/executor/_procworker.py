@@ -1,7 +1,7 @@
 """The executor's worker process: the model, its weights and the KV pools, one step at a time.
 
 This module is the child's side of the process boundary: ``python -m stoic._procmain
-FD PARENT_PID`` runs :func:`worker_main` (see :mod:`stoic.actors._process`), ``FD`` its end of a socket pair. The protocol,
+FD PARENT_PID`` runs :func:`worker_main` (see :mod:`stoic.executor._process`), ``FD`` its end of a socket pair. The protocol,
 each message one ``send_bytes`` of a pickled tuple of plain values and frozen dataclasses (token
 ids, positions, block tables and sampling parameters in; sampled ids and logprobs out; never a
 tensor):
@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._proctitle import set_title
+from ..actors import enact_fault
 from ..config import FaultSpec, Quantization
-from ._faults import enact_fault
 
 if TYPE_CHECKING:
     from ..model import GrammarVocab

@@ -1,6 +1,6 @@
 """The server's side of the executor's worker process: start it, feed it steps, see it die.
 
-A :class:`WorkerProcess` is one child interpreter running :mod:`stoic.actors._procworker`. A reader thread per child turns the pipe into an
+A :class:`WorkerProcess` is one child interpreter running :mod:`stoic.executor._procworker`. A reader thread per child turns the pipe into an
 asyncio queue; when the child dies the pipe's end reaches that thread at once (no polling), which
 posts the exit ("killed by SIGKILL", "exited with status 1") and calls ``on_exit``.
 
@@ -28,11 +28,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._logging import get_logger
+from ..actors import ProgressWatch
 from ..config import FaultSpec
 from ..model import ComputePath, StepBatch, StepOutput, StepProgress
 from ._failures import ExecutorFault
 from ._procworker import PROGRESS_FD_ENV, WorkerSpec
-from ._watchdog import ProgressWatch
 
 __all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
 
