@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuBudget", "cpu_budget"]
+__all__ = ["CpuBudget", "affinity", "cpu_budget"]
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,16 @@ def cpu_budget(*, proc: Path = Path("/proc"), root: Path = Path("/")) -> CpuBudg
     """This process's CPU budget (``proc`` and ``root`` are for tests: a laid-out
     ``/proc/self/{cgroup,mountinfo}`` and the file system the mount points are under). Never
     raises: an unreadable or absent cgroup means no quota."""
-    try:
-        ids = tuple(sorted(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        ids = tuple(range(os.cpu_count() or 1))
     quota, source = _cgroup_quota(proc, root)
-    return CpuBudget(ids, quota, source)
+    return CpuBudget(affinity(), quota, source)
+
+
+def affinity() -> tuple[int, ...]:
+    """The CPUs of this process's affinity mask (every CPU where that cannot be read)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return tuple(range(os.cpu_count() or 1))
 
 
 def _cgroup_quota(proc: Path, root: Path) -> tuple[float | None, str | None]:

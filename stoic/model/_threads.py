@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from .._logging import get_logger
+from ._cpu import affinity
 
 __all__ = ["ContentionProbe", "ThreadGovernor"]
 
@@ -210,8 +211,4 @@ class ThreadGovernor:
 
 
 def _default_probe(family: Sequence[int]) -> ContentionProbe:
-    try:
-        cpus: Sequence[int] = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = range(os.cpu_count() or 1)
-    return ContentionProbe(cpus, family)
+    return ContentionProbe(affinity(), family)
