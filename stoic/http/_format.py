@@ -10,7 +10,7 @@ from typing import Any
 
 from ..engine import Delta, TokenLogprob
 from ..errors import PartialOutput
-from ._toolparse import ToolCallStream, scan, tool_calls_of
+from ._toolparse import ToolCall, ToolCallStream, parse_output, tool_finish_reason
 from ._tools import ToolPlan
 
 __all__ = ["ChatFormat", "ChoiceState", "CompletionFormat", "ResponseFormat", "usage"]
@@ -180,11 +180,10 @@ class ChatFormat(ResponseFormat):
             content, calls = parser.feed(delta.text, final=finish is not None)
             body = {"content": content} if content else {}
             if calls:
-                body["tool_calls"] = calls
-            if finish == "stop" and parser.called:
-                finish = "tool_calls"
+                body["tool_calls"] = [_call(c, delta=True) for c in calls]
+            finish = tool_finish_reason(finish, len(parser.calls))
             if finish is not None:
-                self._count(parser.called, parser.rejected)
+                self._count(len(parser.calls), parser.rejected)
             if not body and finish is None and not delta.logprobs:
                 return None
         return {
@@ -199,19 +198,27 @@ class ChatFormat(ResponseFormat):
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         finish: str | None = state.finish_reason
         if self.tools is not None:
-            found = scan(text, self.tools, final=True, trusted=self.tools.enforced)
+            found = parse_output(text, self.tools)
             self._count(len(found.calls), found.rejected)
+            message["content"] = found.content
             if found.calls:
-                message["content"] = found.content or None
-                message["tool_calls"] = tool_calls_of(found.calls, self.tools)
-                if finish == "stop":
-                    finish = "tool_calls"
+                message["tool_calls"] = [_call(c) for c in found.calls]
+            finish = tool_finish_reason(finish, len(found.calls))
         return {
             "index": state.index,
             "message": message,
             "logprobs": self._logprobs(state.logprobs),
             "finish_reason": finish,
         }
+
+
+def _call(call: ToolCall, *, delta: bool = False) -> dict[str, Any]:
+    """A call as ``message.tool_calls`` holds it, or (``delta``) as a streamed delta does: the
+    whole call, with its ``index``, in one delta."""
+    out: dict[str, Any] = {"index": call.index} if delta else {}
+    out.update(id=call.id, type="function")
+    out["function"] = {"name": call.name, "arguments": call.arguments}
+    return out
 
 
 class CompletionFormat(ResponseFormat):

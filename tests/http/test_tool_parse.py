@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from stoic.errors import InvalidRequest
 from stoic.http._toolconv import render_conversation
-from stoic.http._toolparse import ToolCallStream, scan, tool_calls_of
+from stoic.http._toolparse import ToolCallStream, parse_output, scan
 from stoic.http._tools import ToolPlan, ToolSyntax, calls_grammar, tool_plan, tool_syntax
 from stoic.model import Constraint, GrammarVocab, LLGuidanceBackend
 
@@ -43,21 +43,20 @@ def _plan(
     return tool_plan([WEATHER, TIME], choice, parallel, syntax)
 
 
-def _stream(text_pieces: list[str], plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
-    """Feed the pieces; the content and the calls reassembled as a client would."""
+def _stream(text_pieces: list[str], plan: ToolPlan) -> tuple[str, list[tuple[str, str]]]:
+    """Feed the pieces; the content and the calls (name, arguments) as a client gets them:
+    each call once, whole, its arguments valid JSON, indexes in order."""
     parser = ToolCallStream(plan)
     content: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
+    calls: list[tuple[str, str]] = []
     for i, piece in enumerate(text_pieces):
-        text, deltas = parser.feed(piece, final=i == len(text_pieces) - 1)
+        text, new = parser.feed(piece, final=i == len(text_pieces) - 1)
         content.append(text)
-        for d in deltas:
-            call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
-            if "id" in d:
-                assert call["name"] is None, "id and name are sent once"
-                call["name"] = d["function"]["name"]
-            call["arguments"] += d["function"]["arguments"]
-    return "".join(content), [calls[i] for i in sorted(calls)]
+        for call in new:
+            assert call.index == len(calls)
+            json.loads(call.arguments)
+            calls.append((call.name, call.arguments))
+    return "".join(content), calls
 
 
 def test_syntax_is_read_from_the_chat_template() -> None:
@@ -259,8 +258,8 @@ def test_not_parallel_returns_the_first_call() -> None:
 
 def test_call_ids_are_unique_and_mistral_shaped() -> None:
     """Ids are fresh per call; Mistral's are 9 letters and digits."""
-    found = scan('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', _plan(MISTRAL), final=True)
-    ids = {tool_calls_of(found.calls, _plan(MISTRAL))[0]["id"] for _ in range(20)}
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]'
+    ids = {parse_output(text, _plan(MISTRAL)).calls[0].id for _ in range(20)}
     assert len(ids) == 20 and all(len(i) == 9 and i.isalnum() for i in ids)
 
 
@@ -286,18 +285,89 @@ _CALL_TEXTS = [
     which=st.integers(0, len(_CALL_TEXTS) - 1),
     cuts=st.lists(st.integers(1, 200), max_size=30),
     choice=st.sampled_from(["auto", "required"]),
+    length=st.integers(0, 250),
 )
-def test_streamed_pieces_join_to_the_whole(which: int, cuts: list[int], choice: str) -> None:
-    """However the text is cut into deltas, the streamed content and calls (ids and names
-    once, arguments joined) equal the non-streamed result."""
-    text = _CALL_TEXTS[which]
+def test_streamed_pieces_join_to_the_whole(
+    which: int, cuts: list[int], choice: str, length: int
+) -> None:
+    """However the text is cut into deltas, and wherever max_tokens ends it, the streamed
+    content and calls (each call once, whole, its arguments valid JSON) equal the non-streamed
+    result."""
+    text = _CALL_TEXTS[which][:length]
     syntax = [HERMES, MISTRAL, LLAMA3, HERMES, HERMES][which]
     plan = _plan(syntax, choice=choice)
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in itertools.pairwise(points)] or [text]
     content, calls = _stream(pieces, plan)
-    whole = scan(text, plan, final=True, trusted=plan.enforced)
-    assert content == whole.content
-    assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c.name, c.arguments) for c in whole.calls
-    ]
+    whole = parse_output(text, plan)
+    assert content == (whole.content or "")
+    assert calls == [(c.name, c.arguments) for c in whole.calls]
+
+
+_TWO_CALLS = (
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_cut_off_call_is_dropped_whole_and_streamed(choice: str, parallel: bool) -> None:
+    """Whatever the length max_tokens cuts the answer to: a call is returned only if its object
+    is complete, the call cut off is dropped, and no piece of a tag (``</tool_call``,
+    ``<tool``) reaches the content; streamed, the same content and calls, and no call is ever
+    sent with arguments that do not parse."""
+    plan = _plan(choice=choice, parallel=parallel)
+    tags = [0, _TWO_CALLS.index("<tool_call>", 1)]
+    #: each call: where its opening tag ends and where its object ends
+    calls_at = [(a + len("<tool_call>"), _TWO_CALLS.index("}}", a) + 2) for a in tags]
+    for n in range(len(_TWO_CALLS) + 1):
+        text = _TWO_CALLS[:n]
+        whole = parse_output(text, plan)
+        complete = [end <= n for _, end in calls_at]
+        assert len(whole.calls) == (complete[1] + complete[0] if parallel else complete[0]), text
+        assert not whole.content, text  # only calls (or a piece of a tag) were written
+        assert whole.cut == any(opened <= n < end for opened, end in calls_at), text
+        pieces = [text[k : k + 3] for k in range(0, len(text), 3)] or [""]
+        content, calls = _stream(pieces, plan)
+        assert content == "" and calls == [(c.name, c.arguments) for c in whole.calls]
+
+
+def test_text_before_a_cut_off_call_stays_content() -> None:
+    """auto: the model's text before a call that max_tokens cut off is the content, without the
+    call or its tag; text after the calls keeps no tag either, nor a marker cut off."""
+    plan = _plan()
+    found = parse_output('Let me check.\n<tool_call>\n{"name": "get_weather", "argu', plan)
+    assert found.content == "Let me check." and found.calls == () and found.cut
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    found = parse_output(f"{call}\nAnd then <tool_call>\n{{", plan)
+    assert found.content == "And then" and len(found.calls) == 1
+    found = parse_output(f"{call}\nAnd then <tool_ca", plan)
+    assert found.content == "And then" and len(found.calls) == 1 and not found.cut
+    assert parse_output("Hello <tool", plan).content == "Hello"  # a marker cut off
+    assert parse_output("Hello <toolbox", plan).content == "Hello <toolbox"  # text
+
+
+def test_a_cut_off_llama3_object_is_a_call_only_once_it_names_a_tool() -> None:
+    """llama3 (bare objects): a cut-off first object that names a tool is a dropped call; one
+    that does not (a JSON answer cut by max_tokens) stays content."""
+    plan = _plan(LLAMA3)
+    cut_call = parse_output('{"name": "get_weather", "parameters": {"ci', plan)
+    assert cut_call.content is None and cut_call.calls == () and cut_call.cut
+    answer = '{"answer": "the weather is'
+    assert parse_output(answer, plan).content == answer
+    two = '{"name": "get_time", "parameters": {}}; {"na'
+    found = parse_output(two, plan)
+    assert [c.name for c in found.calls] == ["get_time"] and found.content is None
+
+
+def test_a_mistral_list_cut_off_keeps_its_complete_calls() -> None:
+    """Mistral: the complete calls of a list max_tokens cut off are returned, the cut one
+    dropped, and a cut marker is not content."""
+    plan = _plan(MISTRAL)
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather", "argum'
+    found = parse_output(text, plan)
+    assert [c.name for c in found.calls] == ["get_time"] and found.content is None
+    assert found.cut
+    assert parse_output("[TOOL_CA", _plan(MISTRAL, choice="required")).content is None
+    assert parse_output("Sure [TOOL_CA", plan).content == "Sure"
