@@ -1,13 +1,14 @@
 """Pydantic models of the OpenAI request bodies stoic accepts.
 
-Types are strict (no ``"1"`` for ``1``, no ``true`` for ``1``). Fields that OpenAI clients
-routinely send but that do not change the output (``user``, ``metadata``, ``store``...) are
-accepted and ignored; the sampling fields (``presence_penalty``, ``frequency_penalty``,
+Types are strict (no ``"1"`` for ``1``, no ``true`` for ``1``). A top-level null is the field's
+default, and the OpenAI parameters stoic cannot act on (``user``, ``metadata``, ``store``,
+``reasoning_effort``...) are accepted and ignored: both in :mod:`stoic.http._openai_params`.
+The sampling fields (``presence_penalty``, ``frequency_penalty``,
 ``logit_bias``, and vLLM's ``repetition_penalty``, ``min_p``, ``top_k``, ``min_tokens``...) map onto
 :class:`~stoic.engine.SamplingParams`, whose ranges the engine checks (a 400 naming the field);
 ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become a
 :class:`~stoic.http._tools.ToolPlan`; fields that would change the output and that stoic does
-not implement (the deprecated ``functions``, audio...) are rejected by
+not implement (the deprecated ``functions``, audio output...) are rejected by
 :meth:`_GenerationRequest.check_supported` with a 400 naming the parameter; any other top-level
 field is a 400 ("unknown parameter"), so a typo such as ``max_token`` is never silently ignored.
 Inside messages, unknown fields are ignored (clients echo whole assistant messages back).
@@ -17,13 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from ..engine import SamplingParams
 from ..errors import InvalidRequest
+from ._openai_params import document_request, drop_nulls_and_ignored
 from ._structured import constraint_of
 from ._tools import ToolPlan, ToolSyntax, tool_plan
 
@@ -253,7 +263,7 @@ _NonNegInt = Annotated[int, Field(ge=0)]
 class _GenerationRequest(_Model):
     """Fields common to chat and text completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=document_request)
 
     model: str
     max_tokens: int | None = None
@@ -269,13 +279,6 @@ class _GenerationRequest(_Model):
     frequency_penalty: float | None = None
     #: ``{"token id": bias}``, parsed to ``(id, bias)`` pairs
     logit_bias: Any = Field(default=None, validate_default=True)
-    # accepted and ignored: they do not change the output
-    user: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
     best_of: int | None = None
     # vLLM extensions
     repetition_penalty: float | None = None
@@ -293,6 +296,14 @@ class _GenerationRequest(_Model):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored (one backend)
     guided_whitespace_pattern: str | None = None  # accepted and ignored
+
+    #: the fields whose null is not their default
+    keep_null: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_optional(cls, data: Any) -> Any:
+        return drop_nulls_and_ignored(data, cls.model_fields, cls.keep_null)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -380,7 +391,6 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
-    prediction: Any = None
     # vLLM extension: extra variables for the chat template
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -394,9 +404,8 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         if self.modalities is not None and self.modalities != ["text"]:
             raise InvalidRequest("only the 'text' modality is supported", param="modalities")
-        for name in ("audio", "prediction"):
-            if getattr(self, name) is not None:
-                raise InvalidRequest(f"{name} is not supported", param=name)
+        if self.audio is not None:
+            raise InvalidRequest("audio output is not supported", param="audio")
 
     def sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
         """:raises InvalidRequest: naming the field that is out of place."""
@@ -410,8 +419,13 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @property
     def uses_tools(self) -> bool:
-        """The request offers tools or its conversation holds tool calls or results."""
-        return bool(self.tools) or any(m.has_tools for m in self.messages)
+        """The request offers tools, sets ``tool_choice`` (checked even without tools), or its
+        conversation holds tool calls or results."""
+        return (
+            bool(self.tools)
+            or self.tool_choice is not None
+            or any(m.has_tools for m in self.messages)
+        )
 
     def tool_plan(self, syntax: ToolSyntax) -> ToolPlan:
         """:raises InvalidRequest: a malformed tool or tool_choice."""
@@ -445,7 +459,9 @@ def _prompts(value: Any) -> list[Prompt]:
 
 class CompletionRequest(_GenerationRequest):
     prompt: Annotated[Any, _PROMPT_SCHEMA]
+    #: 16 by default; null: up to the context (as vLLM)
     max_tokens: int | None = 16
+    keep_null: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None

@@ -49,7 +49,7 @@ def _schema_text(value: Any, param: str) -> str:
             raise InvalidRequest(f"the schema is not valid JSON: {exc}", param=param) from exc
     if not isinstance(value, dict | bool):
         raise InvalidRequest("a JSON schema must be an object", param=param)
-    return json.dumps(value, sort_keys=True)
+    return json.dumps(value)  # the schema's key order is the output's (as OpenAI's)
 
 
 def _extra(kind: str, value: Any, param: str) -> Constraint:

@@ -139,19 +139,22 @@ def parse_tools(value: list[Any] | None) -> tuple[Tool, ...]:
 
 def _choice(value: Any, tools: tuple[Tool, ...]) -> tuple[ChoiceKind, str | None]:
     """:raises InvalidRequest: an unknown choice, a named function that is not a tool, or
-    ``required`` / a function without tools."""
+    ``required`` / a named function without tools (OpenAI's 400; ``auto`` without tools is
+    accepted: there is nothing to call)."""
     param = "tool_choice"
     if value is None:
         return ("auto" if tools else "none"), None
     if value in ("none", "auto", "required"):
-        if value != "none" and not tools:
-            raise InvalidRequest(f"tool_choice {value!r} needs tools", param=param)
+        if value == "required" and not tools:
+            raise InvalidRequest("tool_choice 'required' needs tools", param=param)
         return value, None
     if isinstance(value, dict) and value.get("type") == "function":
         fn = value.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise InvalidRequest("a named tool_choice needs function.name", param=param)
+        if not tools:
+            raise InvalidRequest("a named tool_choice needs tools", param=param)
         if not any(t.name == name for t in tools):
             raise InvalidRequest(f"tool_choice names {name!r}, which is not a tool", param=param)
         return "function", name

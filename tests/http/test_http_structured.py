@@ -30,7 +30,8 @@ class Person(BaseModel):
     likes_tea: bool
 
 
-PERSON_SCHEMA = Person.model_json_schema()
+#: as a strict client sends it (the SDK's ``parse`` closes every object the same way)
+PERSON_SCHEMA = {**Person.model_json_schema(), "additionalProperties": False}
 
 
 def _json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -254,3 +255,29 @@ async def test_generated_schemas_never_5xx(server: Server, engine: stoic.Engine)
 
     await check_examples(json_schemas, post, max_examples=20)
     await wait_idle(engine, 10.0, serving=True)
+
+
+class Reasoned(BaseModel):
+    """Keys in an order that is not alphabetical (the common reasoning-first pattern)."""
+
+    reasoning: str = Field(max_length=30)
+    answer: int = Field(ge=0, le=100)
+    confidence: float
+
+
+async def test_keys_come_in_the_schema_order(client: openai.AsyncOpenAI) -> None:
+    """As OpenAI's, the output's keys follow the schema's order (reasoning before answer),
+    not the alphabet, streamed or not."""
+    args: dict[str, Any] = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "What is 2 + 3? Think, then answer."}],
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    result = await client.chat.completions.parse(response_format=Reasoned, **args)
+    content = result.choices[0].message.content or ""
+    assert result.choices[0].finish_reason == "stop"
+    assert list(json.loads(content)) == ["reasoning", "answer", "confidence"]
+    async with client.chat.completions.stream(response_format=Reasoned, **args) as stream:
+        streamed = await stream.get_final_completion()
+    assert streamed.choices[0].message.content == content
