@@ -33,8 +33,17 @@ from dataclasses import dataclass
 
 from ._tools import ToolPlan
 
-__all__ = ["Scan", "ScannedCall", "ToolCall", "ToolCallStream", "ToolOutput", "call_id"]
-__all__ += ["parse_output", "scan", "tool_finish_reason"]
+__all__ = [
+    "Scan",
+    "ScannedCall",
+    "ToolCall",
+    "ToolCallStream",
+    "ToolOutput",
+    "call_id",
+    "parse_output",
+    "scan",
+    "tool_finish_reason",
+]
 
 _MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 #: every framing tag of every syntax
@@ -167,15 +176,21 @@ def _marker_at(text: str, plan: ToolPlan) -> tuple[int, int] | None:
     return None if at < 0 else (at, at + len(_MARKERS[kind]))
 
 
+def _prefix_at_end(text: str, words: tuple[str, ...]) -> int:
+    """The length of the longest proper prefix of one of ``words`` that ``text`` ends with."""
+    longest = 0
+    for word in words:
+        for k in range(min(len(word) - 1, len(text)), longest, -1):
+            if text.endswith(word[:k]):
+                longest = k
+                break
+    return longest
+
+
 def _marker_prefix(text: str, plan: ToolPlan) -> int:
     """The length of the proper prefix of the marker that ``text`` ends with (0 if none)."""
-    marker = _MARKERS.get(plan.syntax.kind)
-    if marker is None:  # llama3: no marker to begin
-        return 0
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+    marker = _MARKERS.get(plan.syntax.kind)  # (llama3 has no marker to begin)
+    return 0 if marker is None else _prefix_at_end(text, (marker,))
 
 
 def _held(text: str, plan: ToolPlan) -> int:
@@ -186,15 +201,11 @@ def _held(text: str, plan: ToolPlan) -> int:
     return len(text) - len(body.rstrip())
 
 
-def _cut_tag(segment: str) -> int:
-    """Where a framing tag cut off by the end of ``segment`` begins (``len(segment)`` if none)."""
-    longest = 0
-    for tag in _TAGS:
-        for k in range(min(len(tag) - 1, len(segment)), longest, -1):
-            if segment.endswith(tag[:k]):
-                longest = k
-                break
-    return len(segment) - longest
+def _body_end(segment: str) -> int:
+    """Where the framing that ends ``segment`` (whitespace, whole tags) begins."""
+    tail = _TAIL.search(segment)
+    assert tail is not None  # (it matches the empty string at the end)
+    return tail.start()
 
 
 def _opens(framing: str) -> bool:
@@ -242,9 +253,9 @@ def scan(text: str, plan: ToolPlan, *, final: bool) -> Scan:
             nxt = len(text) if nxt < 0 else nxt
             segment = text[j:nxt]
             if nxt == len(text):  # the end: a tag it cuts off is framing
-                segment = segment[: _cut_tag(segment)]
+                segment = segment[: len(segment) - _prefix_at_end(segment, _TAGS)]
                 tail = j + len(segment) if segment else frame_start
-            body = len(segment) - len(_TAIL.search(segment).group())  # type: ignore[union-attr]
+            body = _body_end(segment)
             if body:
                 junk.append(segment[:body].strip())
             i = j + body if nxt < len(text) else len(text)
