@@ -27,7 +27,7 @@ class FakeHealth:
 
 class FakeStream:
     """Yields ``tokens`` one-character deltas ("a", "b", ...), then finishes or raises ``error``;
-    with a ``script``, yields its pieces as deltas and finishes with "stop"."""
+    with a ``script``, yields its pieces as deltas and finishes with ``finish``."""
 
     def __init__(
         self,
@@ -36,6 +36,7 @@ class FakeStream:
         error: BaseException | None,
         delay: float = 0.0,
         script: tuple[str, ...] | None = None,
+        finish: str = "stop",
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = 3
@@ -45,6 +46,7 @@ class FakeStream:
         self._error = error
         self._delay = delay
         self._script = script
+        self._finish = finish
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._run()
@@ -57,7 +59,7 @@ class FakeStream:
                     text=piece,
                     token_ids=(i,),
                     logprobs=None,
-                    finish_reason="stop" if i == len(self._script) - 1 else None,
+                    finish_reason=self._finish if i == len(self._script) - 1 else None,
                     prompt_tokens=self.prompt_tokens,
                     completion_tokens=i + 1,
                 )
@@ -90,6 +92,8 @@ class FakeEngine:
     chat_template: str | None = None
     #: the text pieces every stream yields (instead of ``tokens`` letters)
     script: tuple[str, ...] | None = None
+    #: the finish reason of a scripted stream
+    finish: str = "stop"
     #: the messages and template arguments of each submit call
     submitted: list[tuple[Any, Any]] = field(default_factory=list)
     config: EngineConfig = field(default_factory=lambda: EngineConfig(model="fake"))
@@ -120,7 +124,12 @@ class FakeEngine:
             raise self.submit_error
         self.submitted.append((messages, chat_template_kwargs))
         stream = FakeStream(
-            request_id or "fake", self.tokens, self.stream_error, self.delay, self.script
+            request_id or "fake",
+            self.tokens,
+            self.stream_error,
+            self.delay,
+            self.script,
+            self.finish,
         )
         self.streams.append(stream)
         return stream
