@@ -17,7 +17,7 @@ import aiohttp
 import openai
 import pytest
 from http_fakes import FakeEngine, partial
-from http_helpers import Server, run_app
+from http_helpers import Server, read_events, run_app
 
 from stoic.errors import ExecutorFailed, StorageFailed
 from stoic.http import AccessPolicy, ResponseStore, create_app
@@ -63,18 +63,6 @@ async def serving(
 ) -> AsyncIterator[Server]:
     async with run_app(create_app(engine, responses=store, **kwargs)) as server:
         yield server
-
-
-async def read_events(response: aiohttp.ClientResponse) -> list[dict[str, Any]]:
-    """Every event of a Responses stream; each block's ``event:`` line names its ``type``."""
-    events = []
-    for block in (b for b in (await response.text()).split("\n\n") if b.strip()):
-        name, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert name == f"event: {event['type']}"
-        events.append(event)
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    return events
 
 
 async def create(http: aiohttp.ClientSession, url: str, **body: Any) -> tuple[int, Any]:

@@ -5,15 +5,27 @@ openai-agents SDK's default model class (the Responses one) running an agent wit
 
 from __future__ import annotations
 
+import itertools
+import json
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
 import openai
 import pytest
-from agents import Agent, ModelSettings, OpenAIProvider, OpenAIResponsesModel, RunConfig, Runner
-from agents import function_tool, set_tracing_disabled
-from http_helpers import Server, run_app
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIProvider,
+    OpenAIResponsesModel,
+    RunConfig,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from http_helpers import Server, read_events, run_app
 from pydantic import BaseModel, Field
+from support import engine_config
 
 import stoic
 from stoic.http import ResponseStore, create_app
@@ -93,7 +105,7 @@ async def test_a_function_tool_round_trip(client: openai.AsyncOpenAI) -> None:
     )
     (call,) = first.output
     assert call.type == "function_call" and call.name == "get_weather"
-    assert isinstance(openai_json(call.arguments)["city"], str)
+    assert isinstance(json.loads(call.arguments)["city"], str)
     second = await client.responses.create(
         model="default",
         previous_response_id=first.id,
@@ -108,12 +120,6 @@ async def test_a_function_tool_round_trip(client: openai.AsyncOpenAI) -> None:
     kinds = [i.type for i in items.data]
     assert kinds == ["message", "function_call", "function_call_output"]
     assert items.data[1].call_id == call.call_id == items.data[2].call_id
-
-
-def openai_json(text: str) -> Any:
-    import json
-
-    return json.loads(text)
 
 
 async def _turns(client: openai.AsyncOpenAI, inputs: list[str], previous: str | None) -> list[Any]:
@@ -135,7 +141,7 @@ async def test_three_turns_carry_the_conversation(client: openai.AsyncOpenAI) ->
     """Each turn's prompt holds every earlier input and output (it grows by at least them),
     and the last turn's input items are the whole conversation in order."""
     turns = await _turns(client, ["My name is Ann.", "I live in Oslo.", "Who am I?"], None)
-    for before, after in zip(turns, turns[1:], strict=False):
+    for before, after in itertools.pairwise(turns):
         assert after.usage.input_tokens > before.usage.input_tokens + before.usage.output_tokens
     items = await client.responses.input_items.list(turns[-1].id, order="asc")
     texts = [i.content[0].text for i in items.data]
@@ -148,19 +154,17 @@ async def test_three_turns_carry_the_conversation(client: openai.AsyncOpenAI) ->
     ]
 
 
-async def test_a_conversation_survives_an_app_restart(
-    engine: stoic.Engine, tmp_path: Path
-) -> None:
+async def test_a_conversation_survives_an_app_restart(engine: stoic.Engine, tmp_path: Path) -> None:
     """With a file database, a new app (a restarted server) continues a conversation the
     previous one stored."""
     path = tmp_path / "responses.sqlite3"
-    async with run_app(create_app(engine, responses=ResponseStore(path))) as server:
-        async with server.client() as client:
-            (first,) = await _turns(client, ["Remember the word kiwi."], None)
-    async with run_app(create_app(engine, responses=ResponseStore(path))) as server:
-        async with server.client() as client:
-            (second,) = await _turns(client, ["Which word?"], first.id)
-            items = await client.responses.input_items.list(second.id, order="asc")
+    app = create_app(engine, responses=ResponseStore(path))
+    async with run_app(app) as server, server.client() as client:
+        (first,) = await _turns(client, ["Remember the word kiwi."], None)
+    app = create_app(engine, responses=ResponseStore(path))
+    async with run_app(app) as server, server.client() as client:
+        (second,) = await _turns(client, ["Which word?"], first.id)
+        items = await client.responses.input_items.list(second.id, order="asc")
     assert [i.content[0].text for i in items.data][:2] == [
         "Remember the word kiwi.",
         first.output_text,
@@ -202,3 +206,56 @@ async def test_an_openai_agents_agent_calls_its_tool(server: Server, streamed: b
         else:
             result = await Runner.run(agent, question, run_config=config)
     assert len(called) == 1 and result.final_output == f"Sunny in {called[0]}"
+
+
+STORY: dict[str, Any] = {
+    "model": "default",
+    "input": "Tell me a long story about a dragon.",
+    "max_output_tokens": 16,
+    "temperature": 0,
+}
+
+
+async def _stream_events(http: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
+    async with http.post(f"{url}/v1/responses", json={**STORY, "stream": True}) as r:
+        assert r.status == 200
+        return await read_events(r)
+
+
+async def test_an_executor_failure_mid_stream_ends_with_one_error_event(
+    server: Server, http: aiohttp.ClientSession, fault_cleanup: None
+) -> None:
+    """An executor error three steps in: the stream's last event is ``error`` carrying the
+    partial output (what the deltas sent, and more); no ``response.completed``."""
+    async with http.post(
+        f"{server.url}/admin/faults", json={"kind": "error", "after_steps": 3}
+    ) as r:
+        assert r.status == 200
+    events = await _stream_events(http, server.url)
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "error" and kinds.count("error") == 1
+    assert "response.completed" not in kinds and "response.incomplete" not in kinds
+    error = events[-1]
+    assert error["code"].startswith("executor_") and error["partial"]["completion_tokens"] >= 1
+    sent = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert error["partial"]["text"].startswith(sent)
+
+
+async def test_resume_is_invisible_to_a_stream(
+    default_model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """``recovery="resume"``: an executor error mid-stream is not seen: the events are those of
+    a fault-free run, the text and usage the fault-free ones (float32, greedy)."""
+    config = engine_config(default_model_dir, recovery="resume", num_kv_blocks=64)
+    async with stoic.Engine.start(config) as engine, run_app(create_app(engine)) as server:
+        async with http.post(f"{server.url}/v1/responses", json=STORY) as r:
+            reference = await r.json()
+        await engine.inject_fault(stoic.FaultSpec(kind="error", after_steps=3))
+        events = await _stream_events(http, server.url)
+        assert engine.stats().restarts == 1
+    final = events[-1]["response"]
+    assert events[-1]["type"] == f"response.{reference['status']}"
+    assert not any(e["type"] == "error" for e in events)
+    assert final["output"][0]["content"] == reference["output"][0]["content"]
+    for key in ("input_tokens", "output_tokens"):  # (the second run's prompt is cached)
+        assert final["usage"][key] == reference["usage"][key]
