@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import sqlite3
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from http_fakes import FakeEngine, partial
 from http_helpers import Server, read_events, run_app
 
+from stoic.cli import build_parser
 from stoic.errors import ExecutorFailed, StorageFailed
 from stoic.http import AccessPolicy, ResponseStore, create_app
 from stoic.http._engine import EngineLike
@@ -344,3 +346,29 @@ async def test_a_corrupt_database_is_refused_at_start(tmp_path: Path) -> None:
     with pytest.raises(StorageFailed, match="responses database") as info:
         ResponseStore(path)
     assert str(path) in info.value.message
+
+
+async def test_serve_flags_open_the_database_and_a_corrupt_one_stops_the_start(
+    tmp_path: Path,
+) -> None:
+    """``--responses-db``/``--responses-retention`` parse (a retention below 1 is a usage
+    error); ``stoic serve`` on a corrupt database exits 1 at once, naming the file, before
+    loading the model."""
+    args = build_parser().parse_args(
+        ["serve", "--responses-db", ":memory:", "--responses-retention", "5"]
+    )
+    assert (args.responses_db, args.responses_retention) == (":memory:", 5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--responses-retention", "0"])
+    path = tmp_path / "responses.sqlite3"
+    path.write_bytes(b"garbage" * 1000)
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "stoic", "serve", "--port", "0", "--log-format", "json"],
+        *["--responses-db", str(path)],
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 1
+    failed = [json.loads(line) for line in err.splitlines() if b"stoic.start_failed" in line]
+    assert failed and failed[0]["error"] == "StorageFailed" and str(path) in failed[0]["message"]
