@@ -16,7 +16,7 @@ from ._argtypes import positive_float, positive_int
 if TYPE_CHECKING:
     from .http import AccessPolicy, ServerLimits
 
-__all__ = ["add_http_args", "http_options"]
+__all__ = ["add_http_args", "add_responses_args", "http_options"]
 
 _MIB = 1024 * 1024
 
@@ -86,6 +86,26 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
         default=1024,
         metavar="N",
         help="open connections at most; one more is answered 503 and closed (default %(default)s)",
+    )
+
+
+def add_responses_args(p: argparse.ArgumentParser) -> None:
+    """The ``responses`` argument group (the stored responses of ``POST /v1/responses``)."""
+    g = p.add_argument_group("responses")
+    g.add_argument(
+        "--responses-db",
+        metavar="PATH",
+        help="the SQLite database of stored responses (previous_response_id, GET "
+        "/v1/responses/ID); ':memory:' keeps them only while the server runs (default: "
+        "$STOIC_DATA_DIR/responses.sqlite3, else $XDG_DATA_HOME/stoic/..., else "
+        "~/.local/share/stoic/responses.sqlite3)",
+    )
+    g.add_argument(
+        "--responses-retention",
+        type=positive_int,
+        default=10_000,
+        metavar="N",
+        help="stored responses kept; storing one more deletes the oldest (default %(default)s)",
     )
 
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from ._argtypes import non_negative_float, non_negative_int, port, positive_int
 from ._cli_signals import cancel_on_signals, exit_on_signals
-from ._http_args import add_http_args, http_options
+from ._http_args import add_http_args, add_responses_args, http_options
 from ._logging import PROCESSORS, get_logger
 from ._version import installed_version
 from .config import EngineConfig, FaultSpec
@@ -195,6 +195,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="(default %(default)s)",
     )
     add_http_args(p)
+    add_responses_args(p)
     g = p.add_argument_group("scheduling and KV cache")
     g.add_argument(
         "--max-num-seqs",
@@ -410,7 +411,7 @@ async def _serve(args: argparse.Namespace, access: AccessPolicy, limits: ServerL
 async def _serve_until_stopped(
     args: argparse.Namespace, access: AccessPolicy, limits: ServerLimits
 ) -> int:
-    from .http import is_loopback, serve
+    from .http import ResponseStore, default_responses_db, is_loopback, serve
 
     config = config_from_args(args)
     if args.replicas is not None:  # scale-out on Ray Serve (stoic.ray)
@@ -445,6 +446,9 @@ async def _serve_until_stopped(
         )
 
     try:
+        responses = ResponseStore(
+            args.responses_db or default_responses_db(), retention=args.responses_retention
+        )
         # the port is bound before the model loads: /health says "starting" meanwhile, and a
         # taken port fails at once
         return await serve(
@@ -456,6 +460,7 @@ async def _serve_until_stopped(
             on_ready=ready,
             access=access,
             limits=limits,
+            responses=responses,
         )
     except StoicError as exc:
         _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)

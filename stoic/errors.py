@@ -20,9 +20,11 @@ __all__ = [
     "InvalidRequest",
     "ModelNotFound",
     "ModelUnavailable",
+    "NotFound",
     "Overloaded",
     "PartialOutput",
     "StoicError",
+    "StorageFailed",
 ]
 
 #: How an executor failure is classified: ``"oom"`` (out of device memory), ``"fatal"`` (the
@@ -88,6 +90,24 @@ class ModelNotFound(StoicError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, param="model", code="model_not_found")
+
+
+class NotFound(StoicError):
+    """The request names a stored object (a response) that does not exist, or that the caller's
+    API key may not see."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="not_found")
+
+
+class StorageFailed(StoicError):
+    """The server's database failed (locked past its busy timeout, corrupt, unwritable):
+    nothing was stored. ``partial`` carries the output a request had generated."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, partial: PartialOutput | None = None) -> None:
+        super().__init__(message, code="storage_failed", partial=partial)
 
 
 class ModelUnavailable(StoicError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Servers the tests start (``stoic serve`` processes included) keep their data (the
+    responses database) in a temporary directory, not the user's."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("STOIC_DATA_DIR", str(tmp_path_factory.mktemp("data")))
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,17 @@ from ._engine import EngineLike, RequestStreamLike
 from ._errors import status_of
 from ._limits import ServerLimits
 from ._server import EXIT_ENGINE_FAILED, serve
+from ._store import ResponseStore, default_responses_db
 
 __all__ = [
     "EXIT_ENGINE_FAILED",
     "AccessPolicy",
     "EngineLike",
     "RequestStreamLike",
+    "ResponseStore",
     "ServerLimits",
     "create_app",
+    "default_responses_db",
     "drain",
     "is_loopback",
     "load_keys",

@@ -19,8 +19,10 @@ from ._engine import EngineLike
 from ._errors import error_response, http_error_response, internal_error_response
 from ._limits import ServerLimits, head_done, head_expected
 from ._metrics import Metrics
+from ._responses import add_response_routes
 from ._routes import add_routes
 from ._state import RECORD, REQUEST_ID, STATE, AppState
+from ._store import ResponseStore
 
 __all__ = ["create_app", "drain"]
 
@@ -116,6 +118,7 @@ def create_app(
     enable_admin: bool | None = None,
     access: AccessPolicy | None = None,
     limits: ServerLimits | None = None,
+    responses: ResponseStore | None = None,
 ) -> web.Application:
     """An OpenAI-compatible application serving ``engine`` (which the caller started).
 
@@ -131,6 +134,8 @@ def create_app(
         loopback clients only).
     :param limits: the request body's size and read deadline (the connection limits apply
         only under :func:`stoic.http.serve`).
+    :param responses: where ``POST /v1/responses`` stores responses (default: a new in-memory
+        database); the app closes it on cleanup.
     """
     if enable_admin is None:
         enable_admin = engine.config.enable_fault_injection
@@ -142,6 +147,7 @@ def create_app(
     )
     app[STATE] = AppState(engine=engine, metrics=Metrics(engine), limits=limits)
     add_routes(app, admin=enable_admin)
+    add_response_routes(app, responses if responses is not None else ResponseStore())
     return app
 
 

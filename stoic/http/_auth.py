@@ -33,6 +33,7 @@ from ._state import STATE
 
 __all__ = [
     "ACCESS",
+    "OWNER",
     "Access",
     "AccessPolicy",
     "auth_middleware",
@@ -46,6 +47,9 @@ _log = get_logger("stoic.http")
 Access = Literal["open", "metrics", "api", "admin"]
 #: each route's access class, filled by :func:`route_access`
 ACCESS: web.AppKey[dict[web.AbstractResource | None, Access]] = web.AppKey("stoic_access", dict)
+#: who owns what the request stores: the SHA-256 (hex) of its API key when the server has keys
+#: (set by :func:`auth_middleware`), absent otherwise (stored responses are then shared)
+OWNER = web.RequestKey("stoic_owner", str)
 
 
 def _digest(key: str) -> bytes:
@@ -191,6 +195,9 @@ def auth_middleware(policy: AccessPolicy) -> Middleware:
             request.app[STATE].metrics.refused.labels(reason).inc()
             _log.info("http.refused", reason=reason, path=request.path, remote=request.remote)
             return refused
+        token = _bearer(request)
+        if access == "api" and policy.api_keys and token is not None:
+            request[OWNER] = _digest(token).hex()
         return await handler(request)
 
     return _auth

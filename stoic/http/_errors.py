@@ -21,9 +21,11 @@ from ..errors import (
     InvalidRequest,
     ModelNotFound,
     ModelUnavailable,
+    NotFound,
     Overloaded,
     PartialOutput,
     StoicError,
+    StorageFailed,
 )
 
 __all__ = [
@@ -43,12 +45,14 @@ __all__ = [
 _ERROR_STATUS: tuple[tuple[type[StoicError], int, str], ...] = (
     (InvalidRequest, 400, "invalid_request_error"),
     (ModelNotFound, 404, "not_found_error"),
+    (NotFound, 404, "not_found_error"),
     (Overloaded, 429, "rate_limit_error"),
     (ExecutorFailed, 500, "server_error"),
     (EngineFailed, 503, "service_unavailable"),
     (EngineStopped, 503, "service_unavailable"),
     (EngineStarting, 503, "service_unavailable"),
     (ModelUnavailable, 503, "service_unavailable"),
+    (StorageFailed, 503, "service_unavailable"),
 )
 
 _HTTP_ERROR_TYPES = {

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ._responses_schemas import ResponsesRequest
 from ._schemas import (
     TOOL_CALL_SCHEMA,
     ChatCompletionRequest,
@@ -143,7 +144,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
         400: "invalid request (the error names the parameter)",
         401: "missing or wrong API key (only when the server has keys)",
         403: "not allowed (admin routes: an API key, or a non-loopback client without admin key)",
-        404: "unknown model",
+        404: "unknown model (or stored response)",
         408: "the request body did not arrive in time",
         413: "request body over --max-request-bytes",
         429: "overloaded (Retry-After)",
@@ -196,6 +197,61 @@ _SSE_EVENT: dict[str, Any] = {
 }
 
 
+_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "model", "status", "output"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "response"},
+        "created_at": {"type": "integer"},
+        "model": {"type": "string"},
+        "status": {"enum": ["completed", "incomplete"]},
+        "output": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "type"],
+                "properties": {"type": {"enum": ["message", "function_call"]}},
+            },
+        },
+    },
+}
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_PAGE = [
+    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+    {"name": "after", "in": "query", "schema": {"type": "string"}},
+]
+
+
+def _response_paths() -> dict[str, Any]:
+    """``/v1/responses`` and the stored responses' routes."""
+    stored = _json({"$ref": "#/components/schemas/Response"}, "the stored response")
+    deleted = _json({"type": "object", "required": ["id", "deleted"]}, "deleted")
+    items = _json({"type": "object", "required": ["object", "data", "has_more"]}, "its items")
+    return {
+        "/v1/responses": _generation(ResponsesRequest, "Response", "Create a response"),
+        "/v1/responses/{response_id}": {
+            "parameters": [_RESPONSE_ID],
+            "get": {
+                "summary": "A stored response",
+                "responses": {"200": stored, **_errors(401, 404, 503)},
+            },
+            "delete": {
+                "summary": "Delete a stored response",
+                "responses": {"200": deleted, **_errors(401, 404, 503)},
+            },
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "The conversation a stored response answered",
+                "parameters": [_RESPONSE_ID, *_PAGE],
+                "responses": {"200": items, **_errors(400, 401, 404, 503)},
+            }
+        },
+    }
+
+
 def _components(*models: type[BaseModel]) -> dict[str, Any]:
     schemas: dict[str, Any] = {
         "Error": _ERROR,
@@ -208,6 +264,7 @@ def _components(*models: type[BaseModel]) -> dict[str, Any]:
             "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
         },
         "Health": _HEALTH,
+        "Response": _RESPONSE,
     }
     for model in models:
         schema = model.model_json_schema(ref_template=_REF)
@@ -223,6 +280,7 @@ def openapi_document(*, admin: bool, version: str) -> dict[str, Any]:
             ChatCompletionRequest, "ChatCompletion", "Create a chat completion"
         ),
         "/v1/completions": _generation(CompletionRequest, "Completion", "Create a completion"),
+        **_response_paths(),
         "/v1/models": {
             "get": {
                 "summary": "List the served model",
@@ -306,6 +364,7 @@ def openapi_document(*, admin: bool, version: str) -> dict[str, Any]:
             "schemas": _components(
                 ChatCompletionRequest,
                 CompletionRequest,
+                ResponsesRequest,
                 TokenizeRequest,
                 DetokenizeRequest,
                 FaultRequest,

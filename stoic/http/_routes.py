@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from .._logging import get_logger
 from .._version import installed_version
 from ..config import FaultSpec
+from ..engine import SamplingParams
 from ..errors import InvalidRequest, ModelNotFound
 from ._auth import route_access
 from ._engine import EngineLike
@@ -28,10 +29,10 @@ from ._schemas import (
 )
 from ._state import RECORD, REQUEST_ID, STATE, AppState, RequestRecord
 from ._toolconv import render_conversation
-from ._tools import tool_syntax
+from ._tools import ToolPlan, tool_syntax
 from ._util_schemas import DetokenizeRequest, FaultRequest, TokenizeRequest
 
-__all__ = ["add_routes"]
+__all__ = ["add_routes", "chat_format", "chat_inputs"]
 
 _log = get_logger("stoic.http")
 _M = TypeVar("_M", bound=BaseModel)
@@ -102,24 +103,42 @@ def _generation(
     return wrapped
 
 
-async def _chat(request: web.Request, state: AppState, record: RequestRecord) -> web.StreamResponse:
-    req = _parse(ChatCompletionRequest, await _read_json(request))
+def chat_inputs(
+    state: AppState, req: ChatCompletionRequest
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, ToolPlan | None, SamplingParams]:
+    """What a checked chat request submits: its messages (tools rendered for the served
+    model's template), the template variables, the tool plan and the sampling parameters.
+
+    :raises InvalidRequest: a malformed tool, tool_choice or sampling field.
+    """
     req.check_supported()
-    model = _served_name(state.engine, req.model)
     messages, kwargs = req.engine_messages(), req.chat_template_kwargs
     plan = None
     if req.uses_tools:
         syntax = tool_syntax(state.engine.chat_template)
         plan = req.tool_plan(syntax)
         messages, kwargs = render_conversation(messages, plan, syntax, kwargs)
-    params = req.sampling_params(plan)
-    jobs = [Job(i, 0, None, messages, choice_params(params, i), kwargs) for i in range(req.n)]
-    fmt = ChatFormat(
+    return messages, kwargs, plan, req.sampling_params(plan)
+
+
+def chat_format(
+    state: AppState, record: RequestRecord, model: str, plan: ToolPlan | None
+) -> ChatFormat:
+    """The chat response builder of one request (its output parsed for ``plan``'s calls)."""
+    return ChatFormat(
         record.request_id,
         model,
         tools=plan if plan and plan.offered else None,
         count_tool_calls=state.metrics.count_tool_calls,
     )
+
+
+async def _chat(request: web.Request, state: AppState, record: RequestRecord) -> web.StreamResponse:
+    req = _parse(ChatCompletionRequest, await _read_json(request))
+    model = _served_name(state.engine, req.model)
+    messages, kwargs, plan, params = chat_inputs(state, req)
+    jobs = [Job(i, 0, None, messages, choice_params(params, i), kwargs) for i in range(req.n)]
+    fmt = chat_format(state, record, model, plan)
     return await run_generation(
         request, state, record, fmt, jobs, stream=req.stream, include_usage=req.include_usage
     )

@@ -18,6 +18,7 @@ from ._deferred import DeferredEngine
 from ._engine import EngineLike
 from ._limits import GuardedSite, ServerLimits
 from ._state import STATE
+from ._store import ResponseStore
 
 __all__ = ["EXIT_ENGINE_FAILED", "serve"]
 
@@ -41,6 +42,7 @@ async def serve(
     on_ready: Callable[[str, EngineLike], None] | None = None,
     access: AccessPolicy | None = None,
     limits: ServerLimits | None = None,
+    responses: ResponseStore | None = None,
 ) -> int:
     """Serve ``engine`` on ``host:port`` until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -59,6 +61,8 @@ async def serve(
     :param access: API and admin keys (:class:`~stoic.http.AccessPolicy`).
     :param limits: request size, read deadlines, keep-alive and the connection cap
         (:class:`~stoic.http.ServerLimits`).
+    :param responses: the stored responses' database (default: in memory); closed when the
+        server stops.
     :returns: the process exit status: 0, or :data:`EXIT_ENGINE_FAILED`.
     :raises OSError: if the port cannot be bound.
     :raises ~stoic.errors.StoicError: if a configured engine cannot start (e.g.
@@ -71,7 +75,9 @@ async def serve(
     if enable_admin is None:
         enable_admin = config.enable_fault_injection
     limits = limits if limits is not None else ServerLimits()
-    app = create_app(target, enable_admin=enable_admin, access=access, limits=limits)
+    app = create_app(
+        target, enable_admin=enable_admin, access=access, limits=limits, responses=responses
+    )
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

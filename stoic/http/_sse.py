@@ -1,4 +1,5 @@
-"""Server-sent events, the OpenAI way: ``data: {json}\\n\\n`` per event, ``data: [DONE]`` last."""
+"""Server-sent events, the OpenAI way: ``data: {json}\\n\\n`` per event, ``data: [DONE]`` last
+(the Responses API names each event, ``event: <type>``, and sends no ``[DONE]``)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,17 @@ class SSEWriter:
     async def start(self) -> None:
         await self.response.prepare(self._request)
 
-    async def send(self, event: dict[str, Any]) -> None:
-        await self.response.write(b"data: " + dumps(event).encode() + b"\n\n")
+    async def send(self, event: dict[str, Any], *, name: str | None = None) -> None:
+        """Write ``event`` (``name``: with an ``event:`` line)."""
+        head = b"event: " + name.encode() + b"\n" if name is not None else b""
+        await self.response.write(head + b"data: " + dumps(event).encode() + b"\n\n")
 
-    async def done(self) -> None:
-        """Write ``data: [DONE]`` and end the response. A client that hangs up the moment it
-        reads ``[DONE]`` had its answer: a reset while ending the response is not an error."""
-        await self.response.write(b"data: [DONE]\n\n")
+    async def done(self, *, marker: bool = True) -> None:
+        """Write ``data: [DONE]`` (unless not ``marker``) and end the response. A client that
+        hangs up the moment it reads the end had its answer: a reset while ending the response
+        is not an error."""
+        if marker:
+            await self.response.write(b"data: [DONE]\n\n")
         self.finished = True
         with contextlib.suppress(ConnectionResetError):
             await self.response.write_eof()

@@ -77,6 +77,18 @@ async def read_sse(response: aiohttp.ClientResponse) -> list[Any]:
     return events
 
 
+async def read_events(response: aiohttp.ClientResponse) -> list[dict[str, Any]]:
+    """Every event of a Responses stream; each block's ``event:`` line names its ``type``."""
+    events = []
+    for block in (b for b in (await response.text()).split("\n\n") if b.strip()):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
 @contextlib.asynccontextmanager
 async def serving(
     engine: EngineLike, **kwargs: Any

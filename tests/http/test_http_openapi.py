@@ -96,6 +96,9 @@ def test_the_document_describes_every_route(served: str) -> None:
     assert set(document["paths"]) >= {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
         "/v1/models",
         "/v1/models/{model}",
         "/tokenize",

@@ -1,0 +1,290 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` and
+``GET /v1/responses/{id}/input_items``.
+
+A request is translated into a chat completion request
+(:meth:`~stoic.http._responses_schemas.ResponsesRequest.chat_request`) and served by the chat
+path (:func:`~stoic.http._routes.chat_inputs`, :func:`~stoic.http._generate.submit_all`, the
+chat format's tool parser); :class:`~stoic.http._responses_stream.ResponseBuilder` turns its
+output into the response object and its events. Failure semantics are the chat ones: anything
+wrong before admission is a 4xx/5xx with no event sent; a failure after it ends the stream with
+an ``error`` event carrying the partial output (a non-streamed request: the error status with
+it). A stored response (``store``, the default) is committed before ``response.completed`` is
+sent (or the JSON returned); if the database fails, the request ends with that error instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from .._logging import get_logger
+from ..errors import InvalidRequest, NotFound, StorageFailed
+from ._auth import OWNER, route_access
+from ._errors import dumps, error_response, internal_error_object
+from ._fanin import ChoiceFailed, Fanin
+from ._generate import Job, _finish, _Run, submit_all
+from ._responses_schemas import (
+    ResponsesRequest,
+    chat_messages,
+    chat_param,
+    input_items,
+    new_id,
+)
+from ._responses_stream import ResponseBuilder, response_usage
+from ._routes import _generation, _parse, _read_json, _served_name, chat_format, chat_inputs
+from ._schemas import ChatCompletionRequest
+from ._sse import SSEWriter
+from ._state import AppState, RequestRecord
+from ._store import ResponseStore
+
+__all__ = ["STORE", "add_response_routes"]
+
+_log = get_logger("stoic.http")
+
+STORE = web.AppKey("stoic_responses", ResponseStore)
+#: ``GET .../input_items`` pages: at most this many items
+_MAX_PAGE = 100
+
+
+@dataclass
+class _Turn:
+    """One request's conversation, and where its response is stored."""
+
+    store: ResponseStore
+    owner: str
+    #: earlier turns' items and this request's input
+    items: list[dict[str, Any]]
+    stored: bool
+
+    async def save(self, response: dict[str, Any], run: _Run) -> None:
+        """Store ``response`` if asked. :raises StorageFailed: carrying the output."""
+        if not self.stored:
+            return
+        try:
+            await self.store.put(self.owner, response, self.items)
+        except StorageFailed as exc:
+            raise StorageFailed(exc.message, partial=run.choices[0].partial()) from None
+
+
+def _owner(request: web.Request) -> str:
+    owner: str = request.get(OWNER, "")
+    return owner
+
+
+async def _conversation(request: web.Request, req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The stored conversation ``previous_response_id`` continues, then this request's input.
+
+    :raises NotFound: no such response (or not this key's).
+    """
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = await request.app[STORE].get(_owner(request), req.previous_response_id)
+        if stored is None:
+            raise NotFound(
+                f"no stored response {req.previous_response_id!r}", param="previous_response_id"
+            )
+        history = stored.items + stored.response["output"]
+    return history + input_items(req.input)
+
+
+async def _create(
+    request: web.Request, state: AppState, record: RequestRecord
+) -> web.StreamResponse:
+    req = _parse(ResponsesRequest, await _read_json(request))
+    req.check_supported()
+    model = _served_name(state.engine, req.model or "default")
+    items = await _conversation(request, req)
+    try:
+        chat = _parse(
+            ChatCompletionRequest, req.chat_request(chat_messages(items, req.instructions))
+        )
+        messages, kwargs, plan, params = chat_inputs(state, chat)
+        job = Job(0, 0, None, messages, params, kwargs)
+        streams = await submit_all(state, [job], record.request_id)
+    except InvalidRequest as exc:
+        raise chat_param(exc) from None
+    base = {
+        "id": new_id("resp"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        **req.echo(),
+    }
+    turn = _Turn(request.app[STORE], _owner(request), items, req.stored)
+    try:
+        run = _Run(state, record, chat_format(state, record, model, plan), [job], streams)
+        headers = {"x-request-id": record.request_id}
+        if req.stream:
+            return await _stream(request, run, ResponseBuilder(base), turn, headers)
+        return await _collect(run, ResponseBuilder(base), turn, headers)
+    finally:
+        await _finish(state, streams)
+
+
+async def _feed(
+    run: _Run, builder: ResponseBuilder, fanin: Fanin
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """Feed the builder the choice's chunks; yields the events of each."""
+    async for position, delta in fanin:
+        choice = run.take(position, delta)
+        if delta.text or delta.finish_reason:
+            out = run.fmt.chunk_choice(choice, delta)
+            if out is not None:
+                yield builder.feed(out)
+
+
+def _usage(run: _Run) -> dict[str, Any]:
+    return response_usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
+
+
+async def _collect(
+    run: _Run, builder: ResponseBuilder, turn: _Turn, headers: dict[str, str]
+) -> web.Response:
+    async with Fanin(run.streams, stop=run.state.stopping) as fanin:
+        try:
+            async for _ in _feed(run, builder, fanin):
+                pass
+        except ChoiceFailed as failed:
+            error, partial, _ = run.failure(failed)
+            response = error_response(error, partial=partial)
+            response.headers.update(headers)
+            return response
+    body = builder.snapshot(builder.status, _usage(run))
+    try:
+        await turn.save(body, run)
+    except StorageFailed as exc:
+        run.record.outcome = "error"
+        response = error_response(exc)
+        response.headers.update(headers)
+        return response
+    return web.json_response(body, headers=headers, dumps=dumps)
+
+
+async def _stream(
+    request: web.Request,
+    run: _Run,
+    builder: ResponseBuilder,
+    turn: _Turn,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    sse = SSEWriter(request, headers)
+
+    async def send(events: list[dict[str, Any]]) -> None:
+        for event in events:
+            await sse.send(event, name=event["type"])
+
+    try:
+        async with Fanin(run.streams, stop=run.state.stopping) as fanin:
+            await sse.start()
+            try:
+                await send(builder.start())
+                async for events in _feed(run, builder, fanin):
+                    await send(events)
+                body = builder.snapshot(builder.status, _usage(run))
+                await turn.save(body, run)
+                await send([builder.end(body)])
+            except ChoiceFailed as failed:
+                error, partial, _ = run.failure(failed)
+                await send([builder.error(error, partial)])
+            except StorageFailed as exc:
+                run.record.outcome = "error"
+                await send([builder.error(exc, exc.partial or run.choices[0].partial())])
+            except ConnectionResetError:
+                raise
+            except Exception:
+                _log.exception("http.stream_failed")
+                run.record.outcome = "error"
+                body = internal_error_object(run.record.request_id)["error"]
+                await send([builder.event("error", **_error_fields(body))])
+            try:
+                await sse.done(marker=False)
+            finally:
+                run.record.delivered = sse.finished
+    except ConnectionResetError:
+        if not sse.finished:
+            run.record.outcome = "aborted"
+            _log.info("http.client_disconnected", completion_tokens=run.completion_tokens)
+    return sse.response
+
+
+def _error_fields(body: dict[str, Any]) -> dict[str, Any]:
+    return {"code": body["code"], "message": body["message"], "param": body["param"]}
+
+
+async def _stored(request: web.Request) -> Any:
+    """The stored response the path names. :raises NotFound: no such response for this key."""
+    response_id = request.match_info["response_id"]
+    stored = await request.app[STORE].get(_owner(request), response_id)
+    if stored is None:
+        raise NotFound(f"no stored response {response_id!r}", param="response_id")
+    return stored
+
+
+async def _get(request: web.Request) -> web.Response:
+    stored = await _stored(request)
+    return web.json_response(stored.response, dumps=dumps)
+
+
+async def _delete(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    if not await request.app[STORE].delete(_owner(request), response_id):
+        raise NotFound(f"no stored response {response_id!r}", param="response_id")
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _page_query(request: web.Request) -> tuple[int, str, str | None]:
+    """``limit`` (1 to 100, default 20), ``order`` (``asc`` or ``desc``, the default) and
+    ``after`` of an ``input_items`` page. :raises InvalidRequest: naming the bad one."""
+    query = request.query
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= _MAX_PAGE:
+        raise InvalidRequest(f"limit must be an integer from 1 to {_MAX_PAGE}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
+    return limit, order, query.get("after")
+
+
+async def _input_items(request: web.Request) -> web.Response:
+    limit, order, after = _page_query(request)
+    items = (await _stored(request)).items
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"no input item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    body = {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+    return web.json_response(body, dumps=dumps)
+
+
+def add_response_routes(app: web.Application, store: ResponseStore) -> None:
+    """Register the Responses API on ``app``, storing in ``store`` (closed with the app)."""
+    app[STORE] = store
+
+    async def close(_app: web.Application) -> None:
+        store.close()
+
+    app.on_cleanup.append(close)
+    router = app.router
+    route_access(app, router.add_post("/v1/responses", _generation("responses", _create)), "api")
+    route_access(app, router.add_get("/v1/responses/{response_id}", _get), "api")
+    route_access(app, router.add_delete("/v1/responses/{response_id}", _delete), "api")
+    route_access(
+        app, router.add_get("/v1/responses/{response_id}/input_items", _input_items), "api"
+    )
