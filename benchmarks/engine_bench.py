@@ -10,6 +10,8 @@ Two workloads, measured in one run so machine noise hits all systems alike:
   loop with a KV cache at batch 32 (the ceiling).
 
 Usage: ``python benchmarks/engine_bench.py [--dtype auto|float32|bfloat16] [--requests 32]``
+(``make bench ARGS=...`` runs it; a smoke run: ``--requests 4 --max-tokens 4 --baseline-requests 2
+--steady-batch 2 --steady-tokens 8``)
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ async def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--requests", type=int, default=32, help="mixed requests per concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--steady-batch", type=int, default=32, help="steady decode: sequences")
+    parser.add_argument(
+        "--steady-tokens", type=int, default=128, help="steady decode: prompt and output tokens"
+    )
     parser.add_argument(
         "--baseline-requests",
         type=int,
@@ -86,7 +92,8 @@ async def main() -> None:
             work = prompts if concurrency > 1 else prompts[: max(4, args.requests // 4)]
             work = tag_prompts(work, f"[c={concurrency}] ")
             rows.append(await stoic_mixed(engine, work, concurrency, args.max_tokens))
-        rows.append(await stoic_steady(engine, 32, 128, 128))
+        steady = (args.steady_batch, args.steady_tokens, args.steady_tokens)
+        rows.append(await stoic_steady(engine, *steady))
         stats = engine.stats()
     ref = load_model(str(path), dtype=args.dtype)
     rows.insert(
@@ -98,7 +105,7 @@ async def main() -> None:
             args.max_tokens,
         ),
     )
-    rows.append(torch_decode_loop(ref.model, 32, 128, 128))
+    rows.append(torch_decode_loop(ref.model, *steady))
 
     print(
         f"\nmachine: {platform.machine()}, {torch.get_num_threads()} torch threads; "
@@ -110,12 +117,12 @@ async def main() -> None:
         r for r in rows if r.system == "stoic" and r.concurrency == 32 and r.workload == "mixed"
     )
     mixed1 = next(r for r in rows if r.system == "stoic" and r.concurrency == 1)
-    steady = next(r for r in rows if r.system == "stoic" and r.workload == "steady decode")
+    decode = next(r for r in rows if r.system == "stoic" and r.workload == "steady decode")
     ceiling = rows[-1].tokens_per_s
     print()
     print(f"mixed c=32 vs one-at-a-time generate: {mixed32.tokens_per_s / base:.2f}x")
     print(f"mixed c=1 vs one-at-a-time generate:  {mixed1.tokens_per_s / base:.2f}x")
-    print(f"steady decode vs torch loop ceiling:  {steady.tokens_per_s / ceiling:.2%}")
+    print(f"steady decode vs torch loop ceiling:  {decode.tokens_per_s / ceiling:.2%}")
 
 
 if __name__ == "__main__":

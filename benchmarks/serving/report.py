@@ -226,10 +226,10 @@ streamed (`/v1/chat/completions`, SSE), greedy, `max_tokens`
 the whole phase and idle when not measured; at each level every system is measured in turn, the
 order rotating from level to level:
 
-- `stoic serve --model default --dtype bfloat16 --block-size {BLOCK_SIZE} --num-kv-blocks
+- `stoic serve --model default --dtype bfloat16 --executor thread --block-size {BLOCK_SIZE} --num-kv-blocks
   {NUM_KV_BLOCKS} --max-num-batched-tokens {MAX_BATCHED_TOKENS} --max-num-seqs {MAX_NUM_SEQS}`
-  (its defaults on this machine, spelled out), run through the `--timed-serve` wrapper described
-  under engine overhead;
+  (its defaults on this machine spelled out, and the thread executor, so that the step timer
+  of the `--timed-serve` wrapper described under engine overhead sees every step);
 - `transformers serve <that model directory> --continuous-batching --dtype bfloat16 --device cpu
   --cb-block-size {BLOCK_SIZE} --cb-num-blocks {NUM_KV_BLOCKS} --cb-max-batch-tokens
   {MAX_BATCHED_TOKENS}`: the same KV capacity (46,592 tokens) and tokens per step, offline

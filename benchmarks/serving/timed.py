@@ -30,7 +30,8 @@ def stoic_system(work: Path) -> System:
     the executor spends in ``ModelRunner.execute`` recorded (SIGUSR1 dumps and resets it)."""
     port = free_port()
     argv = [sys.executable, str(SCRIPT), "--timed-serve", str(work / "stoic-steps.jsonl")]
-    argv += ["serve", "--model", "default", "--dtype", "bfloat16"]
+    # the thread executor: the timer wraps ModelRunner.execute in this process
+    argv += ["serve", "--model", "default", "--dtype", "bfloat16", "--executor", "thread"]
     argv += ["--port", str(port), "--log-level", "warning", "--block-size", str(BLOCK_SIZE)]
     argv += ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
     argv += ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
