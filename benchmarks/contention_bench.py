@@ -36,21 +36,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving.load import Result, run_load
-from serving.systems import System, free_port, llama_system
+from harness.cpu import cpu_model
+from harness.load import Result, run_load
+from harness.report import markdown
+from harness.servers import System, llama_system, stoic_server
 
 from stoic.model import default_gguf_path
 
 CONDITIONS = ("quiet", "neighbour", "quota")
 TOPICS = ("a lighthouse", "a bicycle", "the moon", "a library", "a river", "a clock", "snow")
-
-
-def stoic_system(work: Path, name: str, flags: list[str], condition: str) -> System:
-    port = free_port()
-    argv = [str(Path(sys.executable).parent / "stoic"), "serve", "--port", str(port)]
-    argv += ["--log-level", "info", *flags]
-    extra = {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    return System(name, argv, port, "default", extra, work / f"{name}-{condition}.log")
 
 
 def bodies(system: System, n: int, max_tokens: int, offset: int = 0) -> list[dict[str, object]]:
@@ -165,11 +159,7 @@ async def measure(
 
 
 def table(results: dict[tuple[str, str], Result]) -> str:
-    lines = [
-        "| system | condition | tokens/s | vs quiet | TTFT p50 / p99 s | ITL p50 / p99 ms "
-        "| errors | threads |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for (name, condition), r in results.items():
         quiet = results.get((name, "quiet"))
         share = (
@@ -177,11 +167,11 @@ def table(results: dict[tuple[str, str], Result]) -> str:
         )
         ttft = f"{r.ttft(0.5) or 0:.2f} / {r.ttft(0.99) or 0:.2f}"
         itl = f"{1000 * (r.itl(0.5) or 0):.0f} / {1000 * (r.itl(0.99) or 0):.0f}"
-        lines.append(
-            f"| {name} | {condition} | {r.tokens_per_s:.1f} | {share} | {ttft} | {itl} "
-            f"| {r.errors} | {r.note or '-'} |"
+        rows.append(
+            (name, condition, f"{r.tokens_per_s:.1f}", share, ttft, itl, r.errors, r.note or "-")
         )
-    return "\n".join(lines)
+    head = ("system", "condition", "tokens/s", "vs quiet", "TTFT p50 / p99 s", "ITL p50 / p99 ms")
+    return markdown((*head, "errors", "threads"), rows, align="l" * 8)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -191,10 +181,10 @@ async def main(args: argparse.Namespace) -> None:
     for name in args.systems:
         for condition in args.conditions:
             if name == "stoic":
-                system = stoic_system(work, name, [], condition)
+                system = stoic_server(work, f"{name}-{condition}", log_level="info")
             elif name == "stoic-before":
                 flags = ["--threads", str(os.cpu_count() or 1), "--no-adapt-threads"]
-                system = stoic_system(work, name, flags, condition)
+                system = stoic_server(work, f"{name}-{condition}", flags, log_level="info")
             elif name == "llama-server" and args.llama_server:
                 system = llama_system(work, args.llama_server, default_gguf_path(), 16)
             else:
@@ -207,8 +197,6 @@ async def main(args: argparse.Namespace) -> None:
     if group is not None:
         with contextlib.suppress(OSError):
             group.rmdir()
-    from serving.cpu import cpu_model
-
     cpu = cpu_model()
     print(
         f"\n{os.cpu_count()} CPUs ({cpu}); {args.requests} requests x {args.max_tokens} tokens at "

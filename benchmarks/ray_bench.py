@@ -22,8 +22,8 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,35 +33,12 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_bench import mixed_prompts, tag_prompts
-from serving.load import RequestRecord, run_load
+from harness.load import Result, run_load
+from harness.servers import System, stoic_server
+from harness.workload import mixed_prompts, tag_prompts
 
 _REPLICA_RE = re.compile(r'stoic_replica_sequences_running\{replica="([^"]+)"\}')
 _SERVING_RE = re.compile(r'stoic_replicas\{state="serving"\} ([0-9.]+)')
-
-
-def start(port: int, replicas: int | None) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "stoic", "serve", "--port", str(port), "--dtype", "float32"]
-    cmd += ["--executor", "thread", "--log-level", "warning"]
-    if replicas is not None:
-        cmd += ["--replicas", str(replicas)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-async def wait_healthy(url: str, proc: subprocess.Popen[bytes], within: float = 300.0) -> float:
-    started = time.monotonic()
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() - started < within:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                async with http.get(f"{url}/health") as r:
-                    if r.status == 200:
-                        return time.monotonic() - started
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
 
 
 async def replicas(url: str) -> tuple[set[str], float]:
@@ -94,50 +71,46 @@ async def kill_one_and_time(url: str, after: float) -> dict[str, Any]:
             return {"killed_pid": pid, "back_s": round(time.monotonic() - killed_at, 1)}
 
 
-def summary(name: str, records: list[RequestRecord], seconds: float) -> dict[str, Any]:
-    ok = [r for r in records if r.ok]
-    tokens = sum(r.output_tokens for r in ok)
+def summary(result: Result) -> dict[str, Any]:
     return {
-        "system": name,
-        "requests": len(records),
-        "errors": len(records) - len(ok),
-        "seconds": round(seconds, 1),
-        "output_tok_s": round(tokens / seconds, 1),
+        "system": result.system,
+        "requests": len(result.records),
+        "errors": result.errors,
+        "seconds": round(result.seconds, 1),
+        "output_tok_s": round(result.tokens_per_s, 1),
     }
 
 
-async def measure(args: argparse.Namespace, name: str, replicas_n: int | None) -> dict[str, Any]:
-    port = args.port
-    url = f"http://127.0.0.1:{port}"
-    proc = start(port, replicas_n)
+async def load(system: System, args: argparse.Namespace, tag: str) -> Result:
+    """The measured pass: ``--requests`` seeded mixed prompts at ``--concurrency``."""
+    prompts = tag_prompts(mixed_prompts(args.requests, seed=1), tag)
+    bodies = [system.body(m, args.max_tokens) for m in prompts]
+    url = f"{system.url}/v1/chat/completions"
+    records, seconds = await run_load(url, bodies, args.concurrency, budget=3600)
+    return Result(tag.strip(), args.concurrency, len(bodies), records, seconds)
+
+
+async def measure(
+    args: argparse.Namespace, work: Path, name: str, replicas_n: int | None
+) -> dict[str, Any]:
+    flags = ["--dtype", "float32", "--executor", "thread"]
+    if replicas_n is not None:
+        flags += ["--replicas", str(replicas_n)]
+    system = stoic_server(work, name, flags)
+    started = time.monotonic()
+    await system.start()
     try:
-        ready = await wait_healthy(url, proc)
-        body = {"model": "default", "max_tokens": args.max_tokens, "stream": True}
-        body |= {"ignore_eos": True, "temperature": 0}
-        warm = [{**body, "messages": m} for m in tag_prompts(mixed_prompts(4), "warm ")]
-        await run_load(f"{url}/v1/chat/completions", warm, 4, budget=600)
-        prompts = tag_prompts(mixed_prompts(args.requests, seed=1), f"{name} ")
-        bodies = [{**body, "messages": m} for m in prompts]
-        records, seconds = await run_load(
-            f"{url}/v1/chat/completions", bodies, args.concurrency, budget=3600
-        )
-        row = summary(name, records, seconds) | {"ready_s": round(ready, 1)}
+        ready = time.monotonic() - started
+        warm = [system.body(m, args.max_tokens) for m in tag_prompts(mixed_prompts(4), "warm ")]
+        await run_load(f"{system.url}/v1/chat/completions", warm, 4, budget=600)
+        row = summary(await load(system, args, f"{name} ")) | {"ready_s": round(ready, 1)}
         if args.kill and replicas_n == 2:  # a second pass, with a replica killed mid-load
-            killer = asyncio.create_task(kill_one_and_time(url, args.kill_after))
-            prompts = tag_prompts(mixed_prompts(args.requests, seed=1), f"{name} kill ")
-            bodies = [{**body, "messages": m} for m in prompts]
-            records, seconds = await run_load(
-                f"{url}/v1/chat/completions", bodies, args.concurrency, budget=3600
-            )
-            kill = summary(f"{name}, one killed", records, seconds)
+            killer = asyncio.create_task(kill_one_and_time(system.url, args.kill_after))
+            kill = summary(await load(system, args, f"{name}, one killed "))
             row["kill_pass"] = kill | await asyncio.wait_for(killer, 300)
         return row
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        system.stop()
 
 
 async def main() -> None:
@@ -145,15 +118,15 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--kill", action="store_true", help="kill a replica mid-load (2 replicas)")
     parser.add_argument("--kill-after", type=float, default=10.0)
     parser.add_argument("--only", choices=["single", "1", "2"], action="append")
     args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="stoic-ray-bench-"))
     systems = {"single": None, "1": 1, "2": 2}
     for key in args.only or list(systems):
         name = "stoic serve" if key == "single" else f"--replicas {key}"
-        print(await measure(args, name, systems[key]), flush=True)
+        print(await measure(args, work, name, systems[key]), flush=True)
 
 
 if __name__ == "__main__":

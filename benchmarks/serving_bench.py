@@ -3,7 +3,7 @@ plain batched torch decode loop (the ceiling), on the same requests, in one run.
 
 A load generator drives any OpenAI-compatible ``/v1/chat/completions`` endpoint with C concurrent
 *streaming* clients (aiohttp, SSE parsing) over a fixed, seeded prompt set of mixed lengths
-(``engine_bench.mixed_prompts``), ``max_tokens`` 64 with EOS ignored, and reports output tokens/s,
+(``harness.workload.mixed_prompts``), ``max_tokens`` 64 with EOS ignored, and reports output tokens/s,
 requests/s, TTFT p50/p90/p99, inter-token latency p50/p99 (gaps between content events as the
 client sees them), time per output token, end-to-end latency and errors.
 
@@ -29,29 +29,25 @@ The full run (``python benchmarks/serving_bench.py``, ~10-20 minutes on 2 CPU co
 Every measurement records the CPU other processes used meanwhile and is repeated (up to twice)
 after waiting for quiet when that exceeds 15% of the machine.
 
-It writes ``docs/benchmarks.md`` and ``docs/img/serving_bench.png`` (``--quick``: fewer requests,
-written under ``$TMPDIR/stoic-serving-bench`` unless ``--docs-dir`` is given). Drive an endpoint
-of your own with ``--url http://127.0.0.1:8000 --model NAME``.
+It writes its report, ``serving-report.md``, and ``img/serving_bench.png`` under ``--out``
+(default ``$TMPDIR/stoic-serving-bench``); docs/benchmarks.md quotes the figures a user needs
+from it. ``--quick`` runs fewer requests (a smoke test). Drive an endpoint of your own with
+``--url http://127.0.0.1:8000 --model NAME``.
 
-The code lives in the ``benchmarks/serving`` package (one module per concern); this script is
-the entry point, and the one the benchmark spawns for its subprocesses.
+The code lives in ``benchmarks/serving`` (one module per concern) over the shared harness
+(``benchmarks/harness``); this script is the entry point, and the one the benchmark spawns for
+its subprocesses.
 
 Needs the ``bench`` extra: ``pip install -e '.[bench]'`` (transformers serve, matplotlib, py-spy).
 """
 
 from __future__ import annotations
 
-import os
-
-# before anything imports transformers or huggingface_hub: never touch the network
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -61,11 +57,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import CONCURRENCY, ROOT
+import harness  # noqa: F401  (first: offline before anything imports transformers)
+from serving import CONCURRENCY
 from serving.bench import Bench, Settings, drive_endpoint
 from serving.report import plot, print_summary, report, write_doc
-from serving.systems import timed_serve
+from serving.timed import timed_serve
 from serving.worker import worker_main
+
+REPORT = "serving-report.md"
 
 
 def main() -> None:
@@ -84,7 +83,9 @@ def main() -> None:
         help="seconds to wait for other processes to leave the CPU first (900; --quick: 0)",
     )
     parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples/s")
-    parser.add_argument("--docs-dir", type=Path, help="where benchmarks.md and img/ go")
+    parser.add_argument(
+        "--out", type=Path, help="where serving-report.md and img/ go ($TMPDIR/stoic-serving-bench)"
+    )
     parser.add_argument("--url", help="only drive this OpenAI-compatible endpoint")
     parser.add_argument("--model", default="default", help="with --url: the model field")
     parser.add_argument("--extra-body", help="with --url: JSON merged into every request")
@@ -106,12 +107,10 @@ def main() -> None:
 
     if args.quick:
         requests = {c: args.requests or max(4, c) for c in CONCURRENCY}
-        docs = args.docs_dir or Path(tempfile.gettempdir()) / "stoic-serving-bench"
-        if not args.docs_dir:  # a smoke test starts from an empty document
-            (docs / "benchmarks.md").unlink(missing_ok=True)
     else:
         requests = {c: args.requests or {1: 16, 8: 64, 32: 128}[c] for c in CONCURRENCY}
-        docs = args.docs_dir or ROOT / "docs"
+    docs = args.out or Path(tempfile.gettempdir()) / "stoic-serving-bench"
+    (docs / REPORT).unlink(missing_ok=True)  # every run writes a report of its own
     llama = args.llama_server or shutil.which("llama-server")
     work = Path(tempfile.mkdtemp(prefix="stoic-serving-bench-"))
     settings = Settings(
@@ -143,9 +142,9 @@ def main() -> None:
     png = docs / "img" / "serving_bench.png"
     plot(bench, png)
     command = "python benchmarks/serving_bench.py" + (" " + " ".join(sys.argv[1:])).rstrip()
-    write_doc(docs / "benchmarks.md", report(bench, command, png, docs))
+    write_doc(docs / REPORT, report(bench, command, png, docs))
     print_summary(bench)
-    bench.log(f"wrote {docs / 'benchmarks.md'} and {png}; logs and raw profile in {work}")
+    bench.log(f"wrote {docs / REPORT} and {png}; logs and raw profile in {work}")
 
 
 def _children() -> Iterator[int]:

@@ -26,70 +26,68 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import engine_bench as eb
-from serving import BIN, ROOT
-from serving.cpu import cpu_flags, cpu_model, versions
-from serving.load import Result, run_load
-from serving.systems import System, free_port, llama_system, transformers_system
-from serving.tables import fmt_ms, fmt_s
+import harness.workload as eb
+from harness import ROOT
+from harness.cpu import cpu_flags, cpu_model, versions
+from harness.load import Result, run_load
+from harness.report import fmt_ms, fmt_s, markdown
+from harness.servers import System, llama_system, stoic_server, transformers_system
 
 LEVELS = (1, 8, 32)
 REQUESTS = {1: 8, 8: 32, 32: 64}
 START, END = "<!-- single_stream_bench:start -->", "<!-- single_stream_bench:end -->"
-GREEDY = {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
 
 
-def stoic_system(work: Path, name: str, flags: Sequence[str]) -> System:
-    """``stoic serve`` with its defaults and ``flags``."""
-    port = free_port()
-    argv = [str(BIN / "stoic"), "serve", "--port", str(port), "--log-level", "warning", *flags]
-    slug = name.replace(" ", "_").replace("-", "")
-    return System(name, argv, port, "default", GREEDY, work / f"{slug}.log")
-
-
-async def measure(system: System, prompts: Sequence[Any], c: int, tag: str) -> Result:
-    bodies = [system.body(p, 64) for p in eb.tag_prompts(prompts, tag)]
+async def measure(system: System, prompts: Sequence[Any], c: int, tag: str, tokens: int) -> Result:
+    bodies = [system.body(p, tokens) for p in eb.tag_prompts(prompts, tag)]
     records, seconds = await run_load(system.url + "/v1/chat/completions", bodies, c, budget=600.0)
     return Result(system.name, c, len(prompts), records, seconds)
 
 
 def table(results: list[Result], baseline: str) -> str:
-    lines = [
-        "| system | c | requests | tokens/s | vs llama-server | TTFT p50 (s) | TTFT p99 (s) "
-        "| TPOT p50 (ms) | ITL p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    head = ("system", "c", "requests", "tokens/s", "vs llama-server", "TTFT p50 (s)")
+    head += ("TTFT p99 (s)", "TPOT p50 (ms)", "ITL p99 (ms)")
+    rows = []
     for r in results:
         base = next(
             (b for b in results if b.system == baseline and b.concurrency == r.concurrency), None
         )
         vs = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base.tokens_per_s else "-"
-        lines.append(
-            f"| {r.system} | {r.concurrency} | {len(r.ok)}/{r.planned} | {r.tokens_per_s:.1f} "
-            f"| {vs} | {fmt_s(r.ttft(0.5))} | {fmt_s(r.ttft(0.99))} | {fmt_ms(r.tpot(0.5))} "
-            f"| {fmt_ms(r.itl(0.99))} |"
+        rows.append(
+            (
+                r.system,
+                r.concurrency,
+                f"{len(r.ok)}/{r.planned}",
+                f"{r.tokens_per_s:.1f}",
+                vs,
+                fmt_s(r.ttft(0.5)),
+                fmt_s(r.ttft(0.99)),
+                fmt_ms(r.tpot(0.5)),
+                fmt_ms(r.itl(0.99)),
+            )
         )
-    return "\n".join(lines)
+    return markdown(head, rows)
 
 
 async def run(args: argparse.Namespace) -> str:
     import torch
 
     from stoic.model import default_gguf_path, resolve_dtype
-    from stoic.model._loader import resolve_model_path
 
     work = Path(tempfile.mkdtemp(prefix="stoic-single-stream-"))
-    systems = [
-        stoic_system(work, "stoic serve", []),
-        stoic_system(work, "stoic serve --quantization none", ["--quantization", "none"]),
-    ]
+    levels = sorted(set(args.levels))
+    requests = {c: args.requests or REQUESTS.get(c, 2 * c) for c in levels}
+    systems = [stoic_server(work, "stoic serve")]
+    if not args.no_options:
+        systems.append(
+            stoic_server(work, "stoic serve --quantization none", ["--quantization", "none"])
+        )
     if args.llama_server:
-        llama = llama_system(work, args.llama_server, default_gguf_path(), max(LEVELS))
+        llama = llama_system(work, args.llama_server, default_gguf_path(), max(levels))
         llama.name = "llama-server"
         systems.append(llama)
     if args.transformers:
-        _, model_dir = resolve_model_path("default")
-        tserve = transformers_system(work, model_dir, 64, cb=True)
+        tserve = transformers_system(work, eb.default_model_dir(), args.max_tokens, cb=True)
         # the dtype stoic's --dtype auto chose here (serving_bench's bfloat16 suits other CPUs)
         dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
         tserve.argv[tserve.argv.index("--dtype") + 1] = dtype
@@ -100,12 +98,13 @@ async def run(args: argparse.Namespace) -> str:
         for s in systems:
             print(f"starting {s.name}: {' '.join(s.argv)}", flush=True)
             await s.start(limit_s=600.0)
-            await measure(s, eb.mixed_prompts(4, seed=99), 4, "[warm-up] ")
-        prompts = eb.mixed_prompts(max(REQUESTS.values()))
-        for i, c in enumerate(LEVELS):
+            await measure(s, eb.mixed_prompts(4, seed=99), 4, "[warm-up] ", 8)
+        prompts = eb.mixed_prompts(max(requests.values()))
+        for i, c in enumerate(levels):
             order = systems[i % len(systems) :] + systems[: i % len(systems)]
             for s in order:
-                r = await measure(s, prompts[: REQUESTS[c]], c, f"[pass {i}-{s.port}] ")
+                tag = f"[pass {i}-{s.port}] "
+                r = await measure(s, prompts[: requests[c]], c, tag, args.max_tokens)
                 print(
                     f"{s.name:34s} c={c:<3d} {r.tokens_per_s:7.1f} tok/s  TPOT p50 "
                     f"{fmt_ms(r.tpot(0.5))} ms  TTFT p50 {fmt_s(r.ttft(0.5))} s  errors {r.errors}",
@@ -123,9 +122,9 @@ async def run(args: argparse.Namespace) -> str:
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average after: {load}):\n\n"
         f"```sh\npython benchmarks/single_stream_bench.py {' '.join(sys.argv[1:])}\n```\n\n"
         f"CPU: {cpu_model()}, {os.cpu_count()} cores ({cpu_flags()}). {versions()}. "
-        f"Requests per level: {', '.join(f'{n} at c={c}' for c, n in REQUESTS.items())}; "
-        "mixed chat prompts (`engine_bench.mixed_prompts`), streamed, greedy, `max_tokens` 64, "
-        "EOS ignored. `stoic serve`: no flags but the port (its defaults: `--dtype auto`, "
+        f"Requests per level: {', '.join(f'{n} at c={c}' for c, n in requests.items())}; "
+        "mixed chat prompts (`harness.workload.mixed_prompts`), streamed, greedy, "
+        f"`max_tokens` {args.max_tokens}, EOS ignored. `stoic serve`: no flags but the port (its defaults: `--dtype auto`, "
         "`--quantization auto`, `--executor process`); llama-server: "
         f"`{' '.join(['llama-server', '-m', '<the default GGUF file>'] + (llama.argv[3:] if args.llama_server else []))}`"
         " on the same GGUF file.\n\n" + table(results, "llama-server") + "\n"
@@ -137,6 +136,14 @@ def main() -> None:
     parser.add_argument("--llama-server", help="path to llama.cpp's llama-server")
     parser.add_argument("--transformers", action="store_true", help="also transformers serve CB")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument(
+        "--levels", type=int, nargs="+", default=list(LEVELS), help="concurrency levels (1 8 32)"
+    )
+    parser.add_argument("--requests", type=int, help="requests per level (8, 32, 64)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--no-options", action="store_true", help="stoic's defaults only (no --quantization none)"
+    )
     args = parser.parse_args()
     text = asyncio.run(run(args))
     print(text)

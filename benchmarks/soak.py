@@ -47,8 +47,9 @@ from typing import BinaryIO
 import aiohttp
 import psutil
 
-sys.path.insert(0, str(Path(__file__).parent))
-from resume_bench import PROMPTS
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.workload import PROMPTS
 
 ADMIN_KEY = "soak-admin"
 _TERMINAL = ("exact", "different", "partial", "partial not prefix")

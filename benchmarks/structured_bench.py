@@ -19,9 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.report import markdown, quantile
 
 import stoic
 from stoic.engine import Constraint
@@ -123,12 +128,13 @@ async def main() -> None:
         masks = _mask_times(engine, outputs, args.concurrency)
     rates = {}
     print(f"c={args.concurrency}, {args.requests} requests, max_tokens {args.max_tokens}, float32")
-    print("| mode | tokens | seconds | tokens/s |\n|---|---:|---:|---:|")
+    rows = []
     for name, runs in totals.items():
         seconds = sum(s for s, _ in runs)
         tokens = sum(t for _, t in runs)
         rates[name] = tokens / seconds
-        print(f"| {name} | {tokens} | {seconds:.1f} | {rates[name]:.1f} |")
+        rows.append((name, tokens, f"{seconds:.1f}", f"{rates[name]:.1f}"))
+    print(markdown(("mode", "tokens", "seconds", "tokens/s"), rows))
     print(
         f"\nconstrained requests whose grammar completed (last round): {finished}/{args.requests}"
     )
@@ -136,8 +142,9 @@ async def main() -> None:
         f"json_schema / unconstrained throughput: {rates['json_schema'] / rates['unconstrained']:.1%}"
     )
     print(
-        f"mask time per step ({args.concurrency} rows): median {statistics.median(masks) * 1e3:.2f} ms, "
-        f"p90 {sorted(masks)[int(0.9 * len(masks))] * 1e3:.2f} ms, max {max(masks) * 1e3:.2f} ms"
+        f"mask time per step ({args.concurrency} rows): median "
+        f"{(quantile(masks, 0.5) or 0) * 1e3:.2f} ms, p90 {(quantile(masks, 0.9) or 0) * 1e3:.2f} ms, "
+        f"max {max(masks) * 1e3:.2f} ms"
     )
 
 

@@ -80,6 +80,26 @@ async def wait_restarts(engine: stoic.Engine, n: int, limit: float = 60.0) -> No
         await asyncio.sleep(0.005)
 
 
+async def wait_replaced(
+    engine: stoic.Engine, old_pid: int | None, *, restarts: int = 0, limit: float = 60.0
+) -> None:
+    """Wait until the engine serves (healthy) from an executor worker other than ``old_pid``,
+    after at least ``restarts`` restarts.
+
+    :raises AssertionError: if it does not within ``limit`` seconds.
+    """
+
+    def serving() -> bool:
+        stats = engine.stats()
+        return (
+            engine.health().ok
+            and stats.executor_pid not in (None, old_pid)
+            and stats.restarts >= restarts
+        )
+
+    await until(serving, limit, f"serving from a new worker ({engine.health()})")
+
+
 async def collect(stream: Any) -> tuple[str, BaseException | None]:
     """Read a request stream to its end: the text received, and the error that ended it."""
     text = ""

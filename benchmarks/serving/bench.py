@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import engine_bench as eb
+import harness.workload as eb
+from harness.cpu import CpuWatch, all_jiffies, jiffies, sched_delta, schedstat, top_processes
+from harness.load import RequestRecord, Result, run_load
+from harness.report import fmt_pct, fmt_s
+from harness.servers import BIN, System, llama_system, open_log, transformers_system
 
-from . import BIN, CONCURRENCY, MAX_OTHER_CPU, QUIET_CPU, SCRIPT
-from .cpu import CpuWatch, all_jiffies, jiffies, sched_delta, schedstat, top_processes
-from .load import RequestRecord, Result, run_load
+from . import CONCURRENCY, MAX_OTHER_CPU, QUIET_CPU, SCRIPT
 from .profile import Profile, parse_profile
-from .systems import System, llama_system, open_log, stoic_system, transformers_system
-from .tables import find, fmt_pct, fmt_s, results_table
+from .tables import find, results_table
+from .timed import stoic_system
 
 T = TypeVar("T")
 
@@ -114,7 +116,7 @@ class Bench:
             self.log(f"waiting for quiet: others use {other:.0%} of the CPU ({busiest})")
 
     def tagged(self, prompts: Sequence[Any]) -> list[Any]:
-        """The prompts with a new tag for this pass (see :func:`engine_bench.tag_prompts`)."""
+        """The prompts with a new tag for this pass (see :func:`harness.workload.tag_prompts`)."""
         self.passes += 1
         return eb.tag_prompts(prompts, f"[pass {self.passes}] ")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from harness.load import Result
+
 from . import CONCURRENCY
 from .bench import Bench
-from .load import Result
 from .profile import EXECUTOR_CATS, LOOP_CATS
 from .tables import find
 

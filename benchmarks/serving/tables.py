@@ -4,21 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import engine_bench as eb
-
-from .load import Result
-
-
-def fmt_s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def fmt_ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.1f}"
-
-
-def fmt_pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
+import harness.workload as eb
+from harness.load import Result
+from harness.report import fmt_ms, fmt_pct, fmt_s
 
 
 def results_table(results: Sequence[Result]) -> str:

@@ -7,9 +7,8 @@ import asyncio
 import json
 from typing import Any
 
-import engine_bench as eb
-
-from . import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, NUM_KV_BLOCKS
+import harness.workload as eb
+from harness.servers import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, NUM_KV_BLOCKS
 
 
 def worker_main(kind: str, spec: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@ however long the step has run."""
 
 from __future__ import annotations
 
-from stoic.actors._watchdog import ProgressWatch
+from stoic.actors import ProgressWatch
 
 
 class _Clock:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from support import until, wait_idle
+from support import engine_config, until, wait_idle
 
 import stoic
 
@@ -42,7 +42,7 @@ def _prompts(n: int, seed: int = 1) -> list[tuple[str, int]]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(default_model_dir: Path) -> Any:
-    config = stoic.EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=512)
+    config = engine_config(default_model_dir, num_kv_blocks=512, enable_fault_injection=False)
     async with stoic.Engine.start(config) as eng:
         yield eng
 
@@ -120,13 +120,13 @@ async def test_preemption_with_a_tiny_cache_keeps_outputs_exact(default_model_di
     """With a cache too small for all sequences, preempted ones are recomputed: output unchanged."""
     work = _prompts(8, seed=3)
     params = [stoic.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for _ in work]
-    big = stoic.EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=256)
+    big = engine_config(default_model_dir, num_kv_blocks=256, enable_fault_injection=False)
     async with stoic.Engine.start(big) as eng:
         alone = [
             (await eng.complete(p, sp)).token_ids for (p, _), sp in zip(work, params, strict=True)
         ]
     # 16 blocks x 16 tokens = 256 tokens: far fewer than the 8 sequences need together
-    tiny = stoic.EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=16)
+    tiny = engine_config(default_model_dir, num_kv_blocks=16, enable_fault_injection=False)
     async with stoic.Engine.start(tiny) as eng:
         together = await asyncio.gather(
             *(eng.complete(p, sp) for (p, _), sp in zip(work, params, strict=True))

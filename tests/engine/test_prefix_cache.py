@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from support import wait_idle
+from support import until, wait_idle
 
 import stoic
 
@@ -124,10 +124,7 @@ async def test_recovery_drops_the_prefix_cache(default_model_dir: Path) -> None:
         await engine.inject_fault(stoic.FaultSpec(kind="error", after_steps=1))
         with pytest.raises(stoic.errors.ExecutorFailed):
             await _tokens(engine, _ids(5, 10))
-        deadline = asyncio.get_running_loop().time() + 5
-        while engine.health().state != "serving":
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.health().state == "serving", 5.0, "serving again")
         assert engine.stats().kv_blocks_cached == 0
         hits = engine.stats().prefix_cached_tokens
         assert await _tokens(engine, prompt) == want

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import collect, engine_config, wait_idle
+from support import collect, engine_config, wait_idle, wait_replaced
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed, InvalidRequest
@@ -32,25 +32,6 @@ def _config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
 def _prompts(n: int) -> list[str]:
     topics = ["the sea", "a cat", "winter", "bread", "a robot", "the moon", "tea", "trains"]
     return [f"Write about {topics[i % len(topics)]} (#{i})." for i in range(n)]
-
-
-async def _wait_serving(
-    engine: stoic.Engine, old_pid: int | None, *, restarts: int = 0, limit: float = 60.0
-) -> None:
-    """Until the engine serves from a worker other than ``old_pid`` after ``restarts``."""
-
-    def serving() -> bool:
-        stats = engine.stats()
-        return (
-            engine.health().ok
-            and stats.executor_pid not in (None, old_pid)
-            and stats.restarts >= restarts
-        )
-
-    deadline = time.monotonic() + limit
-    while not serving():
-        assert time.monotonic() < deadline, f"not serving again: {engine.health()}"
-        await asyncio.sleep(0.02)
 
 
 def _gone(pid: int) -> bool:
@@ -103,7 +84,7 @@ async def test_kill_9_of_the_worker_fails_every_stream_with_its_prefix_and_a_new
             assert "SIGKILL" in error.message
             assert error.partial is not None and ref.startswith(error.partial.text)
         assert any(error is not None for _, error in outcomes)
-        await _wait_serving(engine, pid)
+        await wait_replaced(engine, pid)
         stats = await wait_idle(engine)
         assert stats.kv_blocks_used == 0
         assert dict(stats.restarts_by_kind) == {"crash": 1}
@@ -133,7 +114,7 @@ async def test_each_process_fault_is_survived(tiny_model_dir: Path, kind: str) -
             assert error.kind == expected_kind
             assert error.partial is not None and ref.startswith(error.partial.text)
         assert any(error is not None for _text, error in outcomes)
-        await _wait_serving(engine, pid)
+        await wait_replaced(engine, pid)
         assert pid is not None and _gone(pid)
         assert (await wait_idle(engine)).kv_blocks_used == 0
         assert (await engine.complete(prompts[1], PARAMS)).text == reference[1]
@@ -148,7 +129,7 @@ async def test_an_error_keeps_the_worker_process(tiny_model_dir: Path) -> None:
         await engine.inject_fault(stoic.FaultSpec(kind="error", after_steps=1))
         _text, error = await collect(await engine.submit("hello", PARAMS))
         assert isinstance(error, ExecutorFailed) and error.kind == "error"
-        await _wait_serving(engine, None, restarts=1)
+        await wait_replaced(engine, None, restarts=1)
         assert engine.stats().executor_pid == pid
         assert (await engine.complete("hello", PARAMS)).completion_tokens == 40
 
@@ -165,7 +146,7 @@ async def test_a_spare_takes_over_and_restart_intensity_still_fails_the_engine(
         assert first is not None
         await asyncio.sleep(0.5)  # the spare starts loading once the first worker is ready
         os.kill(first, signal.SIGKILL)
-        await _wait_serving(engine, first)
+        await wait_replaced(engine, first)
         second = engine.stats().executor_pid
         assert second is not None and second != first
         os.kill(second, signal.SIGKILL)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from support import wait_idle
+from support import engine_config, wait_idle
 
 import stoic
 from stoic.errors import ContextLengthExceeded, InvalidRequest
@@ -24,8 +24,8 @@ ALTERNATING = (
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_dir: Path) -> Any:
-    config = stoic.EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_waiting=64
+    config = engine_config(
+        tiny_model_dir, num_kv_blocks=64, max_waiting=64, enable_fault_injection=False
     )
     async with stoic.Engine.start(config) as eng:
         yield eng

@@ -19,8 +19,7 @@ from http_helpers import Server, run_app
 from support import wait_idle
 
 import stoic
-from stoic.http import create_app
-from stoic.http._engine import EngineLike
+from stoic.http import EngineLike, create_app
 
 ALTERNATING_TEMPLATE = (
     "{% for message in messages %}"

@@ -15,8 +15,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stoic.http import serve
-from stoic.http._engine import EngineLike
+from stoic.http import EngineLike, serve
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from http_helpers import Server, read_sse, run_app
 from prometheus_client.parser import text_string_to_metric_families
-from support import wait_idle
+from support import until, wait_idle
 
 import stoic
 from stoic.http import create_app
@@ -84,10 +84,12 @@ async def _counter(http: aiohttp.ClientSession, server: Server, name: str, **lab
 
 async def _in_flight(engine: stoic.Engine, count: int, within: float = 30.0) -> None:
     """Wait until ``count`` sequences are admitted (running or waiting)."""
-    deadline = asyncio.get_running_loop().time() + within
-    while (stats := engine.stats()).running + stats.waiting != count:
-        assert asyncio.get_running_loop().time() < deadline, f"never {count} in flight: {stats}"
-        await asyncio.sleep(0.005)
+
+    def admitted() -> bool:
+        stats = engine.stats()
+        return stats.running + stats.waiting == count
+
+    await until(admitted, within, f"{count} in flight")
 
 
 async def _hold(engine: stoic.Engine, seconds: float) -> None:

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from gguf_fakes import write_gguf
 
+from stoic.model import default_cache_dir
 from stoic.model._cache import (
     MANIFEST,
     STALE_PARTIAL_S,
     CacheEntry,
     commit_entry,
-    default_cache_dir,
     find_entry,
     gguf_content_key,
     list_entries,

@@ -142,8 +142,7 @@ def test_min_tokens_with_a_constraint_is_refused() -> None:
     import pytest
 
     from stoic.errors import InvalidRequest
-    from stoic.model import SamplingParams
-    from stoic.model._grammar import Constraint
+    from stoic.model import Constraint, SamplingParams
 
     params = SamplingParams(min_tokens=2, constraint=Constraint("regex", "a"))
     with pytest.raises(InvalidRequest) as raised:

@@ -18,7 +18,7 @@ from tokenizers.decoders import DecodeStream
 from stoic import Constraint, EngineConfig
 from stoic.engine import Delta, EngineStats, SamplingParams, TokenCodec
 from stoic.errors import EngineFailed, InvalidRequest, Overloaded
-from stoic.ray._ingress import RayEngine
+from stoic.ray import RayEngine
 from stoic.ray._stats import ReplicaView
 from stoic.ray._wire import Admitted, ReplicaRequest, pack_error
 

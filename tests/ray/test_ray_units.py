@@ -22,11 +22,10 @@ from stoic.errors import (
     PartialOutput,
     StoicError,
 )
+from stoic.ray import ReplicaOptions, check_engine_health
 from stoic.ray._app import app_options
 from stoic.ray._cli import replica_options
-from stoic.ray._launch import ReplicaOptions
 from stoic.ray._redecode import Continuation
-from stoic.ray._replica import check_engine_health
 from stoic.ray._stats import sum_stats
 from stoic.ray._wire import pack_error, unpack_error
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import aiohttp
 
+from .report import quantile
+
 
 @dataclass
 class RequestRecord:
@@ -107,17 +109,6 @@ class Result:
             "first_error": next((r.error for r in self.records if r.error), None),
             "note": self.note,
         }
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated quantile (``q`` in [0, 1]); ``None`` for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 #: every pooled connection may be stale at once: one retry per client, plus the first try

@@ -1,5 +1,6 @@
-"""The servers the benchmark starts, drives and stops, and ``--timed-serve`` (``stoic serve``
-with ``ModelRunner.execute`` timed)."""
+"""The servers a benchmark starts, drives and stops: ``stoic serve`` with any flags, llama.cpp's
+``llama-server`` and ``transformers serve``, each an OpenAI-compatible :class:`System` whose
+requests are greedy with EOS ignored."""
 
 from __future__ import annotations
 
@@ -19,8 +20,19 @@ from typing import Any
 
 import aiohttp
 
-from . import BIN, BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, NUM_KV_BLOCKS, SCRIPT
-from .load import quantile
+BIN = Path(sys.executable).parent
+# stoic's defaults on a 2-core CPU, passed to every server a comparison starts, so that they hold
+# the same KV capacity and take the same tokens per step
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 2912  # 1 GiB of bfloat16 KV for SmolLM2-135M: 46,592 tokens
+MAX_BATCHED_TOKENS = 256  # stoic's CPU default; transformers serve gets the same
+MAX_NUM_SEQS = 64
+#: request fields that make stoic and llama.cpp greedy with EOS ignored, usage in the last event
+GREEDY: dict[str, Any] = {
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def free_port() -> int:
@@ -109,76 +121,11 @@ class System:
             self.proc.wait(10)
 
 
-def stoic_system(work: Path) -> System:
-    """``stoic serve`` through :func:`timed_serve`: the same ``stoic.cli.main``, with the time
-    the executor spends in ``ModelRunner.execute`` recorded (SIGUSR1 dumps and resets it)."""
-    port = free_port()
-    argv = [sys.executable, str(SCRIPT), "--timed-serve", str(work / "stoic-steps.jsonl")]
-    argv += ["serve", "--model", "default", "--dtype", "bfloat16"]
-    argv += ["--port", str(port), "--log-level", "warning", "--block-size", str(BLOCK_SIZE)]
-    argv += ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
-    argv += ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
-    argv += ["--max-num-seqs", str(MAX_NUM_SEQS)]
-    extra = {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    system = System("stoic serve", argv, port, "default", extra, work / "stoic.log")
-    system.steps_file = work / "stoic-steps.jsonl"
-    return system
-
-
 def read_lines(path: Path) -> list[str]:
     try:
         return path.read_text().splitlines()
     except OSError:
         return []
-
-
-def timed_serve(stats_path: str, argv: Sequence[str]) -> int:
-    """Run ``stoic serve`` (``stoic.cli.main``) timing every ``ModelRunner.execute`` call.
-
-    On SIGUSR1 one JSON line goes to ``stats_path``: steps, seconds inside ``execute`` and the
-    gaps between consecutive steps since the previous SIGUSR1; then the counters reset.
-    """
-    from stoic.cli import main as stoic_main
-    from stoic.model import _runner
-
-    original = _runner.ModelRunner.execute
-    fresh: dict[str, Any] = {"busy": 0.0, "steps": 0, "last": None, "gaps": []}
-    stats: dict[str, Any] = {**fresh, "gaps": [], "since": time.perf_counter(), "current": None}
-
-    def execute(self: Any, batch: Any, cache: Any) -> Any:
-        t0 = stats["current"] = time.perf_counter()
-        try:
-            return original(self, batch, cache)
-        finally:
-            t1 = time.perf_counter()
-            stats["current"] = None
-            if stats["last"] is not None:
-                stats["gaps"].append(t0 - stats["last"])
-            stats["busy"] += t1 - max(t0, stats["since"])  # a window may start mid-step
-            stats["steps"] += 1
-            stats["last"] = t1
-
-    def dump(*_: Any) -> None:
-        now = time.perf_counter()
-        busy, current, gaps = stats["busy"], stats["current"], stats["gaps"]
-        if current is not None:  # a step in flight: count its part inside the window
-            busy += now - max(current, stats["since"])
-        line = {
-            "window_s": now - stats["since"],
-            "steps": stats["steps"],
-            "execute_s": busy,
-            "gaps_s": sum(gaps),
-            "gap_p50_ms": 1000 * (quantile(gaps, 0.5) or 0.0),
-            "gap_p90_ms": 1000 * (quantile(gaps, 0.9) or 0.0),
-            "gap_max_ms": 1000 * max(gaps, default=0.0),
-        }
-        with open(stats_path, "a") as out:
-            out.write(json.dumps(line) + "\n")
-        stats.update(fresh, gaps=[], since=now)
-
-    _runner.ModelRunner.execute = execute  # type: ignore[method-assign]
-    signal.signal(signal.SIGUSR1, dump)
-    return stoic_main(list(argv))
 
 
 def transformers_system(work: Path, model_dir: Path, max_tokens: int, cb: bool) -> System:
@@ -216,8 +163,18 @@ def llama_system(work: Path, binary: str, gguf: Path, slots: int) -> System:
         # 0.3.36's vendored llama.cpp); --no-repack keeps ggml's plain blocks, run by its
         # AVX-512/VNNI dot products
         argv.append("--no-repack")
-    extra = {"temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    return System("llama.cpp server", argv, port, "default", extra, work / "llama.log")
+    return System("llama.cpp server", argv, port, "default", dict(GREEDY), work / "llama.log")
+
+
+def stoic_server(
+    work: Path, name: str, flags: Sequence[str] = (), *, log_level: str = "warning"
+) -> System:
+    """``stoic serve`` (this interpreter's) on a free port with its defaults and ``flags``; its log
+    goes to ``work``."""
+    port = free_port()
+    argv = [str(BIN / "stoic"), "serve", "--port", str(port), "--log-level", log_level, *flags]
+    slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+    return System(name, argv, port, "default", dict(GREEDY), work / f"{slug}.log")
 
 
 def open_log(path: Path) -> Any:
