@@ -19,7 +19,6 @@ from stoic.http import AccessPolicy, create_app
 from stoic.http._console_data import buckets, quantile
 from stoic.http._deferred import DeferredEngine
 
-
 ADMIN, USER = "admin-secret", "user-secret"
 
 
