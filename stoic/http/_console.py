@@ -81,9 +81,10 @@ async def _stream(request: web.Request) -> web.StreamResponse:
             body = json.dumps(snapshot(state.engine, sampler.points, admin=admin))
             await response.write(f"data: {body}\n\n".encode())
             await asyncio.sleep(PERIOD)
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:  # the tab closed while a snapshot was written
+        pass
+    finally:
         _log.info("console.closed", remote=request.remote)
-        raise
     return response
 
 

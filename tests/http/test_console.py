@@ -3,6 +3,7 @@ stream, what a snapshot holds, and the latency percentiles behind its charts."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Any
@@ -18,6 +19,7 @@ from stoic.engine import EngineStats
 from stoic.http import AccessPolicy, create_app
 from stoic.http._console_data import buckets, quantile
 from stoic.http._deferred import DeferredEngine
+from stoic.http._state import STATE
 
 ADMIN, USER = "admin-secret", "user-secret"
 
@@ -137,3 +139,21 @@ def test_percentiles_between_two_readings_count_only_the_observations_between() 
     assert quantile(0.7, before, after) == pytest.approx(0.15)
     assert quantile(0.25, before, after) == pytest.approx(0.05)
     assert quantile(1.0, before, after) == pytest.approx(0.4)
+
+
+async def test_the_stream_sends_a_snapshot_a_second_and_ends_when_the_server_drains() -> None:
+    """Snapshots keep coming about once a second; a draining server ends the stream (so that
+    an open console never holds a shutdown up)."""
+    app = create_app(FakeEngine())
+    async with (
+        run_app(app) as server,
+        aiohttp.ClientSession() as http,
+        http.get(f"{server.url}/console/stream") as r,
+    ):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        times = [json.loads((await r.content.readuntil(b"\n\n"))[6:])["time"] for _ in range(3)]
+        assert times == sorted(times) and 1.5 < loop.time() - started < 6
+        app[STATE].draining = True
+        rest = await asyncio.wait_for(r.content.read(), 5)
+        assert rest.count(b"data: ") <= 1  # at most the snapshot already on its way
