@@ -15,7 +15,7 @@ from http_helpers import run_app
 from prometheus_client import CollectorRegistry, Histogram
 
 from stoic.config import EngineConfig
-from stoic.engine import EngineStats
+from stoic.engine import EngineStats, Health
 from stoic.http import AccessPolicy, create_app
 from stoic.http._console_data import buckets, quantile
 from stoic.http._deferred import DeferredEngine
@@ -157,3 +157,36 @@ async def test_the_stream_sends_a_snapshot_a_second_and_ends_when_the_server_dra
         app[STATE].draining = True
         rest = await asyncio.wait_for(r.content.read(), 5)
         assert rest.count(b"data: ") <= 1  # at most the snapshot already on its way
+
+
+async def test_a_ray_front_end_shows_one_row_per_replica_from_its_board() -> None:
+    """``stoic serve --replicas``: the front end's replica view (what the replicas posted to
+    their board) becomes the console's replica rows, in replica order."""
+    from stoic.ray._board import Posting
+    from stoic.ray._ingress import RayEngine
+    from stoic.ray._stats import ReplicaView
+
+    class Handle:
+        def options(self, **_: Any) -> Handle:
+            return self
+
+    view = ReplicaView(board=None, idle=EngineStats.idle())
+    serving = dataclasses.replace(EngineStats.idle("serving"), running=3, executor_pid=41)
+    failed = EngineStats.idle("failed")
+    view.postings = [
+        Posting("a", 41, serving, Health("serving"), 0.0),
+        Posting("b", 42, failed, Health("failed", "too many restarts"), 0.0),
+    ]
+    engine = RayEngine(
+        Handle(),
+        EngineConfig(model="fake"),
+        None,
+        model_name="m",
+        max_model_len=64,
+        view=view,  # type: ignore[arg-type]
+    )
+    async with run_app(create_app(engine)) as server:
+        _, snap = await _first_event(server.url)
+    rows = [(r["replica"], r["state"], r["pid"], r["running"]) for r in snap["replicas"]]
+    assert rows == [("a", "serving", 41, 3), ("b", "failed", 42, 0)]
+    assert snap["executor"]["state"] == "serving" and snap["incidents"] is None
