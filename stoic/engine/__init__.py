@@ -15,6 +15,7 @@ from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
 from ..errors import FailureKind
 from ..model import Constraint, Detokenizer, SamplingParams, TokenCodec
 from ._engine import Engine
+from ._incidents import Activity, Incident, SequenceView
 from ._stats import EngineStats
 from ._stream import CompletionResult, RequestStream
 
@@ -24,6 +25,7 @@ FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
 __all__ = [
     "FAILURE_KINDS",
     "STATES",
+    "Activity",
     "CompletionResult",
     "Constraint",
     "Delta",
@@ -32,8 +34,10 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "Health",
+    "Incident",
     "RequestStream",
     "SamplingParams",
+    "SequenceView",
     "State",
     "TokenCodec",
     "TokenLogprob",
@@ -42,6 +46,7 @@ __all__ = [
 # public names report their public module (as anyio and httpcore do), so reprs, docs and
 # tracebacks show ``stoic.engine.Delta`` rather than a private module
 for _name in (
+    "Activity",
     "CompletionResult",
     "Constraint",
     "Delta",
@@ -49,6 +54,7 @@ for _name in (
     "Engine",
     "EngineStats",
     "Health",
+    "Incident",
     "RequestStream",
     "SamplingParams",
     "TokenCodec",

@@ -34,6 +34,7 @@ from ..model import (
     require_quantized,
 )
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
+from ._incidents import Activity, IncidentLog, RecordingHealth
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
 from ._wiring import EngineParts, kv_cache_spec, wire
@@ -60,8 +61,10 @@ class Engine:
         parts: EngineParts,
         health: EngineHealth,
         faults: FaultInjector,
+        incidents: IncidentLog | None = None,
     ) -> None:
         self.config = config
+        self._incidents = incidents or IncidentLog()
         self.loaded = loaded
         self._parts = parts
         self._health = health
@@ -115,14 +118,15 @@ class Engine:
                     cfg.cache_dir or default_cache_dir(),
                 )
             spec = kv_cache_spec(cfg, loaded)
-            health = EngineHealth()
+            incidents = IncidentLog()
+            health = RecordingHealth(incidents)
             faults = FaultInjector(cfg.faults)
             system = await stack.enter_async_context(_actor_system())
             try:
-                parts = await wire(system, cfg, loaded, spec, health, faults, backend)
+                parts = await wire(system, cfg, loaded, spec, health, faults, backend, incidents)
             except ExecutorFault as exc:  # the first worker process died or hung while loading
                 raise EngineFailed(f"the model executor could not start: {exc}") from exc
-            engine = cls(cfg, loaded, parts, health, faults)
+            engine = cls(cfg, loaded, parts, health, faults, incidents)
             stack.push_async_callback(engine._drain)
             engine._log_started()
             yield engine
@@ -245,6 +249,7 @@ class Engine:
                 if isinstance(exc, kind):
                     raise make() from exc
             raise
+        self._incidents.admitted(rid)
         return RequestStream(stream, self.abort)
 
     async def generate(
@@ -329,6 +334,20 @@ class Engine:
     def stats(self) -> EngineStats:
         parts = self._parts
         return collect_stats(parts.scheduler_core, parts.cache_manager, self._health, self._faults)
+
+    def activity(self) -> Activity:
+        """The sequences running and waiting now (request id, tokens so far and at most, age),
+        the last executor failures (kind, when, time to recover, what became of the streams),
+        the configured step token budget and warm spares: what the operator's console shows."""
+        parts = self._parts
+        running, waiting = self._incidents.views(parts.scheduler_core)
+        return Activity(
+            running,
+            waiting,
+            self._incidents.incidents,
+            self.config.step_token_budget(self.loaded.device.type),
+            self.config.executor_spares,
+        )
 
     async def inject_fault(self, spec: FaultSpec) -> None:
         """Arm a fault in the executor's steps.

@@ -19,6 +19,7 @@ from ..actors import (
 from ..errors import EngineFailed
 from ..executor import ExecutorFault, classify_failure
 from ..runtime import ActorRef, ChildFailure, SupervisorEscalation
+from ._incidents import IncidentLog
 
 __all__ = ["Recovery"]
 
@@ -48,8 +49,11 @@ class Recovery:
         replaces_worker: bool,
         max_restarts: int,
         restart_window: float,
+        incidents: IncidentLog | None = None,
     ) -> None:
         self._health = health
+        #: where each failure, its streams' fate and its recovery are recorded for operators
+        self._incidents = incidents or IncidentLog()
         self._scheduler = scheduler
         self._cache = cache
         #: the executor runs the model in a worker process it replaces when the device is
@@ -77,6 +81,8 @@ class Recovery:
         )
         described = f"{type(error).__name__}: {error}"
         self._health.recovering(kind)
+        pid = self._origin(error, incarnation).get("pid")
+        self._incidents.opened(kind, incarnation, pid if isinstance(pid, int) else None, described)
         final: str | None = None
         if kind == "fatal" and not self._replaces_worker:
             final = f"unrecoverable device error: {error}"
@@ -95,6 +101,7 @@ class Recovery:
         except BaseException:
             log.error("recovery.executor_failed", error=described, fenced=False)
             raise
+        self._incidents.settled(outcome)
         streams = {
             "sequences_failed": outcome.failed,
             "sequences_resumed": outcome.resumed,

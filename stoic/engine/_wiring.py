@@ -33,6 +33,7 @@ from ..model import (
     vocab_size,
 )
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
+from ._incidents import IncidentLog
 from ._recovery import Recovery
 
 __all__ = ["EngineParts", "compute_threads", "kv_cache_spec", "wire"]
@@ -109,10 +110,11 @@ async def wire(
     health: EngineHealth,
     faults: FaultInjector,
     backend: StepBackend,
+    incidents: IncidentLog | None = None,
 ) -> EngineParts:
     """Spawn cache, scheduler, the executor's supervisor (which starts the executor), intake and
     guardian into ``system``; shutdown goes in reverse order. ``backend`` is where the
-    executor's steps run (prepared here).
+    executor's steps run (prepared here); ``incidents`` records the executor's failures.
 
     :raises Exception: what an actor's start raised (the system stops what was started).
     """
@@ -171,6 +173,7 @@ async def wire(
         replaces_worker=backend.replaces_worker,
         max_restarts=config.max_restarts,
         restart_window=config.restart_window,
+        incidents=incidents,
     )
     await system.spawn_supervisor(
         "executor-supervisor",

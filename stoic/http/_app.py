@@ -15,6 +15,7 @@ from aiohttp.typedefs import Handler
 from .._logging import get_logger
 from ..errors import StoicError
 from ._auth import AccessPolicy, auth_middleware
+from ._console import add_console_routes
 from ._engine import EngineLike
 from ._errors import error_response, http_error_response, internal_error_response
 from ._limits import ServerLimits, head_done, head_expected
@@ -148,6 +149,7 @@ def create_app(
     app[STATE] = AppState(engine=engine, metrics=Metrics(engine), limits=limits)
     add_routes(app, admin=enable_admin)
     add_response_routes(app, responses if responses is not None else ResponseStore())
+    add_console_routes(app, admin=enable_admin)
     return app
 
 

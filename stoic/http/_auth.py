@@ -7,6 +7,9 @@ Every route is registered with an :data:`Access` class (see :func:`route_access`
 - ``admin``: ``/admin/*``: the admin key, never an API key. With no admin key configured, the
   admin routes answer loopback clients only (they exist only with fault injection on, and a
   fault can kill the executor);
+- ``console``: ``/console/stream`` (the operator's console's data): the admin key when one is
+  set (an API key is then a 403), else an API key when any is configured, else open. The
+  console's page and its script and style sheet are ``open``: they hold no data;
 - ``api``: everything else, including unknown paths: an API key when any is configured.
 
 Keys are compared in constant time (the SHA-256 digests of the offered and of every configured
@@ -44,7 +47,7 @@ __all__ = [
 
 _log = get_logger("stoic.http")
 
-Access = Literal["open", "metrics", "api", "admin"]
+Access = Literal["open", "metrics", "api", "admin", "console"]
 #: each route's access class, filled by :func:`route_access`
 ACCESS: web.AppKey[dict[web.AbstractResource | None, Access]] = web.AppKey("stoic_access", dict)
 #: who owns what the request stores: the SHA-256 (hex) of its API key when the server has keys
@@ -151,6 +154,8 @@ def _unauthorized(message: str) -> web.Response:
 def _check(policy: AccessPolicy, access: Access, request: web.Request) -> web.Response | None:
     """The error response for a request ``policy`` refuses, or None."""
     token = _bearer(request)
+    if access == "console" and policy.admin_key is not None:
+        access = "admin"  # the admin key guards the console when there is one
     if access == "admin":
         if policy.admin_key is None:
             if is_loopback(request.remote):

@@ -111,6 +111,12 @@ class DeferredEngine:
             return self._engine.stats()
         return EngineStats.idle("starting", token_budget=self._config.max_num_batched_tokens or 0)
 
+    def activity(self) -> Any:
+        """The engine's :meth:`stoic.Engine.activity` once loaded (None before, and for an engine
+        without one)."""
+        read = getattr(self._engine, "activity", None)
+        return read() if callable(read) else None
+
     def health(self) -> Any:
         if self._engine is not None:
             return self._engine.health()

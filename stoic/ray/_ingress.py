@@ -169,6 +169,11 @@ class RayEngine:
         """Serving while any replica serves."""
         return self.view.health()
 
+    def replicas(self) -> list[Any]:
+        """The replicas' latest postings (:class:`~stoic.ray._board.Posting`: id, pid, stats,
+        health), one per replica alive: the console's replica rows."""
+        return list(self.view.postings)
+
     def metric_collectors(self) -> list[Any]:
         """Per-replica metrics, for :class:`stoic.http` to add to ``/metrics``."""
         return [self.view.collector()]
