@@ -4,7 +4,7 @@ quantised-kernel choices (what ``model.compute_path`` logs and ``/v1/models`` sh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +69,21 @@ class ComputePath:
     #: ``fused`` (:mod:`._fused`) or ``transformers`` (the model's own decoder layers)
     decoder: str = "transformers"
     #: ``own-forward``: the model's ``forward`` maps stoic's hidden states to logits;
-    #: ``whole-forward``: its whole forward runs each step (:mod:`._logits`)
-    logits: str = "own-forward"
+    #: ``output-layer``: the same found (at start) to add nothing to the output layer, which
+    #: then runs alone; ``whole-forward``: its whole forward runs each step (:mod:`._logits`)
+    logits: str = "output-layer"
     #: why ``whole-forward`` (None otherwise)
     whole_forward_reason: str | None = None
     #: the GGUF file's matrix types by role (:func:`matrix_types`); None: a model directory
     matrix_types: dict[str, str] | None = field(default=None, hash=False)
     #: the block types the kernels multiply by
     kernel_types: tuple[str, ...] = ()
+
+    def card(self) -> dict[str, Any]:
+        """Every field, as JSON-ready values (what ``/v1/models`` shows as ``compute``)."""
+        card = asdict(self)
+        card["kernel_types"] = list(self.kernel_types)
+        return card
 
     @property
     def kernels(self) -> bool:

@@ -184,8 +184,11 @@ class ModelRunner:
         summary: dict[str, Any] = {
             "architecture": type(self.loaded.model).__name__,
             "decoder": "fused" if self._fused is not None else "transformers",
-            # the model's own forward maps stoic's hidden states to logits, or runs whole
-            "logits": "whole-forward" if whole else "own-forward",
+            # the model's own forward maps stoic's hidden states to logits (or, where the probe
+            # found it adds nothing, the output layer alone does), or it runs whole
+            "logits": "whole-forward"
+            if whole
+            else ("output-layer" if self._logits.identity else "own-forward"),
             "whole_forward_reason": self._logits.reason if whole else None,
             "matrix_types": matrix_types(self.loaded.gguf),
             "kernel_types": sorted(kinds),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 
 from stoic.errors import ModelUnavailable
@@ -217,14 +218,21 @@ def test_greedy_tokens_and_logprobs_equal_generate(
         assert [lp for _, lp in got] == pytest.approx(want_logprobs, abs=1e-4), f"sequence {seq}"
 
 
+#: the architectures whose ``ForCausalLM.forward`` changes the output layer's product
+POST_PROCESSED = {"Gemma2ForCausalLM", "GraniteForCausalLM", "CohereForCausalLM"}
+
+
 def test_post_processing_is_the_models_own_forward(
     arch: tuple[ModelRunner, list[tuple[list[int], list[float]]]],
 ) -> None:
-    """The runner maps its hidden states to logits through the model's own forward (no
-    architecture falls back to running its whole forward), and says so."""
+    """The runner maps its hidden states to logits through the model's own forward where that
+    forward changes the output layer's product, through the output layer alone where the probe
+    found it does not (no architecture runs its whole forward), and says which."""
     runner, _ = arch
-    assert runner.compute_path.logits == "own-forward"
-    assert runner.compute_path.architecture == type(runner.loaded.model).__name__
+    name = type(runner.loaded.model).__name__
+    assert runner.compute_path.architecture == name
+    want = "own-forward" if name in POST_PROCESSED else "output-layer"
+    assert runner.compute_path.logits == want
 
 
 def _greedy_alone(runner: ModelRunner) -> list[list[tuple[int, float]]]:
@@ -248,9 +256,15 @@ def test_a_forward_that_cannot_take_stoics_hidden_states_runs_whole_and_stays_ex
             return super().forward(input_ids=input_ids.clone(), **kwargs)
 
     loaded.model.__class__ = CopiesItsInputs
-    runner = ModelRunner(loaded)
+    with structlog.testing.capture_logs() as logs:
+        runner = ModelRunner(loaded)
     assert runner.compute_path.logits == "whole-forward"
     assert "inputs" in (runner.compute_path.whole_forward_reason or "")
+    # the start logs how the model runs (what stoic serve shows)
+    [path_event] = [e for e in logs if e["event"] == "model.compute_path"]
+    assert path_event["architecture"] == "CopiesItsInputs"
+    assert (path_event["decoder"], path_event["logits"]) == ("transformers", "whole-forward")
+    assert path_event["whole_forward_reason"] == runner.compute_path.whole_forward_reason
     got = _greedy_alone(runner)
     for seq, (tokens, logprobs) in enumerate(_reference(path)):
         assert [t for t, _ in got[seq]] == tokens

@@ -168,7 +168,7 @@ def test_runner_uses_the_blocks_for_every_projection(
     assert runner.quantized == {
         "architecture": "LlamaForCausalLM",
         "decoder": "fused",
-        "logits": "own-forward",
+        "logits": "output-layer",
         "whole_forward_reason": None,
         # the file's token embedding is the tied head: Q8_0
         "matrix_types": {**q4, **ffn, "token_embd": "Q8_0"},
