@@ -349,3 +349,66 @@ def test_base_weights_under_a_causal_config_are_refused(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelUnavailable, match=r"no weights for the output layer \(lm_head\)"):
         load_model(str(path), device="cpu", tokenizer=False)
+
+
+def _small(name: str) -> Any:
+    import transformers as t
+
+    small = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "pad_token_id": 0,
+    }
+    configs = {
+        "GPT2LMHeadModel": lambda: t.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2),
+        "GPTNeoXForCausalLM": lambda: t.GPTNeoXConfig(**small),
+        "Phi3ForCausalLM": lambda: t.Phi3Config(**small),
+        "Qwen3ForCausalLM": lambda: t.Qwen3Config(**small, head_dim=16),
+        "Gemma3ForCausalLM": lambda: t.Gemma3TextConfig(**small, head_dim=16),
+        "OlmoForCausalLM": lambda: t.OlmoConfig(**small),
+        "MixtralForCausalLM": lambda: t.MixtralConfig(**small),
+        "Gemma2ForCausalLM": lambda: t.Gemma2Config(**small, head_dim=16),
+        "GraniteForCausalLM": lambda: t.GraniteConfig(**small, logits_scaling=4.0),
+        "CohereForCausalLM": lambda: t.CohereConfig(**small),
+    }
+    torch.manual_seed(0)
+    return getattr(t, name)(configs[name]())
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "GPT2LMHeadModel",
+        "GPTNeoXForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma3ForCausalLM",
+        "OlmoForCausalLM",
+        "MixtralForCausalLM",
+        "Gemma2ForCausalLM",
+        "GraniteForCausalLM",
+        "CohereForCausalLM",
+    ],
+)
+def test_the_logits_probe_takes_every_forward_on_stoics_hidden_states(name: str) -> None:
+    """Each architecture's own forward runs on stoic's hidden states (none needs its whole
+    forward); the probe finds an output layer alone suffices exactly where the forward adds
+    nothing after it, and the logits equal the model's own forward's on its own hidden states."""
+    from stoic.model._logits import OutputLayer
+
+    model = _small(name).eval()
+    owner = type("Owner", (), {"_head": model.get_output_embeddings()})()
+    logits = OutputLayer(model, owner)
+    ids = torch.tensor([[3, 9, 27, 5]])
+    with torch.inference_mode():
+        logits.probe(32, 64)
+        assert not logits.whole_forward, logits.reason
+        assert logits.identity == (name not in POST_PROCESSED)
+        hidden = model.base_model(input_ids=ids).last_hidden_state
+        rows = torch.tensor([1, 3])
+        want = model(input_ids=ids).logits[0, rows]
+        assert torch.allclose(logits(ids, hidden, rows), want, atol=1e-6, rtol=1e-5)
