@@ -111,6 +111,7 @@ _MODEL = {
         "created": {"type": "integer"},
         "owned_by": {"type": "string"},
         "max_model_len": {"type": "integer", "minimum": 1},
+        "compute": {"type": ["object", "null"]},
     },
 }
 _TOKENIZED = {

@@ -164,6 +164,7 @@ async def _completions(
 
 def _model_card(state: AppState) -> dict[str, Any]:
     engine = state.engine
+    compute = engine.stats().compute
     return {
         "id": engine.model_name,
         "object": "model",
@@ -172,6 +173,9 @@ def _model_card(state: AppState) -> dict[str, Any]:
         "root": engine.config.model,
         "parent": None,
         "max_model_len": engine.max_model_len,
+        # how the model runs (architecture, decoder path, GGUF matrix types, kernels: see
+        # docs/models.md); null until an executor was ready
+        "compute": compute.card() if compute is not None else None,
     }
 
 

@@ -1,12 +1,46 @@
-"""How a runner computes: a typed record of its precision and quantised-kernel choices."""
+"""How a runner computes: a typed record of its architecture, decoder path, precision and
+quantised-kernel choices (what ``model.compute_path`` logs and ``/v1/models`` shows)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ComputePath"]
+__all__ = ["ComputePath", "matrix_types"]
+
+
+def matrix_types(gguf: Path | None) -> dict[str, str] | None:
+    """The block types of a GGUF file's matrices, by role (``attn_q``, ``ffn_down``,
+    ``token_embd``, ...: the tensor name without its layer number), several types of one role
+    joined by ``/`` (a Q4_K_M file mixes Q4_K and Q6_K); None without a file or where its header
+    cannot be read."""
+    if gguf is None:
+        return None
+    from ._gguf import GgufError, read_gguf_header
+
+    try:
+        tensors = read_gguf_header(gguf).tensors.values()
+    except (GgufError, OSError):
+        return None
+    roles: dict[str, set[str]] = {}
+    for tensor in tensors:
+        if len(tensor.dims) < 2:  # norms and biases: vectors, not matrices
+            continue
+        parts = tensor.name.removesuffix(".weight").split(".")
+        role = ".".join(p for p in parts if not p.isdigit() and p != "blk")
+        roles.setdefault(role, set()).add(_type_name(tensor.ggml_type))
+    return {role: "/".join(sorted(kinds)) for role, kinds in sorted(roles.items())}
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name
+    except (ImportError, ValueError):
+        return f"type{ggml_type}"
 
 
 @dataclass(frozen=True)
@@ -30,6 +64,26 @@ class ComputePath:
     c_layers: bool
     #: steps of at most this many tokens run on the blocks
     kernel_rows: int
+    #: the model's transformers class (``LlamaForCausalLM``, ...)
+    architecture: str = ""
+    #: ``fused`` (:mod:`._fused`) or ``transformers`` (the model's own decoder layers)
+    decoder: str = "transformers"
+    #: ``own-forward``: the model's ``forward`` maps stoic's hidden states to logits;
+    #: ``output-layer``: the same found (at start) to add nothing to the output layer, which
+    #: then runs alone; ``whole-forward``: its whole forward runs each step (:mod:`._logits`)
+    logits: str = "output-layer"
+    #: why ``whole-forward`` (None otherwise)
+    whole_forward_reason: str | None = None
+    #: the GGUF file's matrix types by role (:func:`matrix_types`); None: a model directory
+    matrix_types: dict[str, str] | None = field(default=None, hash=False)
+    #: the block types the kernels multiply by
+    kernel_types: tuple[str, ...] = ()
+
+    def card(self) -> dict[str, Any]:
+        """Every field, as JSON-ready values (what ``/v1/models`` shows as ``compute``)."""
+        card = asdict(self)
+        card["kernel_types"] = list(self.kernel_types)
+        return card
 
     @property
     def kernels(self) -> bool:
@@ -50,4 +104,10 @@ class ComputePath:
             head=None if summary["head"] is None else str(summary["head"]),
             c_layers=bool(summary["c_layers"]),
             kernel_rows=int(summary["kernel_rows"]),
+            architecture=str(summary["architecture"]),
+            decoder=str(summary["decoder"]),
+            logits=str(summary["logits"]),
+            whole_forward_reason=summary["whole_forward_reason"],
+            matrix_types=summary["matrix_types"],
+            kernel_types=tuple(summary["kernel_types"]),
         )

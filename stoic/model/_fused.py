@@ -77,6 +77,10 @@ def _supported(config: Any, base: Any) -> bool:
         return False
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
         return False
+    if getattr(config, "attn_logit_softcapping", None):
+        # attention soft-capping: the C attention kernels have none; transformers' layers
+        # over the paged attention (which honours it) run such a model
+        return False
     layers = getattr(base, "layers", None)
     return bool(layers) and hasattr(base, "rotary_emb") and hasattr(base, "embed_tokens")
 
@@ -208,6 +212,12 @@ class FusedLlama:
         """(projections with quantised blocks, all projections): 4 a layer."""
         linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         return sum(p.quantized is not None for p in linears), len(linears)
+
+    @property
+    def quantized_kinds(self) -> set[str]:
+        """The block types of the projections that run on quantised blocks."""
+        linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        return {p.quantized.kind for p in linears if p.quantized is not None}
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata

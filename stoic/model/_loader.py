@@ -15,7 +15,9 @@ Nothing here ever touches the network: ``local_files_only`` is forced.
 
 A model that cannot be used raises :class:`~stoic.errors.ModelUnavailable` with one line saying
 what is wrong and what to do: cheap checks first (:mod:`._source`), then transformers' own
-failures wrapped with their reason.
+failures wrapped with their reason. A directory that is not a causal language model (an encoder,
+an encoder-decoder, a base model without a generation head) is refused naming its architecture
+(:func:`._source.check_causal_lm`, and after loading :func:`._source.check_head_loaded`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -37,7 +39,14 @@ from ..errors import ModelUnavailable
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
 from ._precision import parse_dtype, resolve_dtype, resolve_precision
 from ._progress import heartbeat
-from ._source import HINT, check_gguf_file, check_model_dir, load_errors
+from ._source import (
+    HINT,
+    check_causal_lm,
+    check_gguf_file,
+    check_head_loaded,
+    check_model_dir,
+    load_errors,
+)
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -243,6 +252,9 @@ def load_model(
     dense = parse_dtype(dense_dtype) if dense_dtype is not None else precision.dense_dtype
     if dense == dt:
         dense = None
+    with load_errors(f"cannot load the configuration in {path}", _TODO_DIR):
+        full_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    check_causal_lm(full_config, path)
     started = time.monotonic()
     _log.info(
         "model.load.start",
@@ -262,13 +274,17 @@ def load_model(
             _no_progress_bar(),  # a library draws no progress bar on its host's terminal
             load_errors(f"cannot load the model in {path}", _TODO_DIR),
         ):
-            lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, local_files_only=True)
+            lm, info = cast(
+                tuple[Any, dict[str, Any]],
+                AutoModelForCausalLM.from_pretrained(
+                    str(path), dtype=dt, local_files_only=True, output_loading_info=True
+                ),
+            )
+        check_head_loaded(lm, info.get("missing_keys"), path)
         lm = lm.to(dev)
         lm.eval()
         full_config, generation = lm.config, lm.generation_config
     else:
-        with load_errors(f"cannot load the configuration in {path}", _TODO_DIR):
-            full_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         try:
             generation = GenerationConfig.from_pretrained(str(path), local_files_only=True)
         except OSError:  # no generation_config.json: the model config's own token ids

@@ -234,13 +234,18 @@ class PrefillChunk:
     masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict, compare=False)
 
     def mask(
-        self, sliding_window: int | None, device: torch.device, align: int = 1
+        self,
+        sliding_window: int | None,
+        device: torch.device,
+        align: int = 1,
+        *,
+        explicit: bool = False,
     ) -> torch.Tensor | None:
-        """Causal mask with offset, ``[1, 1, n, keys]``; ``None`` when SDPA's own ``is_causal``
-        suffices. With ``align`` > 1 both sides are padded to a multiple of it: padding keys
-        are never attended, and each padding query attends the first key only (a row with no
-        key at all would be NaN)."""
-        if self.start_pos == 0 and sliding_window is None:
+        """Causal mask with offset, ``[1, 1, n, keys]``, true where attended; ``None`` when
+        SDPA's own ``is_causal`` suffices (never with ``explicit``). With ``align`` > 1 both
+        sides are padded to a multiple of it: padding keys are never attended, and each padding
+        query attends the first key only (a row with no key at all would be NaN)."""
+        if self.start_pos == 0 and sliding_window is None and not explicit:
             return None
         key = (sliding_window, align)
         if key not in self.masks:
@@ -293,13 +298,15 @@ def paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     stoic_step: StepMetadata | None = None,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function over the paged cache.
 
     ``query`` is ``[1, heads, N, head_dim]``; ``key``/``value`` are ``[1, kv_heads, N, head_dim]``
     for the N packed new tokens (rotary embedding already applied). Returns ``[1, N, heads,
-    head_dim]``.
+    head_dim]``. ``softcap`` (Gemma 2's ``attn_logit_softcapping``) caps the scaled scores at
+    ``softcap * tanh(score / softcap)`` before the mask, as transformers' eager attention does.
     """
     if stoic_step is None:
         raise RuntimeError("stoic_paged attention called without step metadata")
@@ -318,18 +325,19 @@ def paged_attention(
     q = query[0]  # [heads, N, D]
     if not meta.prefills and len(meta.decodes) == 1:
         # a decode-only step: its one group holds every token, in order (no gather, no scatter)
-        decoded = _decode_attention(q, k_pool, v_pool, meta.decodes[0], scaling, sliding_window)
+        decoded = _decode_attention(
+            q, k_pool, v_pool, meta.decodes[0], scaling, sliding_window, softcap
+        )
         return decoded.unsqueeze(0), None
     heads, n_tokens, head_dim = q.shape
     out = q.new_empty((n_tokens, heads, head_dim))
     for decode in meta.decodes:
-        out.index_copy_(
-            0, decode.q_index, _decode_attention(q, k_pool, v_pool, decode, scaling, sliding_window)
-        )
+        attended = _decode_attention(q, k_pool, v_pool, decode, scaling, sliding_window, softcap)
+        out.index_copy_(0, decode.q_index, attended)
 
     for chunk in meta.prefills:
         out[chunk.start : chunk.end] = _prefill_attention(
-            q, key, value, k_pool, v_pool, chunk, scaling, sliding_window
+            q, key, value, k_pool, v_pool, chunk, scaling, sliding_window, softcap
         )
     return out.unsqueeze(0), None
 
@@ -343,9 +351,11 @@ def _prefill_attention(
     chunk: PrefillChunk,
     scaling: float | None,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One prompt chunk's attention, ``[n, heads, head_dim]``, for the step's queries ``q``
-    ``[heads, N, D]`` and new keys/values ``[1, kv_heads, N, D]`` (its context from the pool)."""
+    ``[heads, N, D]`` and new keys/values ``[1, kv_heads, N, D]`` (its context from the pool).
+    With ``softcap``, written out (SDPA has no soft cap)."""
     n = chunk.end - chunk.start
     qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, n, D]
     length = chunk.start_pos + n
@@ -361,6 +371,10 @@ def _prefill_attention(
         rows = chunk.gather_index.view(-1)
         kp = k_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
         vp = v_pool.index_select(0, rows).view(1, kv_heads, -1, head_dim)[:, :, :length]
+    if softcap:
+        allowed = chunk.mask(sliding_window, q.device, explicit=True)
+        assert allowed is not None
+        return _capped_attention(qp, kp.to(qp.dtype), vp.to(qp.dtype), allowed, scaling, softcap)
     if align > 1:
         # zeros, not the pool's stale rows past the context: a masked NaN would still poison
         # the scores' arithmetic
@@ -388,6 +402,35 @@ def _prefill_attention(
     return op[0, :, :n].transpose(0, 1)
 
 
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Soft-capped attention of ``q`` ``[1, heads, n, D]`` over ``k``/``v`` ``[1, kv_heads,
+    keys, D]`` where ``allowed`` ``[1, 1, n, keys]``; returns ``[n, heads, D]``. transformers'
+    eager order: scale, cap, mask, float32 softmax; query heads grouped per KV head."""
+    _, heads, n, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    qg = q[0].reshape(kv_heads, heads // kv_heads * n, dim)
+    scores = torch.matmul(qg, k[0].transpose(-1, -2)).float()
+    scores.mul_(scaling if scaling is not None else dim**-0.5)
+    scores = _cap(scores, softcap).view(kv_heads, heads // kv_heads, n, keys)
+    scores.masked_fill_(~allowed[0], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kv_heads, -1, keys)
+    return torch.matmul(probs, v[0]).reshape(heads, n, dim).transpose(0, 1)
+
+
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (``scores`` itself without a cap)."""
+    if not softcap:
+        return scores
+    return torch.tanh(scores / softcap).mul_(softcap)
+
+
 def _zero_padded(x: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """``x`` ``[1, heads, r, D]`` as ``dtype`` ``[1, heads, rows, D]``, zeros below."""
     out = x.new_empty((*x.shape[:2], rows, x.shape[-1]), dtype=dtype)
@@ -403,6 +446,7 @@ def _decode_attention(
     decode: DecodeGroup,
     scaling: float | None,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its gathered blocks; returns ``[B, heads, head_dim]``.
 
@@ -427,6 +471,7 @@ def _decode_attention(
     vd = v_pool.index_select(0, rows).view(batch, kv_heads, length, head_dim)
     scores = torch.matmul(qd, kd.transpose(-1, -2)).float()
     scores.mul_(scaling if scaling is not None else head_dim**-0.5)
+    scores = _cap(scores, softcap)
     scores.masked_fill_(decode.masked_out(block_size, sliding_window), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(vd.dtype)
     return torch.matmul(probs, vd).reshape(batch, heads, head_dim).to(q.dtype)

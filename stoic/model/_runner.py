@@ -18,11 +18,12 @@ from ..config import Quantization
 from ..errors import ModelUnavailable
 from ._batch import SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
-from ._compute import ComputePath
+from ._compute import ComputePath, matrix_types
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
 from ._loader import LoadedModel
+from ._logits import OutputLayer
 from ._paged import (
     ATTN_IMPLEMENTATION,
     DecodeGroup,
@@ -33,8 +34,10 @@ from ._paged import (
     group_decodes,
     register_paged_attention,
 )
+from ._params import SamplingParams
 from ._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, prepare_quantized
 from ._sampling import sample
+from ._source import one_line
 from ._stepprogress import StepProgress, tick
 from ._threads import ThreadGovernor
 
@@ -91,12 +94,15 @@ class ModelRunner:
             model.config._attn_implementation = ATTN_IMPLEMENTATION
         self._base: Any = model.base_model
         head: Any = model.get_output_embeddings()
+        if head is None:
+            raise ModelUnavailable(
+                f"{type(model).__name__} has no output layer: stoic serves causal language models"
+            )
         config = (
             model.config.get_text_config()
             if hasattr(model.config, "get_text_config")
             else model.config
         )
-        self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._config = config
         started = time.monotonic()
         blocks, kernels = prepare_quantized(
@@ -111,15 +117,6 @@ class ModelRunner:
         self.kernel_rows = (
             DENSE_KERNEL_ROWS if dense is not None and dense != torch.float32 else MAX_KERNEL_ROWS
         )
-        self._fused: FusedLlama | None = (
-            fuse_llama(
-                model, config, blocks, kernels, kernel_rows=self.kernel_rows, dense_dtype=dense
-            )
-            if fused
-            else None
-        )
-        if self._fused is None:
-            _tick_per_layer(self._base)
         self._head = QLinear.checked(
             head.weight,
             head.bias,
@@ -128,11 +125,50 @@ class ModelRunner:
             max_rows=self.kernel_rows,
             dense_dtype=dense,
         )
+        #: the model's own forward from stoic's hidden states to logits (:mod:`._logits`)
+        self._logits = OutputLayer(model, self)
+        with torch.inference_mode():
+            self._logits.probe(int(head.weight.shape[1]), int(head.weight.shape[0]))
+        whole = self._logits.whole_forward
+        self._fused: FusedLlama | None = (
+            fuse_llama(
+                model, config, blocks, kernels, kernel_rows=self.kernel_rows, dense_dtype=dense
+            )
+            if fused and not whole
+            else None
+        )
+        if self._fused is None:
+            _tick_per_layer(self._base)
+        if whole:
+            self._check_whole_forward()
         self.quantized = self._quantized_summary(quantization, time.monotonic() - started)
         #: the same, as a typed record
         self.compute_path = ComputePath.from_summary(self.quantized)
         self.grammar = GrammarStates(grammar) if grammar is not None else None
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
+        if self._logits.whole_forward:
+            self._check_whole_forward()
+        _log.info("model.compute_path", **self.quantized)
+
+    def _check_whole_forward(self) -> None:
+        """Run a two-token step of the model's whole forward on a scratch cache: a model that
+        runs neither way is refused at start, not at its first request.
+
+        :raises ModelUnavailable: if that step fails (one line: both reasons).
+        """
+        cache = PagedKVCache(self.kv_spec(num_blocks=1, block_size=4))
+        cache.zero_blocks((0,))
+        chunk = SeqChunk(0, (0, 0), 0, (0,), True, SamplingParams(max_tokens=1, temperature=0))
+        try:
+            self._execute(StepBatch((chunk,)), cache)
+        except Exception as exc:
+            raise ModelUnavailable(
+                f"{type(self.loaded.model).__name__} cannot be served: "
+                f"{self._logits.reason}, and its whole forward fails over stoic's paged "
+                f"attention ({one_line(exc)})"
+            ) from exc
+        finally:
+            cache.release()
 
     def _quantized_summary(self, mode: Quantization, seconds: float) -> dict[str, Any]:
         """What runs on quantised blocks (logged as ``model.quantized``, with the seconds the
@@ -141,8 +177,21 @@ class ModelRunner:
         :raises ModelUnavailable: with ``mode="gguf"``, if nothing does.
         """
         done, total = self._fused.quantized_projections if self._fused is not None else (0, 0)
-        head = self._head.quantized
+        whole = self._logits.whole_forward
+        head = None if whole else self._head.quantized
+        kinds = self._fused.quantized_kinds if self._fused is not None else set()
+        kinds |= {head.kind} if head is not None else set()
         summary: dict[str, Any] = {
+            "architecture": type(self.loaded.model).__name__,
+            "decoder": "fused" if self._fused is not None else "transformers",
+            # the model's own forward maps stoic's hidden states to logits (or, where the probe
+            # found it adds nothing, the output layer alone does), or it runs whole
+            "logits": "whole-forward"
+            if whole
+            else ("output-layer" if self._logits.identity else "own-forward"),
+            "whole_forward_reason": self._logits.reason if whole else None,
+            "matrix_types": matrix_types(self.loaded.gguf),
+            "kernel_types": sorted(kinds),
             "projections": done,
             "of": total,
             "head": head.kind if head is not None else None,
@@ -202,18 +251,21 @@ class ModelRunner:
             masks = self._mask_thread().submit(
                 self.grammar.bitmask, [chunks[i] for i in constrained]
             )
-        if self._fused is not None:
-            hidden = self._fused.forward(input_ids, positions, meta)
+        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=device)
+        logits: torch.Tensor | None = None
+        if self._logits.whole_forward:
+            logits = self._logits.whole(input_ids, positions, rows, stoic_step=meta)
         else:
-            hidden = self._base(
-                input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta
-            ).last_hidden_state
+            if self._fused is not None:
+                hidden = self._fused.forward(input_ids, positions, meta)
+            else:
+                hidden = self._base(
+                    input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta
+                ).last_hidden_state
+            logits = self._logits(input_ids, hidden, rows) if sample_rows else None
         sampled: dict[int, Any] = {}
         if sample_rows:
-            rows = torch.tensor([r for r, _ in sample_rows], device=device)
-            logits = self._head(hidden[0].index_select(0, rows))
-            if self._softcap:
-                logits = torch.tanh(logits / self._softcap) * self._softcap
+            assert logits is not None
             if masks is not None:
                 logits = apply_bitmask(logits, constrained, masks.result())
             tokens = sample(logits, chunks, self.loaded.eos_token_ids)

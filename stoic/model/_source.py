@@ -13,12 +13,14 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelUnavailable
 from ._gguf import GgufError, GgufHeader, read_gguf_header
 
 __all__ = [
     "LOAD_ERRORS",
+    "check_causal_lm",
     "check_gguf_file",
     "check_model_dir",
     "check_model_source",
@@ -158,3 +160,59 @@ def check_model_source(model: str, *, weights: bool = True, tokenizer: bool = Tr
         check_model_dir(path, weights=weights, tokenizer=tokenizer)
     else:
         raise ModelUnavailable(f"model {model!r} not found: no such file or directory; {HINT}")
+
+
+#: what stoic serves, said in a refusal
+_CAUSAL_ONLY = "stoic serves causal language models (decoder-only: a ...ForCausalLM architecture)"
+
+
+def check_causal_lm(config: Any, path: Path) -> str:
+    """The architecture of the model whose (transformers) ``config`` was read from ``path``;
+    the model must be a causal language model transformers can load as one.
+
+    :raises ModelUnavailable: naming its architecture and what kind of model it is instead (an
+        encoder-decoder, an encoder, a base model without a generation head, another head).
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = str(getattr(config, "model_type", "") or "")
+    listed = [str(a) for a in getattr(config, "architectures", None) or ()]
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    arch = listed[0] if listed else f"{model_type or 'unknown'} model"
+    if listed and any(a in causal for a in listed):
+        return next(a for a in listed if a in causal)
+    if getattr(config, "is_encoder_decoder", False):
+        kind = "an encoder-decoder model"
+    elif listed and arch.endswith("Model"):
+        encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(
+            config, "is_decoder", False
+        )
+        kind = "an encoder: a base model" if encoder else "a base model"
+        kind += " without a generation head"
+    elif listed:
+        kind = "its head is not a causal language-model head"
+    elif model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        kind = "transformers has no causal-LM form of it"
+    else:  # no architectures listed, a causal form exists: the weights decide (the loader)
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    raise ModelUnavailable(f"{path} holds a {arch} ({kind}), not a causal LM: {_CAUSAL_ONLY}")
+
+
+def check_head_loaded(model: Any, missing: Any, path: Path) -> None:
+    """Refuse a model whose output layer had no weights in ``path`` (``missing``: the keys
+    transformers initialised at random): a base model's weights loaded under a causal-LM
+    class would generate from a random head.
+
+    :raises ModelUnavailable: naming the architecture and the layer.
+    """
+    from ._logits import head_name
+
+    head = head_name(model)
+    if head is not None and any(str(k).startswith(f"{head}.") for k in missing or ()):
+        raise ModelUnavailable(
+            f"{path} holds no weights for the output layer ({head}) of its "
+            f"{type(model).__name__} (a base model without a generation head?): {_CAUSAL_ONLY}"
+        )

@@ -159,10 +159,20 @@ def test_blocks_in_the_wrong_row_order_are_not_used(
 def test_runner_uses_the_blocks_for_every_projection(
     default_fp32: LoadedModel, kernels: Kernels
 ) -> None:
-    """With the GGUF file at hand, every fused projection and the LM head run on blocks."""
+    """With the GGUF file at hand, every fused projection and the LM head run on blocks; the
+    summary says so, with the architecture, the decoder path and the file's matrix types."""
     runner = ModelRunner(default_fp32, quantization="gguf")
     layers = default_fp32.config.num_hidden_layers
+    q4 = {r: "Q4_1" for r in ("attn_k", "attn_output", "attn_q", "attn_v")}
+    ffn = {r: "Q4_1" for r in ("ffn_down", "ffn_gate", "ffn_up")}
     assert runner.quantized == {
+        "architecture": "LlamaForCausalLM",
+        "decoder": "fused",
+        "logits": "output-layer",
+        "whole_forward_reason": None,
+        # the file's token embedding is the tied head: Q8_0
+        "matrix_types": {**q4, **ffn, "token_embd": "Q8_0"},
+        "kernel_types": ["Q4_1", "Q8_0"],
         "projections": 4 * layers,
         "of": 4 * layers,
         "head": "Q8_0",
@@ -171,9 +181,8 @@ def test_runner_uses_the_blocks_for_every_projection(
         "dtype": "float32",
         "dense_dtype": "float32",
     }
-    assert runner.compute_path == ComputePath(
-        "float32", "float32", 4 * layers, 4 * layers, "Q8_0", True, MAX_KERNEL_ROWS
-    )
+    assert runner.compute_path == ComputePath.from_summary(runner.quantized)
+    assert runner.compute_path.kernel_types == ("Q4_1", "Q8_0")
 
 
 @pytest.mark.model
