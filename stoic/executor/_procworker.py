@@ -155,7 +155,9 @@ def worker_main(conn: Connection, parent: int) -> None:
         family=(parent,),  # the server's CPU time is the engine's, not a neighbour's
     )
     governor.before_step()  # the load's own operators run on the budget too
-    limit = os.environ.get("STOIC_WORKER_CUDA_MEMORY_LIMIT_MIB")  # a test hook (recovery_bench.py gpu)
+    limit = os.environ.get(
+        "STOIC_WORKER_CUDA_MEMORY_LIMIT_MIB"
+    )  # a test hook (recovery_bench.py gpu)
     if limit and spec.device.startswith("cuda"):
         device = torch.device(spec.device)
         total = torch.cuda.get_device_properties(device).total_memory
