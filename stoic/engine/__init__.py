@@ -13,7 +13,7 @@ from typing import get_args
 
 from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
 from ..errors import FailureKind
-from ..model import Constraint, Detokenizer, SamplingParams, TokenCodec
+from ..model import Constraint, Detokenizer, Request, SamplingParams, TokenCodec
 from ._engine import Engine
 from ._stats import EngineStats
 from ._stream import CompletionResult, RequestStream
@@ -32,6 +32,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "Health",
+    "Request",
     "RequestStream",
     "SamplingParams",
     "State",
@@ -49,6 +50,7 @@ for _name in (
     "Engine",
     "EngineStats",
     "Health",
+    "Request",
     "RequestStream",
     "SamplingParams",
     "TokenCodec",

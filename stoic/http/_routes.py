@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from .._logging import get_logger
 from .._version import installed_version
 from ..config import FaultSpec
+from ..engine import Request
 from ..errors import InvalidRequest, ModelNotFound
 from ._auth import route_access
 from ._engine import EngineLike
@@ -113,7 +114,16 @@ async def _chat(request: web.Request, state: AppState, record: RequestRecord) ->
         plan = req.tool_plan(syntax)
         messages, kwargs = render_conversation(messages, plan, syntax, kwargs)
     params = req.sampling_params(plan)
-    jobs = [Job(i, 0, None, messages, choice_params(params, i), kwargs) for i in range(req.n)]
+    jobs = [
+        Job(
+            i,
+            0,
+            Request(
+                messages=messages, params=choice_params(params, i), chat_template_kwargs=kwargs
+            ),
+        )
+        for i in range(req.n)
+    ]
     fmt = ChatFormat(
         record.request_id,
         model,
@@ -133,7 +143,7 @@ async def _completions(
     model = _served_name(state.engine, req.model)
     params = req.sampling_params()
     jobs = [
-        Job(p * req.n + i, p, prompt, None, choice_params(params, i))
+        Job(p * req.n + i, p, Request(prompt, choice_params(params, i)))
         for p, prompt in enumerate(req.prompts)
         for i in range(req.n)
     ]
@@ -178,11 +188,13 @@ async def _tokenize(request: web.Request) -> web.Response:
         syntax = tool_syntax(engine.chat_template)
         messages, kwargs = render_conversation(messages, None, syntax, kwargs)
     tokens = engine.tokenize(
-        req.prompt,
-        messages=messages,
-        add_special_tokens=req.add_special_tokens,
-        add_generation_prompt=req.add_generation_prompt,
-        chat_template_kwargs=kwargs,
+        Request(
+            req.prompt,
+            messages=messages,
+            add_special_tokens=req.add_special_tokens,
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template_kwargs=kwargs,
+        )
     )
     body: dict[str, Any] = {
         "count": len(tokens),
