@@ -75,6 +75,7 @@ class AddSequence:
     max_tokens: int
     stream: ResultStream
 
+    #: a pattern reads the request's id and parameters as if they were fields (the properties)
     __match_args__ = ("request_id", "prompt_ids", "params", "max_tokens", "stream")
 
     @property
