@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import stoic
 
 #: three short prompts with different continuations (the stop-path and watchdog tests)
@@ -117,3 +119,19 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def record_intake_requests(monkeypatch: pytest.MonkeyPatch) -> list[stoic.Request]:
+    """The requests the engine's intake reads from now on (it tokenises every request it is
+    given through ``TokenCodec.tokenize``; the patch ends with the test)."""
+    from stoic.engine import TokenCodec
+
+    seen: list[stoic.Request] = []
+    tokenize = TokenCodec.tokenize
+
+    def spy(codec: TokenCodec, request: stoic.Request) -> list[int]:
+        seen.append(request)
+        return tokenize(codec, request)
+
+    monkeypatch.setattr(TokenCodec, "tokenize", spy)
+    return seen

@@ -70,17 +70,17 @@ class Intake(Actor[IntakeMsg]):
                     return
                 except Exception as exc:  # a bug or a tokenizer surprise: still the caller's error
                     self.context.log.exception(
-                        "intake.unexpected_error", request_id=message.request_id
+                        "intake.unexpected_error", request_id=message.request.request_id
                     )
                     reply.fail(InvalidRequest(f"could not process the request: {exc}"))
                     return
                 if _gone(reply):
                     return  # the caller gave up while we prepared it
                 self.outstanding += 1
-                self._active.add(message.request_id)
+                self._active.add(add.request_id)
                 await self._scheduler.tell(add)
                 if _gone(reply):  # the caller gave up while the scheduler's mailbox was full
-                    await self._scheduler.tell(Abort(message.request_id))
+                    await self._scheduler.tell(Abort(add.request_id))
                 else:
                     reply.send(add.stream)
             case _:
@@ -88,22 +88,21 @@ class Intake(Actor[IntakeMsg]):
 
     def _prepare(self, msg: Submit) -> AddSequence:
         self._health.check_accepting()
-        if msg.request_id in self._active:
+        request = msg.request
+        if request.request_id in self._active:
             raise InvalidRequest(
-                f"request id {msg.request_id!r} is already in use", param="request_id"
+                f"request id {request.request_id!r} is already in use", param="request_id"
             )
-        params = msg.params
+        params = request.params
         params.validate(vocab_size=self._codec.vocab_size)
         if self.outstanding >= self.cfg.max_waiting:
             raise Overloaded(
                 f"{self.outstanding} requests in flight (limit {self.cfg.max_waiting}); retry later"
             )
-        param = "prompt" if msg.messages is None else "messages"
-        if msg.messages is None and msg.prompt is not None and not msg.prompt:
+        param = request.param
+        if request.messages is None and request.prompt is not None and not request.prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        ids = self._codec.tokenize(
-            msg.prompt, messages=msg.messages, chat_template_kwargs=msg.chat_template_kwargs
-        )
+        ids = self._codec.tokenize(request)
         if not ids:
             raise InvalidRequest("the prompt tokenised to nothing", param=param)
         limit = min(self.cfg.max_model_len, self.cfg.kv_capacity_tokens)
@@ -123,8 +122,8 @@ class Intake(Actor[IntakeMsg]):
                     f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
                     param=param,
                 )
-        stream = ResultStream(msg.request_id, prompt_len, on_close=self._closed)
-        return AddSequence(msg.request_id, tuple(ids), params, max_tokens, stream)
+        stream = ResultStream(request.request_id, prompt_len, on_close=self._closed)
+        return AddSequence(request, tuple(ids), max_tokens, stream)
 
     def _closed(self, stream: ResultStream) -> None:
         self.outstanding -= 1

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import FaultSpec
 from ..errors import FailureKind
-from ..model import SamplingParams, StepBatch, StepOutput
+from ..model import Request, SamplingParams, StepBatch, StepOutput
 from ..runtime import ActorRef, Reply
 
 if TYPE_CHECKING:
@@ -54,13 +54,9 @@ __all__ = [
 # ---- Intake --------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Submit:
-    """Validate, template, tokenise and admit one request; reply with its stream or a typed error."""
+    """Validate, template, tokenise and admit ``request``; reply with its stream or a typed error."""
 
-    request_id: str
-    prompt: str | tuple[int, ...] | None
-    messages: tuple[dict[str, Any], ...] | None
-    params: SamplingParams
-    chat_template_kwargs: dict[str, Any] | None
+    request: Request
     reply: Reply[ResultStream]
 
 
@@ -68,13 +64,27 @@ IntakeMsg = Submit
 
 
 # ---- Scheduler -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, match_args=False)
 class AddSequence:
-    request_id: str
+    """An admitted request: what the intake derived from it (its prompt's token ids, the tokens it
+    may generate) and the stream its output goes to."""
+
+    request: Request
     prompt_ids: tuple[int, ...]
-    params: SamplingParams
+    #: ``request.params.max_tokens``, or what the context leaves when that is None
     max_tokens: int
     stream: ResultStream
+
+    #: a pattern reads the request's id and parameters as if they were fields (the properties)
+    __match_args__ = ("request_id", "prompt_ids", "params", "max_tokens", "stream")
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import get_args
 
 from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
 from ..errors import FailureKind
-from ..model import Constraint, Detokenizer, SamplingParams, TokenCodec
+from ..model import Constraint, Detokenizer, Request, SamplingParams, TokenCodec
 from ._engine import Engine
 from ._incidents import Activity, Incident, SequenceView
 from ._stats import EngineStats
@@ -35,6 +35,7 @@ __all__ = [
     "FinishReason",
     "Health",
     "Incident",
+    "Request",
     "RequestStream",
     "SamplingParams",
     "SequenceView",
@@ -55,6 +56,7 @@ for _name in (
     "EngineStats",
     "Health",
     "Incident",
+    "Request",
     "RequestStream",
     "SamplingParams",
     "TokenCodec",

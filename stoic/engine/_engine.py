@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, St
 from ..executor import ExecutorFault, make_backend
 from ..model import (
     LoadedModel,
+    Request,
     SamplingParams,
     TokenCodec,
     default_cache_dir,
@@ -178,28 +178,17 @@ class Engine:
         return self._codec.chat_template
 
     def tokenize(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict[str, Any]] | None = None,
-        add_special_tokens: bool = True,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        self, request: Request | str | Sequence[int] | None = None, **fields: Any
     ) -> list[int]:
-        """The token ids of ``prompt``, or of ``messages`` rendered with the model's chat
-        template: what :meth:`submit` would feed the model for them (``add_special_tokens``
-        applies to a prompt; a chat template adds its own).
+        """The token ids :meth:`submit` would feed the model for ``request`` (a :class:`Request`,
+        or a prompt and the request's other fields by name, as :meth:`submit` takes them):
+        ``engine.tokenize("Hello")``, ``engine.tokenize(messages=messages)``.
 
-        :raises InvalidRequest: neither or both given, the messages malformed, no chat template
-            or the template raising.
+        :raises InvalidRequest: neither prompt nor messages or both, the messages malformed, no
+            chat template or the template raising, a token id outside the vocabulary.
+        :raises TypeError: a field that a :class:`Request` does not have.
         """
-        return self._codec.tokenize(
-            prompt,
-            messages=messages,
-            add_special_tokens=add_special_tokens,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        return self._codec.tokenize(Request.of(request, **fields))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (special tokens included).
@@ -210,38 +199,33 @@ class Engine:
 
     async def submit(
         self,
-        prompt: str | Sequence[int] | None = None,
+        request: Request | str | Sequence[int] | None = None,
         params: SamplingParams | None = None,
-        *,
-        messages: Sequence[dict[str, Any]] | None = None,
-        request_id: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        **fields: Any,
     ) -> RequestStream:
-        """Validate and admit a request; return its stream.
+        """Validate and admit ``request``; return its stream.
 
-        Everything wrong with the request is raised here, before any output exists.
+        ``request`` is a :class:`Request`, or its prompt (text or token ids) with ``params`` and
+        the request's other fields by name (``messages=``, ``request_id=``,
+        ``chat_template_kwargs=``...): ``engine.submit("Hello", params)``,
+        ``engine.submit(messages=messages, params=params)``. Everything wrong with the request is
+        raised here, before any output exists.
 
         :raises InvalidRequest: bad parameters, messages, template error, bad token ids.
         :raises ContextLengthExceeded: prompt plus ``max_tokens`` beyond the context.
         :raises Overloaded: admission limits reached.
         :raises EngineFailed: the engine is failed.
         :raises EngineStopped: the engine is stopping.
+        :raises TypeError: a field that a :class:`Request` does not have.
         """
+        built = Request.of(request, params, **fields)
         self._health.check_accepting()
         intake = self._parts.intake
         mailbox = intake.statistics()
         if mailbox.current_buffer_used >= mailbox.max_buffer_size:
             raise Overloaded("the engine's intake queue is full; retry later")
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        ptoks = prompt if isinstance(prompt, str) or prompt is None else tuple(prompt)
-        msgs = tuple(messages) if messages is not None else None
         try:
-            stream: ResultStream = await intake.ask(
-                lambda r: Submit(
-                    rid, ptoks, msgs, params or SamplingParams(), chat_template_kwargs, r
-                ),
-                timeout=ASK_TIMEOUT,
-            )
+            stream: ResultStream = await intake.ask(lambda r: Submit(built, r), timeout=ASK_TIMEOUT)
         except StoicError:
             raise
         except Exception as exc:
@@ -249,18 +233,18 @@ class Engine:
                 if isinstance(exc, kind):
                     raise make() from exc
             raise
-        self._incidents.admitted(rid)
+        self._incidents.admitted(built.request_id)
         return RequestStream(stream, self.abort)
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Request | str | Sequence[int],
         params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
+        **fields: Any,
     ) -> AsyncIterator[Delta]:
-        """Stream a completion of ``prompt`` (text or token ids). Errors raise before any delta."""
-        stream = await self.submit(prompt, params, request_id=request_id)
+        """Stream a completion of ``prompt`` (text or token ids; the request's other fields by
+        name, as :meth:`submit` takes them). Errors raise before any delta."""
+        stream = await self.submit(prompt, params, **fields)
         async with stream:
             async for delta in stream:
                 yield delta
@@ -269,43 +253,28 @@ class Engine:
         self,
         messages: Sequence[dict[str, Any]],
         params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        **fields: Any,
     ) -> AsyncIterator[Delta]:
-        """Stream a chat completion (the model's own chat template). Errors raise before any delta."""
-        stream = await self.submit(
-            None,
-            params,
-            messages=messages,
-            request_id=request_id,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        """Stream a chat completion (the model's own chat template; the request's other fields
+        by name, as :meth:`submit` takes them). Errors raise before any delta."""
+        stream = await self.submit(None, params, messages=messages, **fields)
         async with stream:
             async for delta in stream:
                 yield delta
 
     async def complete(
         self,
-        prompt: str | Sequence[int] | None = None,
+        request: Request | str | Sequence[int] | None = None,
         params: SamplingParams | None = None,
-        *,
-        messages: Sequence[dict[str, Any]] | None = None,
-        request_id: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        **fields: Any,
     ) -> CompletionResult:
-        """Generate to the end and return the whole result (non-streaming helper).
+        """Generate to the end and return the whole result (non-streaming helper; takes what
+        :meth:`submit` takes).
 
         :raises StoicError: what :meth:`submit` raises, and what the stream raises if generation
             fails (each carrying ``partial``).
         """
-        stream = await self.submit(
-            prompt,
-            params,
-            messages=messages,
-            request_id=request_id,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        stream = await self.submit(request, params, **fields)
         return await stream.collect()
 
     async def abort(self, request_id: str) -> None:

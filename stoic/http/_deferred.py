@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
+from pathlib import Path
 
 from ..config import EngineConfig, FaultSpec
-from ..engine import EngineStats, Health, SamplingParams
+from ..engine import EngineStats, Health, Request
 from ..errors import EngineFailed, EngineStarting
 from ._engine import EngineLike, RequestStreamLike
 
@@ -69,39 +69,11 @@ class DeferredEngine:
     def config(self) -> EngineConfig:
         return self._config if self._engine is None else self._engine.config
 
-    async def submit(
-        self,
-        prompt: str | list[int] | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        request_id: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> RequestStreamLike:
-        return await self._loaded().submit(
-            prompt,
-            params,
-            messages=messages,
-            request_id=request_id,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+    async def submit(self, request: Request) -> RequestStreamLike:
+        return await self._loaded().submit(request)
 
-    def tokenize(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        add_special_tokens: bool = True,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        return self._loaded().tokenize(
-            prompt,
-            messages=messages,
-            add_special_tokens=add_special_tokens,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+    def tokenize(self, request: Request) -> list[int]:
+        return self._loaded().tokenize(request)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self._loaded().detokenize(token_ids)
@@ -117,7 +89,7 @@ class DeferredEngine:
         read = getattr(self._engine, "activity", None)
         return read() if callable(read) else None
 
-    def health(self) -> Any:
+    def health(self) -> Health:
         if self._engine is not None:
             return self._engine.health()
         return Health(state="starting", reason="the model is loading")

@@ -1,20 +1,21 @@
 """The part of :class:`stoic.Engine` the HTTP layer uses, as structural types.
 
 The application only talks to the engine through these protocols, so any object with the same
-surface (the real engine, or a fake in tests) can be served. Its statistics are the engine's own
-record, :class:`~stoic.EngineStats`, not a protocol restating its fields.
+surface (the real engine, or a fake in tests) can be served. What it is asked to generate is the
+engine's own value object, :class:`~stoic.Request`; its statistics and health are the engine's own
+records, :class:`~stoic.EngineStats` and :class:`~stoic.Health`: no protocol restates their fields.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..config import EngineConfig, FaultSpec
-from ..engine import Delta, EngineStats, SamplingParams
+from ..engine import Delta, EngineStats, Health, Request
 from ..errors import EngineFailed
 
-__all__ = ["EngineLike", "HealthLike", "RequestStreamLike"]
+__all__ = ["EngineLike", "RequestStreamLike"]
 
 
 class RequestStreamLike(Protocol):
@@ -33,15 +34,6 @@ class RequestStreamLike(Protocol):
 
     async def aclose(self) -> None:
         """Abort the request if it has not finished (frees its KV blocks); idempotent."""
-
-
-class HealthLike(Protocol):
-    @property
-    def state(self) -> str: ...
-    @property
-    def reason(self) -> str | None: ...
-    @property
-    def ok(self) -> bool: ...
 
 
 class EngineLike(Protocol):
@@ -64,34 +56,19 @@ class EngineLike(Protocol):
         """
         ...
 
-    async def submit(
-        self,
-        prompt: str | list[int] | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        request_id: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> RequestStreamLike:
-        """Validate, tokenise and admit one request.
+    async def submit(self, request: Request) -> RequestStreamLike:
+        """Validate, tokenise and admit ``request``.
 
         :raises ~stoic.errors.StoicError: (InvalidRequest, ContextLengthExceeded, Overloaded,
             EngineFailed, EngineStopped) before anything is generated.
         """
         ...
 
-    def tokenize(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        add_special_tokens: bool = True,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """The token ids ``submit`` would feed for this prompt or these messages.
+    def tokenize(self, request: Request) -> list[int]:
+        """The token ids ``submit`` would feed the model for ``request``.
 
-        :raises ~stoic.errors.InvalidRequest: neither or both given, or the chat template fails.
+        :raises ~stoic.errors.InvalidRequest: neither prompt nor messages or both, or the chat
+            template fails.
         """
         ...
 
@@ -107,7 +84,7 @@ class EngineLike(Protocol):
         has run: a fake engine in tests overrides fields of one)."""
         ...
 
-    def health(self) -> HealthLike: ...
+    def health(self) -> Health: ...
 
     async def inject_fault(self, spec: FaultSpec) -> None: ...
 

@@ -8,13 +8,12 @@ non-streaming response with a 5xx carrying the partial output).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
 from .._logging import get_logger
-from ..engine import Delta, SamplingParams
+from ..engine import Delta, Request
 from ..errors import EngineStopped, PartialOutput, StoicError
 from ._engine import RequestStreamLike
 from ._errors import dumps, error_object, error_response, internal_error_object
@@ -31,17 +30,14 @@ _log = get_logger("stoic.http")
 
 @dataclass(frozen=True)
 class Job:
-    """One choice to generate."""
+    """One choice to generate: the engine request, and where its output goes in the response."""
 
     #: the choice's ``index`` in the response
     index: int
     #: which prompt of the request (usage counts each prompt once)
     prompt_group: int
-    prompt: str | list[int] | None
-    messages: list[dict[str, Any]] | None
-    params: SamplingParams
-    #: extra variables for the chat template (vLLM's ``chat_template_kwargs``)
-    template_kwargs: dict[str, Any] | None = None
+    #: its ``request_id`` is given when it is submitted (the HTTP request's, made unique)
+    request: Request
 
 
 async def submit_all(state: AppState, jobs: list[Job], request_id: str) -> list[RequestStreamLike]:
@@ -58,13 +54,7 @@ async def submit_all(state: AppState, jobs: list[Job], request_id: str) -> list[
                 request_id if len(jobs) == 1 else f"{request_id}-{job.index}"
             )
             try:
-                stream = await state.engine.submit(
-                    job.prompt,
-                    job.params,
-                    messages=job.messages,
-                    request_id=engine_id,
-                    chat_template_kwargs=job.template_kwargs,
-                )
+                stream = await state.engine.submit(replace(job.request, request_id=engine_id))
             except BaseException:
                 state.release_id(engine_id)
                 raise

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from .._logging import get_logger
+from ..engine import Request
 from ..errors import InvalidRequest, NotFound, StorageFailed
 from ._auth import OWNER, route_access
 from ._errors import dumps, error_response, internal_error_object
@@ -103,7 +104,7 @@ async def _create(
             ChatCompletionRequest, req.chat_request(chat_messages(items, req.instructions))
         )
         messages, kwargs, plan, params = chat_inputs(state, chat)
-        job = Job(0, 0, None, messages, params, kwargs)
+        job = Job(0, 0, Request(messages=messages, params=params, chat_template_kwargs=kwargs))
         streams = await submit_all(state, [job], record.request_id)
     except InvalidRequest as exc:
         raise chat_param(exc) from None

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from .._logging import get_logger
 from .._version import installed_version
 from ..config import FaultSpec
-from ..engine import SamplingParams
+from ..engine import Request, SamplingParams
 from ..errors import InvalidRequest, ModelNotFound
 from ._auth import route_access
 from ._engine import EngineLike
@@ -137,7 +137,16 @@ async def _chat(request: web.Request, state: AppState, record: RequestRecord) ->
     req = _parse(ChatCompletionRequest, await _read_json(request))
     model = _served_name(state.engine, req.model)
     messages, kwargs, plan, params = chat_inputs(state, req)
-    jobs = [Job(i, 0, None, messages, choice_params(params, i), kwargs) for i in range(req.n)]
+    jobs = [
+        Job(
+            i,
+            0,
+            Request(
+                messages=messages, params=choice_params(params, i), chat_template_kwargs=kwargs
+            ),
+        )
+        for i in range(req.n)
+    ]
     fmt = chat_format(state, record, model, plan)
     return await run_generation(
         request, state, record, fmt, jobs, stream=req.stream, include_usage=req.include_usage
@@ -152,7 +161,7 @@ async def _completions(
     model = _served_name(state.engine, req.model)
     params = req.sampling_params()
     jobs = [
-        Job(p * req.n + i, p, prompt, None, choice_params(params, i))
+        Job(p * req.n + i, p, Request(prompt, choice_params(params, i)))
         for p, prompt in enumerate(req.prompts)
         for i in range(req.n)
     ]
@@ -201,11 +210,13 @@ async def _tokenize(request: web.Request) -> web.Response:
         syntax = tool_syntax(engine.chat_template)
         messages, kwargs = render_conversation(messages, None, syntax, kwargs)
     tokens = engine.tokenize(
-        req.prompt,
-        messages=messages,
-        add_special_tokens=req.add_special_tokens,
-        add_generation_prompt=req.add_generation_prompt,
-        chat_template_kwargs=kwargs,
+        Request(
+            req.prompt,
+            messages=messages,
+            add_special_tokens=req.add_special_tokens,
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template_kwargs=kwargs,
+        )
     )
     body: dict[str, Any] = {
         "count": len(tokens),

@@ -18,6 +18,7 @@ from ._loader import (
 from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache, free_device_memory
 from ._params import SamplingParams
 from ._quant import require_quantized
+from ._request import Request
 from ._runner import ModelRunner
 from ._source import check_model_source
 from ._stepprogress import StepProgress
@@ -38,6 +39,7 @@ __all__ = [
     "LoadedModel",
     "ModelRunner",
     "PagedKVCache",
+    "Request",
     "SampledToken",
     "SamplingParams",
     "SeqChunk",

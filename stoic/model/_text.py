@@ -17,6 +17,7 @@ from ..config import EngineConfig
 from ..errors import InvalidRequest
 from ._chat import apply_chat_template
 from ._loader import LoadedModel, load_model
+from ._request import Request
 
 __all__ = ["Detokenizer", "StopStrings", "TokenCodec", "vocab_size"]
 
@@ -200,33 +201,28 @@ class TokenCodec:
         template: str | dict[str, str] | None = getattr(self.tokenizer, "chat_template", None)
         return template
 
-    def tokenize(
-        self,
-        prompt: str | Sequence[int] | None = None,
-        *,
-        messages: Sequence[dict[str, Any]] | None = None,
-        add_special_tokens: bool = True,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """The token ids of ``prompt`` (text, or token ids checked against the vocabulary), or
-        of ``messages`` rendered with the model's chat template (``add_special_tokens`` applies
-        to a text prompt; a chat template adds its own).
+    def tokenize(self, request: Request) -> list[int]:
+        """The token ids ``request`` feeds the model: its text prompt tokenised, its token ids
+        checked against the vocabulary, or its ``messages`` rendered with the model's chat
+        template (see :class:`Request` for the options that apply).
 
-        :raises InvalidRequest: neither or both given, a token id outside the vocabulary, the
-            messages malformed, no chat template or the template raising.
+        :raises InvalidRequest: neither prompt nor messages or both, a token id outside the
+            vocabulary, the messages malformed, no chat template or the template raising.
         """
+        prompt, messages = request.prompt, request.messages
         if messages is not None:
             if prompt is not None:
                 raise InvalidRequest("give either a prompt or messages, not both", param="prompt")
             return apply_chat_template(
                 self.tokenizer,
                 messages,
-                add_generation_prompt=add_generation_prompt,
-                template_kwargs=chat_template_kwargs,
+                add_generation_prompt=request.add_generation_prompt,
+                template_kwargs=request.chat_template_kwargs,
             )
         if isinstance(prompt, str):
-            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids: list[int] = self.tokenizer.encode(
+                prompt, add_special_tokens=request.add_special_tokens
+            )
             return ids
         if prompt is None:
             raise InvalidRequest("a prompt or messages is required", param="prompt")

@@ -14,17 +14,16 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from .._logging import get_logger
 from ..config import EngineConfig, FaultSpec
-from ..engine import Delta, EngineStats, SamplingParams, TokenCodec
+from ..engine import Delta, EngineStats, Health, Request, TokenCodec
 from ..errors import EngineFailed, EngineStopped, Overloaded, PartialOutput, StoicError
 from ._redecode import Continuation
 from ._stats import ReplicaView
-from ._wire import Admitted, Failure, ReplicaRequest, unpack_error
+from ._wire import Admitted, Failure, unpack_error
 
 __all__ = ["MigratingStream", "RayEngine"]
 
@@ -109,20 +108,12 @@ class RayEngine:
     def chat_template(self) -> str | dict[str, str] | None:
         return self._codec.chat_template
 
-    def call(self, request: ReplicaRequest) -> Any:
+    def call(self, request: Request) -> Any:
         """Start ``request`` on a replica Serve picks: a ``DeploymentResponseGenerator``."""
         return self._stream_handle.generate.remote(request)
 
-    async def submit(
-        self,
-        prompt: str | list[int] | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        request_id: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> MigratingStream:
-        """Admit the request on a replica; the same contract as :meth:`stoic.Engine.submit`.
+    async def submit(self, request: Request) -> MigratingStream:
+        """Admit ``request`` on a replica; the same contract as :meth:`stoic.Engine.submit`.
 
         A replica that is gone or failed before admitting it is tried again elsewhere (for up to
         ``admission_timeout`` seconds).
@@ -130,33 +121,12 @@ class RayEngine:
         :raises ~stoic.errors.StoicError: the replica's refusal (InvalidRequest,
             ContextLengthExceeded, Overloaded...), or EngineFailed when no replica admitted it.
         """
-        request = ReplicaRequest(
-            request_id or f"req-{uuid.uuid4().hex[:16]}",
-            prompt,
-            params or SamplingParams(),
-            messages,
-            chat_template_kwargs,
-        )
         stream = MigratingStream(self, request)
         await stream.open()
         return stream
 
-    def tokenize(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        add_special_tokens: bool = True,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        return self._codec.tokenize(
-            prompt,
-            messages=messages,
-            add_special_tokens=add_special_tokens,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+    def tokenize(self, request: Request) -> list[int]:
+        return self._codec.tokenize(request)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self._codec.detokenize(token_ids)
@@ -165,7 +135,7 @@ class RayEngine:
         """The replicas' statistics summed (see :class:`~stoic.ray._stats.ReplicaView`)."""
         return self.view.total()
 
-    def health(self) -> Any:
+    def health(self) -> Health:
         """Serving while any replica serves."""
         return self.view.health()
 
@@ -217,7 +187,7 @@ class MigratingStream:
     the replica, which aborts the request there and frees its KV blocks.
     """
 
-    def __init__(self, engine: RayEngine, request: ReplicaRequest) -> None:
+    def __init__(self, engine: RayEngine, request: Request) -> None:
         self._engine = engine
         self._request = request
         self.request_id = request.request_id
@@ -240,7 +210,7 @@ class MigratingStream:
         """Admit the request on a replica (see :meth:`RayEngine.submit`)."""
         await self._start(self._request)
 
-    async def _start(self, request: ReplicaRequest) -> None:
+    async def _start(self, request: Request) -> None:
         """Start ``request`` on a replica. While the replica Serve picks is gone or failed
         (Serve's router learns of a death at once, of a failed engine after its health checks,
         seconds), try again, backing off, for up to the engine's ``admission_timeout``.
@@ -311,7 +281,7 @@ class MigratingStream:
         )
         await self._start(self._continuation_request())
 
-    def _continuation_request(self) -> ReplicaRequest:
+    def _continuation_request(self) -> Request:
         original = self._request
         params = original.params
         if self._prompt_ids is None:
@@ -327,18 +297,15 @@ class MigratingStream:
         self._continuation = Continuation(
             self._engine.codec.tokenizer.backend_tokenizer, params, self._ids, "".join(self._text)
         )
-        return ReplicaRequest(
-            f"{original.request_id}~m{self.migrations}",
-            [*self._prompt_ids, *self._ids],
+        return Request(
+            (*self._prompt_ids, *self._ids),
             continued,
+            request_id=f"{original.request_id}~m{self.migrations}",
         )
 
     def _original_prompt_ids(self) -> list[int]:
         """The prompt's token ids, exactly as the first replica's intake computed them."""
-        r = self._request
-        return self._engine.codec.tokenize(
-            r.prompt, messages=r.messages, chat_template_kwargs=r.chat_template_kwargs
-        )
+        return self._engine.codec.tokenize(self._request)
 
     def _partial(self) -> PartialOutput:
         return PartialOutput(text="".join(self._text), token_ids=tuple(self._ids))

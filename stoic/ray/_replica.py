@@ -18,10 +18,10 @@ from typing import Any
 
 from .._logging import get_logger
 from ..config import EngineConfig, FaultSpec
-from ..engine import Delta, Engine, Health
+from ..engine import Delta, Engine, Health, Request
 from ..errors import StoicError
 from ._board import BOARD_NAMESPACE
-from ._wire import Admitted, Failure, ReplicaRequest, pack_error
+from ._wire import Admitted, Failure, pack_error
 
 __all__ = ["EngineReplica", "ReplicaInfo", "check_engine_health"]
 
@@ -105,20 +105,14 @@ class EngineReplica:
             self.engine.model_name, self.engine.max_model_len, self.replica, os.getpid()
         )
 
-    async def generate(self, request: ReplicaRequest) -> AsyncIterator[Admitted | Delta | Failure]:
+    async def generate(self, request: Request) -> AsyncIterator[Admitted | Delta | Failure]:
         """Submit ``request`` and stream its output (see :mod:`stoic.ray._wire`).
 
         Cancelling the call (the ingress's client went away) aborts the engine request: its KV
         blocks are freed at once.
         """
         try:
-            stream = await self.engine.submit(
-                request.prompt,
-                request.params,
-                messages=request.messages,
-                request_id=request.request_id,
-                chat_template_kwargs=request.chat_template_kwargs,
-            )
+            stream = await self.engine.submit(request)
         except StoicError as exc:
             yield pack_error(exc)
             return

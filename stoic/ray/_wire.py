@@ -1,6 +1,7 @@
 """What travels between the ingress and an engine replica (pickled by Ray).
 
-A replica's ``generate`` yields one :class:`Admitted` (or one :class:`Failure`: the request was
+A replica's ``generate`` takes the engine's own :class:`~stoic.Request` (plain picklable data) and
+yields one :class:`Admitted` (or one :class:`Failure`: the request was
 refused), then the request's :class:`~stoic.Delta` items, and a :class:`Failure` if generation
 ends early. Errors travel as data, not as raised exceptions: stoic's errors have keyword-only
 constructor arguments that Ray's exception pickling would lose, and a refusal must reach the
@@ -13,21 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import errors
-from ..engine import SamplingParams
 from ..errors import StoicError
 
-__all__ = ["Admitted", "Failure", "ReplicaRequest", "pack_error", "unpack_error"]
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaRequest:
-    """One engine request (``Engine.submit``'s arguments)."""
-
-    request_id: str
-    prompt: str | list[int] | None
-    params: SamplingParams
-    messages: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+__all__ = ["Admitted", "Failure", "pack_error", "unpack_error"]
 
 
 @dataclass(frozen=True, slots=True)

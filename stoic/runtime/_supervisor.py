@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar
@@ -23,6 +22,7 @@ import anyio
 from ._actor import Actor
 from ._cell import ActorCell, _describe, expected_failure
 from ._exceptions import ActorStopped, SupervisorEscalation
+from ._intensity import RestartWindow
 from ._ref import ActorRef
 from ._reply import Reply
 from ._spec import Backoff, ChildFailure, ChildSpec, Restart, Strategy
@@ -143,25 +143,19 @@ class Supervisor:
         seed: int | None,
         parent: Supervisor | None,
     ) -> None:
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
-        if not within > 0:
-            raise ValueError(f"within must be > 0, got {within!r}")
         names = [spec.name for spec in children]
         if len(set(names)) != len(names):
             raise ValueError(f"child names of supervisor {name!r} are not unique: {names}")
         self._system = system
         self.name = name
         self.strategy = strategy
-        self.max_restarts = max_restarts
-        self.within = within
+        #: the restart intensity (:class:`RestartWindow`: ``max_restarts`` within ``within`` s)
+        self.intensity = RestartWindow(max_restarts, within)
         self.backoff = backoff
         self._on_escalate = on_escalate
         self._rng = random.Random(seed)
         self._parent = parent
-        self._history: deque[float] = deque()
         self._escalations = 0
-        self._exempted = 0
         #: restarts carried out since spawned (one per handled exit)
         self.restart_count = 0
         self._cell = ActorCell(
@@ -230,9 +224,9 @@ class Supervisor:
             children=len(self._children),
             running=sum(1 for child in self._children if child.cell.running),
             restart_count=self.restart_count,
-            restarts_in_window=len(self._prune(self._system.clock.now())),
+            restarts_in_window=self.intensity.count(self._system.clock.now()),
             escalations=self._escalations,
-            exempted=self._exempted,
+            exempted=self.intensity.exempted,
         )
 
     def __repr__(self) -> str:
@@ -281,7 +275,7 @@ class Supervisor:
     # -- called from the supervisor's own task ------------------------------------
 
     async def _start_all(self) -> None:
-        self._history.clear()
+        self.intensity.clear()
         started: list[_Child] = []
         for child in self._children:
             if child.finished or child.cell.running:
@@ -321,12 +315,6 @@ class Supervisor:
                     await self._recover(child, exit.reason)
                 return
 
-    def _prune(self, now: float) -> deque[float]:
-        history = self._history
-        while history and history[0] <= now - self.within:
-            history.popleft()
-        return history
-
     def _affected(self, child: _Child) -> list[_Child]:
         live = [c for c in self._children if not c.finished]
         if self.strategy is Strategy.ONE_FOR_ONE:
@@ -342,25 +330,25 @@ class Supervisor:
                 self._finish(child, reason)
                 return
             now = self._system.clock.now()
-            history = self._prune(now)
-            attempt = len(history)
+            window = self.intensity
+            attempt = window.count(now)
             counted = True
             if reason is not None and child.spec.on_failure is not None:
-                last = attempt + 1 > self.max_restarts
+                last = attempt + 1 > window.max_restarts
                 try:
                     verdict = await child.spec.on_failure(
                         ChildFailure(reason, child.cell.incarnation, last)
                     )
                 except Exception as exc:
-                    history.append(now)
+                    window.add(now)
                     await self._escalate(child, exc, "its on_failure hook raised")
                 counted = verdict is not False
             if counted:
-                history.append(now)
+                window.add(now)
             else:
-                self._exempted += 1
-            if len(history) > self.max_restarts:
-                await self._escalate(child, reason, f"it exited {len(history)} times")
+                window.exempted += 1
+            if window.exceeded:
+                await self._escalate(child, reason, f"it exited {window.counted} times")
             affected = self._affected(child)
             await self._stop_children([c for c in affected if c is not child])
             restart: list[_Child] = []
@@ -413,12 +401,13 @@ class Supervisor:
         return not scope.cancel_called
 
     async def _escalate(self, child: _Child, error: BaseException | None, why: str) -> NoReturn:
-        restarts = len(self._history)
+        window = self.intensity
+        restarts = window.counted
         self._escalations += 1
         await self._stop_children()
         escalation = SupervisorEscalation(
             f"supervisor {self.name!r} gave up on child {child.spec.name!r}: {why} "
-            f"(at most {self.max_restarts} restarts within {self.within} s)",
+            f"(at most {window.max_restarts} restarts within {window.within} s)",
             supervisor=self.name,
             child=child.spec.name,
             restarts=restarts,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from support import engine_config, wait_idle
+from support import engine_config, record_intake_requests, wait_idle
 
 import stoic
 from stoic.errors import ContextLengthExceeded, InvalidRequest
@@ -222,3 +223,52 @@ async def test_logprob_tokens_are_decoded_text(engine: Any) -> None:
     for entry in result.logprobs:
         assert entry.token == engine.tokenizer.decode([entry.token_id])
         assert "Ġ" not in entry.token
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Tagged(stoic.Request):
+    """A request with a field no layer of stoic knows: a new request parameter."""
+
+    tag: str = ""
+
+
+@pytest.fixture
+def intake_requests(monkeypatch: pytest.MonkeyPatch) -> list[stoic.Request]:
+    return record_intake_requests(monkeypatch)
+
+
+async def test_a_new_request_field_reaches_the_intake_with_no_edit_between(
+    engine: Any, intake_requests: list[stoic.Request]
+) -> None:
+    """The request travels from ``submit`` to the intake as the object the caller built: a field
+    added to ``stoic.Request`` (here by a subclass) arrives with its value, so a new request
+    parameter needs no edit in the facade or the messages."""
+    params = stoic.SamplingParams(max_tokens=2, temperature=0)
+    request = _Tagged("hello", params, request_id="tagged", tag="through")
+    result = await engine.complete(request)
+    assert result.completion_tokens == 2
+    assert intake_requests == [request]
+    assert isinstance(intake_requests[0], _Tagged) and intake_requests[0].tag == "through"
+
+
+async def test_submit_keywords_build_the_same_request(
+    engine: Any, intake_requests: list[stoic.Request]
+) -> None:
+    """``submit``'s keyword arguments are a request's fields by name (``stoic.Request.of``): the
+    intake gets the request they describe; a name that is no field raises TypeError and admits
+    nothing."""
+    params = stoic.SamplingParams(max_tokens=1)
+    messages = [{"role": "user", "content": "hi"}]
+    stream = await engine.submit(
+        None, params, messages=messages, request_id="by-keyword", add_generation_prompt=False
+    )
+    await stream.collect()
+    assert intake_requests == [
+        stoic.Request(
+            messages=messages, params=params, request_id="by-keyword", add_generation_prompt=False
+        )
+    ]
+    with pytest.raises(TypeError, match="no_such_field"):
+        await engine.submit("hello", params, no_such_field=1)
+    assert len(intake_requests) == 1
+    await wait_idle(engine, 2.0)

@@ -11,18 +11,8 @@ from typing import Any
 
 import structlog
 
-from stoic import Delta, EngineConfig, EngineStats, FaultSpec, SamplingParams
+from stoic import Delta, EngineConfig, EngineStats, FaultSpec, Health, Request
 from stoic.errors import EngineFailed, PartialOutput
-
-
-@dataclass(frozen=True)
-class FakeHealth:
-    state: str = "serving"
-    reason: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "serving"
 
 
 class FakeStream:
@@ -94,37 +84,28 @@ class FakeEngine:
     script: tuple[str, ...] | None = None
     #: how a script ends ("length": as if max_tokens cut it)
     script_finish: str = "stop"
-    #: the messages and template arguments of each submit call
-    submitted: list[tuple[Any, Any]] = field(default_factory=list)
+    #: the request of each admitted submit call
+    submitted: list[Request] = field(default_factory=list)
     config: EngineConfig = field(default_factory=lambda: EngineConfig(model="fake"))
     tokens: int = 4
     #: seconds between two deltas
     delay: float = 0.0
     submit_error: BaseException | None = None
     stream_error: BaseException | None = None
-    health_state: FakeHealth = field(default_factory=FakeHealth)
+    health_state: Health = field(default_factory=lambda: Health("serving"))
     streams: list[FakeStream] = field(default_factory=list)
     #: the structlog context variables seen by each submit call
     contexts: list[dict[str, Any]] = field(default_factory=list)
     failed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def submit(
-        self,
-        prompt: str | list[int] | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        request_id: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> FakeStream:
+    async def submit(self, request: Request) -> FakeStream:
         self.contexts.append(structlog.contextvars.get_contextvars())
-        if params is not None:
-            params.validate()
+        request.params.validate()
         if self.submit_error is not None:
             raise self.submit_error
-        self.submitted.append((messages, chat_template_kwargs))
+        self.submitted.append(request)
         stream = FakeStream(
-            request_id or "fake",
+            request.request_id,
             self.tokens,
             self.stream_error,
             self.delay,
@@ -140,7 +121,7 @@ class FakeEngine:
             EngineStats.idle("serving", token_budget=256), kv_blocks_total=64
         )
 
-    def health(self) -> FakeHealth:
+    def health(self) -> Health:
         return self.health_state
 
     async def inject_fault(self, spec: FaultSpec) -> None:

@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 import structlog
-from http_fakes import FakeEngine, FakeHealth, partial
+from http_fakes import FakeEngine, partial
 from http_helpers import Server, chat_body, completion_body, read_sse, stream_with_error_at_step
 from support import wait_idle
 
@@ -124,7 +124,7 @@ async def test_engine_failed_is_503(fake_server: StartFake, stream: bool) -> Non
     with the state and the reason."""
     engine = FakeEngine(
         submit_error=EngineFailed("engine failed: too many restarts"),
-        health_state=FakeHealth("failed", "too many restarts"),
+        health_state=stoic.Health("failed", "too many restarts"),
     )
     server: Server = await fake_server(engine)
     async with aiohttp.ClientSession() as http:

@@ -8,6 +8,7 @@ import aiohttp
 import openai
 import pytest
 from http_helpers import Server, chat_body, completion_body, read_sse
+from support import record_intake_requests
 
 import stoic
 
@@ -302,6 +303,25 @@ async def test_chat_template_kwargs(
         return result.usage.prompt_tokens
 
     assert await prompt_tokens(chat_template_kwargs={"shout": True}) > await prompt_tokens()
+
+
+async def test_a_chat_request_reaches_the_intake_as_one_request(
+    server: Server, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the route parsed reaches the engine's intake as one ``stoic.Request``: the messages,
+    the template's variables, the sampling parameters and the HTTP request's id, with nothing
+    restated (and dropped) on the way from the handler through the facade."""
+    seen = record_intake_requests(monkeypatch)
+    body = chat_body(chat_template_kwargs={"unused": 1}, max_tokens=3, seed=7, temperature=0.5)
+    headers = {"x-request-id": "one-request"}
+    async with http.post(f"{server.url}/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+    [request] = seen
+    assert request.request_id == "one-request"
+    assert request.prompt is None and list(request.messages or ()) == body["messages"]
+    assert request.chat_template_kwargs == {"unused": 1}
+    params = request.params
+    assert (params.max_tokens, params.seed, params.temperature) == (3, 7, 0.5)
 
 
 async def test_routine_client_fields_are_ignored(client: openai.AsyncOpenAI) -> None:

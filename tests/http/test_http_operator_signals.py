@@ -17,8 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import structlog
-from http_fakes import FakeEngine, FakeHealth
+from http_fakes import FakeEngine
 from http_helpers import Server, completion_body
+
+import stoic
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -28,13 +30,13 @@ _URL = re.compile(r"\burl=(http://\S+)")
 async def test_health_probes_log_at_debug(fake_server: object) -> None:
     """``GET /health`` is logged at debug level whatever it answers (503 while the model loads
     or the executor recovers, 200 when serving); other requests stay at info."""
-    engine = FakeEngine(health_state=FakeHealth("starting", "loading the model"))
+    engine = FakeEngine(health_state=stoic.Health("starting", "loading the model"))
     server: Server = await fake_server(engine)  # type: ignore[operator]
     with structlog.testing.capture_logs() as logs:
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{server.url}/health") as r:
                 assert r.status == 503
-            engine.health_state = FakeHealth()
+            engine.health_state = stoic.Health("serving")
             async with http.get(f"{server.url}/health") as r:
                 assert r.status == 200
             async with http.get(f"{server.url}/v1/models") as r:

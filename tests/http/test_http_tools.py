@@ -313,7 +313,7 @@ async def test_auto_parses_what_the_model_wrote(fake_server: Callable[..., Any])
         ("get_weather", call.function.arguments)
     ]
     assert finish == "tool_calls"
-    messages, kwargs = engine.submitted[0]
+    messages, kwargs = engine.submitted[0].messages, engine.submitted[0].chat_template_kwargs
     assert kwargs is None and "get_weather" in messages[0]["content"]  # generic: system text
     assert await _metric(server, 'stoic_tool_calls_total{outcome="returned"}') == 2.0
 

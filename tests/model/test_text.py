@@ -10,7 +10,7 @@ import pytest
 
 from stoic.actors.testing import byte_tokenizer
 from stoic.errors import InvalidRequest
-from stoic.model import Detokenizer, StopStrings, TokenCodec
+from stoic.model import Detokenizer, Request, StopStrings, TokenCodec
 
 BACKEND = byte_tokenizer()
 
@@ -134,16 +134,16 @@ def test_stop_strings_match_and_hold_on_plain_text() -> None:
 
 def test_token_codec_checks_token_id_prompts_and_the_prompt_or_messages_choice() -> None:
     codec = TokenCodec(None, vocab_size=10)
-    assert codec.tokenize((1, 2, 9)) == [1, 2, 9]
+    assert codec.tokenize(Request((1, 2, 9))) == [1, 2, 9]
     with pytest.raises(InvalidRequest) as bad:
-        codec.tokenize([1, 10])
+        codec.tokenize(Request([1, 10]))
     assert bad.value.param == "prompt" and "outside the vocabulary (size 10)" in bad.value.message
     with pytest.raises(InvalidRequest) as bad:
         codec.detokenize([True])
     assert bad.value.param == "tokens"
     with pytest.raises(InvalidRequest) as bad:
-        codec.tokenize()
+        codec.tokenize(Request())
     assert bad.value.param == "prompt"
     with pytest.raises(InvalidRequest) as bad:
-        codec.tokenize("hi", messages=[{"role": "user", "content": "hi"}])
+        codec.tokenize(Request("hi", messages=[{"role": "user", "content": "hi"}]))
     assert bad.value.param == "prompt" and "not both" in bad.value.message

@@ -16,15 +16,15 @@ from ray.serve.exceptions import BackPressureError
 from tokenizers.decoders import DecodeStream
 
 from stoic import Constraint, EngineConfig
-from stoic.engine import Delta, EngineStats, SamplingParams, TokenCodec
+from stoic.engine import Delta, EngineStats, Request, SamplingParams, TokenCodec
 from stoic.errors import EngineFailed, InvalidRequest, Overloaded
 from stoic.ray import RayEngine
 from stoic.ray._stats import ReplicaView
-from stoic.ray._wire import Admitted, ReplicaRequest, pack_error
+from stoic.ray._wire import Admitted, pack_error
 
 PROMPT = "Tell me a story"
 OUTPUT = "Once upon a time, in Zürich, a café served ☕ to everyone"
-Script = Callable[[ReplicaRequest], list[Any]]
+Script = Callable[[Request], list[Any]]
 
 
 class FakeCall:
@@ -49,7 +49,7 @@ class FakeHandle:
 
     def __init__(self, scripts: list[Script]) -> None:
         self.scripts = list(scripts)
-        self.requests: list[ReplicaRequest] = []
+        self.requests: list[Request] = []
         self.calls: list[FakeCall] = []
 
     def options(self, **_: Any) -> FakeHandle:
@@ -59,7 +59,7 @@ class FakeHandle:
     def generate(self) -> FakeHandle:
         return self
 
-    def remote(self, request: ReplicaRequest) -> FakeCall:
+    def remote(self, request: Request) -> FakeCall:
         self.requests.append(request)
         call = FakeCall(self.scripts.pop(0)(request))
         self.calls.append(call)
@@ -73,7 +73,7 @@ def codec(tiny_model_dir: Path) -> TokenCodec:
 
 @pytest.fixture
 def output_ids(codec: TokenCodec) -> list[int]:
-    return codec.tokenize(OUTPUT, add_special_tokens=False)
+    return codec.tokenize(Request(OUTPUT, add_special_tokens=False))
 
 
 def deltas(codec: TokenCodec, ids: list[int], *, last: bool, decode: bool = True) -> list[Delta]:
@@ -98,7 +98,7 @@ def deltas(codec: TokenCodec, ids: list[int], *, last: bool, decode: bool = True
 def dies_after(codec: TokenCodec, ids: list[int]) -> Script:
     """A replica that admits the request, generates ``ids`` and dies."""
 
-    def script(r: ReplicaRequest) -> list[Any]:
+    def script(r: Request) -> list[Any]:
         return [Admitted(r.request_id, 4, "a"), *deltas(codec, ids, last=False), ActorDiedError()]
 
     return script
@@ -108,7 +108,7 @@ def finishes(codec: TokenCodec, ids: list[int], *, decode: bool = False) -> Scri
     """A replica that admits the request and generates ``ids`` to the end (with garbage text
     unless ``decode``: a continuation's own text must not reach the client)."""
 
-    def script(r: ReplicaRequest) -> list[Any]:
+    def script(r: Request) -> list[Any]:
         return [Admitted(r.request_id, 9, "b"), *deltas(codec, ids, last=True, decode=decode)]
 
     return script
@@ -143,13 +143,13 @@ async def test_a_stream_moves_with_its_prompt_and_tokens_and_keeps_its_text(
     for k in range(1, n):
         handle = FakeHandle([dies_after(codec, output_ids[:k]), finishes(codec, output_ids[k:])])
         params = SamplingParams(max_tokens=n, min_tokens=n - 1, temperature=0)
-        stream = await engine(codec, handle).submit(PROMPT, params, request_id="x")
+        stream = await engine(codec, handle).submit(Request(PROMPT, params, request_id="x"))
         text, ids, got = await read(stream)
         assert (text, ids) == (OUTPUT, output_ids), k
         assert [d.completion_tokens for d in got] == list(range(1, n + 1))
         assert {d.prompt_tokens for d in got} == {4}  # the original prompt's
         moved = handle.requests[1]
-        assert moved.prompt == [*codec.tokenize(PROMPT), *output_ids[:k]]
+        assert moved.prompt == (*codec.tokenize(Request(PROMPT)), *output_ids[:k])
         assert (moved.params.max_tokens, moved.params.min_tokens) == (n - k, n - 1 - k)
         assert moved.request_id != "x" and moved.messages is None
         assert stream.migrations == 1 and stream.replicas == ["a", "b"]
@@ -161,13 +161,15 @@ async def test_a_stream_moves_at_most_max_migrations_times(
 ) -> None:
     """Past its migrations the request ends with EngineFailed carrying what it generated."""
 
-    def dies_after_two(r: ReplicaRequest) -> list[Any]:
-        start = 0 if isinstance(r.prompt, str) else len(r.prompt) - len(codec.tokenize(PROMPT))
+    def dies_after_two(r: Request) -> list[Any]:
+        start = (
+            0 if isinstance(r.prompt, str) else len(r.prompt) - len(codec.tokenize(Request(PROMPT)))
+        )
         ids = output_ids[start : start + 2]
         return [Admitted(r.request_id, 4, "a"), *deltas(codec, ids, last=False), ActorDiedError()]
 
     handle = FakeHandle([dies_after_two] * 3)
-    stream = await engine(codec, handle, max_migrations=2).submit(PROMPT, SamplingParams())
+    stream = await engine(codec, handle, max_migrations=2).submit(Request(PROMPT, SamplingParams()))
     with pytest.raises(EngineFailed) as raised:
         await read(stream)
     assert raised.value.partial is not None
@@ -182,7 +184,7 @@ async def test_a_constrained_request_does_not_move(
     EngineFailed and its partial output."""
     handle = FakeHandle([dies_after(codec, output_ids[:3])])
     params = SamplingParams(constraint=Constraint(kind="regex", text="[a-z ]+"))
-    stream = await engine(codec, handle).submit(PROMPT, params)
+    stream = await engine(codec, handle).submit(Request(PROMPT, params))
     with pytest.raises(EngineFailed) as raised:
         await read(stream)
     assert raised.value.partial is not None
@@ -198,17 +200,19 @@ async def test_admission_tries_again_past_failed_replicas_but_not_past_a_refusal
     failed = pack_error(EngineFailed("engine failed"))
     ok = finishes(codec, output_ids, decode=True)
     handle = FakeHandle([lambda r: [failed], lambda r: [ActorDiedError()], ok])
-    stream = await engine(codec, handle).submit(PROMPT, SamplingParams())
+    stream = await engine(codec, handle).submit(Request(PROMPT, SamplingParams()))
     assert (await read(stream))[0] == OUTPUT
     assert stream.migrations == 0 and len(handle.requests) == 3
     refused = pack_error(InvalidRequest("bad", param="temperature"))
     with pytest.raises(InvalidRequest):
-        await engine(codec, FakeHandle([lambda r: [refused]])).submit(PROMPT)
+        await engine(codec, FakeHandle([lambda r: [refused]])).submit(Request(PROMPT))
     with pytest.raises(Overloaded):
-        await engine(codec, FakeHandle([lambda r: [BackPressureError(9, 8)]])).submit(PROMPT)
+        await engine(codec, FakeHandle([lambda r: [BackPressureError(9, 8)]])).submit(
+            Request(PROMPT)
+        )
     gone = FakeHandle([lambda r: [failed]] * 50)
     with pytest.raises(EngineFailed, match="no replica admitted"):
-        await engine(codec, gone, admission_timeout=0.0).submit(PROMPT)
+        await engine(codec, gone, admission_timeout=0.0).submit(Request(PROMPT))
 
 
 async def test_closing_a_stream_cancels_the_call_on_its_replica(
@@ -216,7 +220,7 @@ async def test_closing_a_stream_cancels_the_call_on_its_replica(
 ) -> None:
     """aclose before the end cancels the handle call (the replica aborts the request)."""
     handle = FakeHandle([finishes(codec, output_ids, decode=True)])
-    stream = await engine(codec, handle).submit(PROMPT)
+    stream = await engine(codec, handle).submit(Request(PROMPT))
     await stream.__anext__()
     await stream.aclose()
     assert handle.calls[0].cancelled and stream.done

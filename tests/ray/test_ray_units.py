@@ -12,7 +12,16 @@ import pytest
 
 from stoic import EngineConfig
 from stoic.cli import build_parser
-from stoic.engine import STATES, Delta, EngineStats, Health, SamplingParams, TokenCodec
+from stoic.engine import (
+    STATES,
+    Constraint,
+    Delta,
+    EngineStats,
+    Health,
+    Request,
+    SamplingParams,
+    TokenCodec,
+)
 from stoic.errors import (
     ContextLengthExceeded,
     EngineFailed,
@@ -47,6 +56,27 @@ def test_errors_cross_the_wire_unchanged(error: StoicError) -> None:
     assert type(back) is type(error)
     assert str(back) == str(error)
     assert vars(back) == vars(error)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        Request("Hello", SamplingParams(max_tokens=3, stop=("\n",), seed=1), request_id="a"),
+        Request([1, 2, 3], SamplingParams(constraint=Constraint("regex", "[ab]+"))),
+        Request(
+            messages=[{"role": "user", "content": "hi"}],
+            chat_template_kwargs={"enable_thinking": False},
+            add_generation_prompt=False,
+        ),
+    ],
+)
+def test_a_request_crosses_rays_wire_unchanged(request_: Request) -> None:
+    """The engine's request is what the ingress sends a replica: Ray's serialisation
+    (cloudpickle, protocol 5) gives back an equal request of the same class, every field and
+    the sampling parameters included."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    back = cloudpickle.loads(cloudpickle.dumps(request_, protocol=5))
+    assert type(back) is Request and back == request_
 
 
 @pytest.mark.parametrize("state", STATES)

@@ -1,0 +1,82 @@
+"""The request: one value object from the HTTP layer (and Ray's ingress) to the intake.
+
+Every layer that carries a request carries this object, not its fields: the HTTP routes build
+it, :meth:`stoic.Engine.submit` takes it (its keyword arguments build one), a Ray replica receives
+it pickled, the intake's ``Submit`` message holds it and :meth:`TokenCodec.tokenize` reads it. A
+new request parameter is a new field here plus its use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._params import SamplingParams
+
+__all__ = ["Request", "new_request_id"]
+
+
+def new_request_id() -> str:
+    """A fresh request id (``req-`` and 16 hex digits)."""
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What to generate from and how: a prompt (text or token ids) or chat ``messages``, and the
+    :class:`SamplingParams`.
+
+    Plain data, picklable (it crosses to Ray replicas as it is). The token ids of ``prompt`` and
+    the ``messages`` are kept as tuples; an empty or missing ``request_id`` gets a fresh one.
+    Validation happens in the engine's intake (:meth:`stoic.Engine.submit` raises it).
+    """
+
+    #: text, or token ids (kept as a tuple); ``None`` with ``messages``
+    prompt: str | Sequence[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    #: chat messages, rendered with the model's chat template (instead of ``prompt``)
+    messages: Sequence[dict[str, Any]] | None = None
+    #: the engine's id of the request (abort, logs); unique among the requests in flight
+    request_id: str = ""
+    #: extra variables for the chat template (vLLM's ``chat_template_kwargs``)
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: a text prompt's tokenisation adds the tokenizer's special tokens (BOS); a chat template
+    #: adds its own
+    add_special_tokens: bool = True
+    #: the chat template ends with the assistant's turn opening
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None and not isinstance(self.prompt, str | tuple):
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+        if self.messages is not None and not isinstance(self.messages, tuple):
+            object.__setattr__(self, "messages", tuple(self.messages))
+        if not self.request_id:
+            object.__setattr__(self, "request_id", new_request_id())
+
+    @classmethod
+    def of(
+        cls,
+        request: Request | str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        **fields: Any,
+    ) -> Request:
+        """``request`` itself, or a request built from a prompt, ``params`` and the other fields
+        by name: the one place keyword arguments become a request (:meth:`stoic.Engine.submit`
+        and its siblings take them). Given a request, ``params`` and ``fields`` replace its own.
+
+        :raises TypeError: a field that a request does not have.
+        """
+        if params is not None:
+            fields["params"] = params
+        if isinstance(request, Request):
+            return dataclasses.replace(request, **fields) if fields else request
+        return cls(**fields) if request is None else cls(request, **fields)
+
+    @property
+    def param(self) -> str:
+        """The request parameter its prompt came in (named by an error about the prompt)."""
+        return "prompt" if self.messages is None else "messages"
