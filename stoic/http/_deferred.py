@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from ..config import EngineConfig, FaultSpec
 from ..engine import EngineStats, Health, Request
