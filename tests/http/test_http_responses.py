@@ -95,7 +95,7 @@ async def test_text_response_whole_and_streamed_agree() -> None:
     assert "".join(e["delta"] for e in events if e["type"].endswith("text.delta")) == "Hello world"
     final = events[-1]["response"]
     assert final["output"][0]["content"][0]["text"] == "Hello world"
-    assert [m["role"] for m in engine.submitted[0][0]] == ["system", "user"]
+    assert [m["role"] for m in engine.submitted[0].messages] == ["system", "user"]
 
 
 async def test_function_calls_are_output_items_streamed_or_not() -> None:
@@ -175,7 +175,7 @@ async def test_previous_response_id_continues_the_conversation() -> None:
         assert third.output_text == "Sunny."
         items = await client.responses.input_items.list(third.id, order="asc", limit=100)
         page = await client.responses.input_items.list(third.id, limit=2)
-    messages = engine.submitted[2][0]
+    messages = engine.submitted[2].messages
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
     assert "<tool_response>\nsunny" in messages[2]["content"]
     assert "Weather?" in messages[0]["content"] and messages[-1]["content"] == "Thanks!"
@@ -297,7 +297,7 @@ async def test_a_file_database_outlives_the_app_and_keeps_the_newest(tmp_path: P
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(ids[0])
         await client.responses.create(model="fake-model", previous_response_id=ids[2], input="more")
-    assert [m["content"] for m in engine.submitted[-1][0]] == ["q2", "ok", "more"]
+    assert [m["content"] for m in engine.submitted[-1].messages] == ["q2", "ok", "more"]
 
 
 async def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
