@@ -25,9 +25,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = REPO / ".venv" / "bin" / "python"
-CORE = "stoic/actors/_core.py"
-SCHED = "tests/actors/test_scheduler_core.py"
-RESUME = "tests/actors/test_resume_core.py"
+CORE = "stoic/scheduler/_core.py"
+RECOVERY = "stoic/scheduler/_core_recovery.py"
+SCHED = "tests/scheduler/test_scheduler_core.py"
+RESUME = "tests/scheduler/test_resume_core.py"
 
 
 @dataclass(frozen=True)
@@ -56,35 +57,35 @@ MUTATIONS = (
     ),
     Mutation(
         "the cache drop frees nothing",
-        "stoic/actors/_cache.py",
+        RECOVERY,
         "freed = self.allocator.free_all()",
         "freed = 0  # mutant",
         ("tests/engine/test_prefix_cache.py::test_recovery_drops_the_prefix_cache",),
     ),
     Mutation(
         "partial output has empty text",
-        "stoic/actors/_sequence.py",
+        "stoic/scheduler/_sequence.py",
         "PartialOutput(text=self.text, token_ids=tuple(self.output_ids))",
         'PartialOutput(text="", token_ids=tuple(self.output_ids))',
         (SCHED, RESUME, "-k", "partial or fenced_incarnation"),
     ),
     Mutation(
         "partial output drops the last token",
-        "stoic/actors/_sequence.py",
+        "stoic/scheduler/_sequence.py",
         "PartialOutput(text=self.text, token_ids=tuple(self.output_ids))",
         "PartialOutput(text=self.text, token_ids=tuple(self.output_ids)[:-1])",
         (SCHED, RESUME, "-k", "partial or fenced_incarnation"),
     ),
     Mutation(
-        "_release does not queue the free",
-        CORE,
-        "        self._to_free.append(seq.seq_id)\n",
+        "_release does not free",
+        "stoic/scheduler/_core_blocks.py",
+        "        self.allocator.free(seq.seq_id)\n",
         "        pass  # mutant\n",
         (SCHED, "-k", "frees_its_blocks or random_operations"),
     ),
     Mutation(
         "resume keeps num_computed",
-        CORE,
+        RECOVERY,
         "everyone:  # their blocks were dropped with the cache\n"
         "            self._release(seq)\n            seq.num_computed = 0\n",
         "everyone:  # their blocks were dropped with the cache\n"

@@ -328,7 +328,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         parts = self._parts
-        return collect_stats(parts.scheduler_core, parts.cache_manager, self._health, self._faults)
+        return collect_stats(parts.scheduler_core, self._health, self._faults)
 
     async def inject_fault(self, spec: FaultSpec) -> None:
         """Arm a fault in the executor's steps.
