@@ -1,13 +1,12 @@
-"""The engine's actors: intake, scheduler (a pure core and an actor shell), cache manager and
-guardian; their messages (the executor's too: it is :mod:`stoic.executor`), result streams,
-sequences, health, fault injection and the step watchdog's rule.
+"""The engine's actors: intake, scheduler (an actor shell over :mod:`stoic.scheduler`'s pure
+core), cache manager (the KV tensors' lifetime) and guardian; their messages (the executor's
+too: it is :mod:`stoic.executor`), result streams, health, fault injection and the step
+watchdog's rule.
 
 Test helpers live in :mod:`stoic.actors.testing`.
 """
 
-from ._allocator import BlockAllocator, OutOfBlocks
 from ._cache import CacheManager
-from ._core import SchedulerConfig, SchedulerCore, SchedulerStats
 from ._faults import FaultInjector, InjectedFault, enact_fault
 from ._guardian import Guardian
 from ._health import STATES, EngineHealth, Health, State
@@ -17,7 +16,6 @@ from ._messages import (
     Abort,
     AcquireKV,
     CacheMsg,
-    CacheStats,
     Drain,
     DropAll,
     EngineFailedNotice,
@@ -32,9 +30,7 @@ from ._messages import (
     Submit,
     WorkerExited,
 )
-from ._plan import Planned, StepPlan
 from ._scheduler import Scheduler
-from ._sequence import SeqStatus, Sequence, block_hashes
 from ._stream import Delta, FinishReason, ResultStream, TokenLogprob
 from ._watchdog import ProgressWatch
 
@@ -43,10 +39,8 @@ __all__ = [
     "STATES",
     "Abort",
     "AcquireKV",
-    "BlockAllocator",
     "CacheManager",
     "CacheMsg",
-    "CacheStats",
     "Delta",
     "Drain",
     "DropAll",
@@ -63,25 +57,16 @@ __all__ = [
     "Intake",
     "IntakeConfig",
     "IntakeMsg",
-    "OutOfBlocks",
-    "Planned",
     "ProgressWatch",
     "Recovered",
     "ResultStream",
     "RunStep",
     "Scheduler",
-    "SchedulerConfig",
-    "SchedulerCore",
     "SchedulerMsg",
-    "SchedulerStats",
-    "SeqStatus",
-    "Sequence",
     "State",
-    "StepPlan",
     "StepResult",
     "Submit",
     "TokenLogprob",
     "WorkerExited",
-    "block_hashes",
     "enact_fault",
 ]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..config import FaultSpec
 from ..errors import FailureKind
 from ..model import Request, SamplingParams, StepBatch, StepOutput
 from ..runtime import ActorRef, Reply
+from ..scheduler import Recovered
 
 if TYPE_CHECKING:
     from ..model import PagedKVCache
@@ -22,13 +23,7 @@ __all__ = [
     "Abort",
     "AcquireKV",
     "AddSequence",
-    "AllocateBlocks",
-    "Allocation",
-    "BlockCommit",
-    "BlockGrant",
     "CacheMsg",
-    "CacheStats",
-    "CommitBlocks",
     "Drain",
     "DrainDeadline",
     "DropAll",
@@ -36,17 +31,13 @@ __all__ = [
     "ExecutorDown",
     "ExecutorMsg",
     "ExecutorReady",
-    "FreeBlocks",
-    "GetCacheStats",
     "IntakeMsg",
-    "PrefixQuery",
     "Recovered",
     "RunStep",
     "SchedulerMsg",
     "StepResult",
     "StepTimeout",
     "Submit",
-    "Wake",
     "WorkerExited",
 ]
 
@@ -130,22 +121,6 @@ class ExecutorDown:
     final_if_charged: str | None = None
 
 
-class Recovered(NamedTuple):
-    """What an executor failure did to the sequences (``SchedulerCore.executor_down``)."""
-
-    #: ended with the error (under ``"fail"``: every one that started)
-    failed: int
-    #: re-admitted to continue where they stopped (``"resume"``)
-    resumed: int
-    #: of ``failed``: their resumes were spent
-    exhausted: int
-    #: of ``failed``: found to cause the failures
-    isolated: int
-    #: the failure counts toward the engine's restart intensity; False: it is charged to a
-    #: suspect instead (the failed step ran only suspects: an isolation probe)
-    charged: bool = True
-
-
 @dataclass(frozen=True, slots=True)
 class ExecutorReady:
     """Executor incarnation ``incarnation`` holds its KV cache; steps go to ``executor``."""
@@ -174,11 +149,6 @@ class DrainDeadline:
     """The scheduler's own timer: the drain's deadline passed; end what still runs."""
 
 
-@dataclass(frozen=True, slots=True)
-class Wake:
-    """The scheduler's own nudge: plan a step (sent when planning gave up for this event)."""
-
-
 SchedulerMsg = (
     AddSequence
     | Abort
@@ -189,77 +159,17 @@ SchedulerMsg = (
     | EngineFailedNotice
     | Drain
     | DrainDeadline
-    | Wake
 )
 
 
 # ---- Cache manager -------------------------------------------------------------------------------
-class BlockGrant(NamedTuple):
-    """Grow sequence ``seq_id``'s block table to ``blocks`` blocks."""
-
-    seq_id: int
-    blocks: int
-
-
-class PrefixQuery(NamedTuple):
-    """Sequence ``seq_id`` (no blocks yet) may share the cached blocks of its longest cached
-    prefix; ``hashes`` are its full blocks' content hashes, first block first."""
-
-    seq_id: int
-    hashes: tuple[bytes, ...]
-
-
-class BlockCommit(NamedTuple):
-    """Blocks ``start, start + 1, ...`` of ``seq_id``'s table are full and written by a completed
-    step: cache them under ``hashes`` for later sequences with the same prefix."""
-
-    seq_id: int
-    start: int
-    hashes: tuple[bytes, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    #: every grown sequence's full block table
-    tables: dict[int, tuple[int, ...]]
-    free_blocks: int
-    #: blocks granted for the first time since the tensors were (re)created
-    fresh_blocks: tuple[int, ...] = ()
-    #: per sequence that asked with a prefix: how many leading blocks it shares from the cache
-    cached_blocks: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class AllocateBlocks:
-    """Grow each granted table to its size; all-or-nothing. Replies :class:`Allocation` (or
-    fails with ``OutOfBlocks``, allocating nothing).
-
-    ``prefixes``: sequences with no blocks yet; each first takes the cached blocks of its longest
-    cached prefix (prefix caching), then grows.
-    """
-
-    grants: tuple[BlockGrant, ...]
-    reply: Reply[Allocation]
-    prefixes: tuple[PrefixQuery, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class CommitBlocks:
-    """Full blocks written by a completed step, to cache for reuse (see :class:`BlockCommit`)."""
-
-    entries: tuple[BlockCommit, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class FreeBlocks:
-    seq_ids: tuple[int, ...]
-
-
 @dataclass(frozen=True, slots=True)
 class DropAll:
-    """Free every block and release the KV tensors. Replies with the number of blocks freed."""
+    """Release the KV tensors (the executor failed; the scheduler's core forgot every block).
+    Replies whether this actor held them (False when they live in the executor's worker
+    process, which drops its own)."""
 
-    reply: Reply[int]
+    reply: Reply[bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,26 +180,7 @@ class AcquireKV:
     reply: Reply[PagedKVCache | None]
 
 
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    blocks_total: int
-    blocks_used: int
-    block_size: int
-    sequences: int
-    tensors_allocated: bool
-    drops: int
-    #: blocks held by the prefix cache (in use or evictable)
-    cached_blocks: int = 0
-    #: cached blocks handed out again because no block was free
-    evictions: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class GetCacheStats:
-    reply: Reply[CacheStats]
-
-
-CacheMsg = AllocateBlocks | CommitBlocks | FreeBlocks | DropAll | AcquireKV | GetCacheStats
+CacheMsg = DropAll | AcquireKV
 
 
 # ---- Executor ------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""The scheduler actor: a thin shell around :class:`~stoic.actors._core.SchedulerCore`.
+"""The scheduler actor: a thin shell around :class:`~stoic.scheduler.SchedulerCore`.
 
-It dispatches messages to the core and does the core's I/O: blocks from the cache manager, steps
-to the executor, the step watchdog and the drain deadline (both timers that message the actor
-itself). The watchdog looks at the executor's progress counter while a step runs: a step is
+It dispatches messages to the core and does the core's I/O: steps to the executor, the step
+watchdog and the drain deadline (both timers that message the actor itself). Planning a step
+asks nobody: the core looks prefixes up and allocates blocks on its own allocator in the same
+call (see :mod:`stoic.scheduler`), so a step is sent as soon as it is planned. The watchdog looks at the executor's progress counter while a step runs: a step is
 hung when the counter has not moved for the step timeout, however long the step has run. One
 step is in flight at a time. When its result arrives the shell (1) lets the core
 apply the sampled tokens, (2) plans and sends the next step, and only then (3) lets the core
@@ -17,42 +18,28 @@ from collections.abc import Callable
 from typing import assert_never
 
 from ..runtime import Actor, ActorRef, MailboxFull, Reply
-from ._allocator import OutOfBlocks
-from ._core import SchedulerCore, SchedulerStats
+from ..scheduler import SchedulerCore, SchedulerStats
 from ._faults import FaultInjector
 from ._health import EngineHealth
 from ._messages import (
-    ASK_TIMEOUT,
     Abort,
     AddSequence,
-    AllocateBlocks,
-    Allocation,
-    CacheMsg,
-    CacheStats,
-    CommitBlocks,
     Drain,
     DrainDeadline,
     EngineFailedNotice,
     ExecutorDown,
     ExecutorMsg,
     ExecutorReady,
-    FreeBlocks,
-    GetCacheStats,
     RunStep,
     SchedulerMsg,
     StepResult,
     StepTimeout,
-    Wake,
 )
-from ._plan import StepPlan
 from ._watchdog import ProgressWatch
 
 __all__ = ["Scheduler"]
 
 _PROGRESS_EVERY = 10.0
-#: plans per event: one may be refused (the free-block estimate drifted) and one may be served
-#: entirely from the prefix cache; the next always has tokens to compute
-_MAX_PLANS = 3
 
 
 class Scheduler(Actor[SchedulerMsg]):
@@ -66,7 +53,6 @@ class Scheduler(Actor[SchedulerMsg]):
     def __init__(
         self,
         core: SchedulerCore,
-        cache: ActorRef[CacheMsg],
         health: EngineHealth,
         *,
         step_timeout: float,
@@ -75,7 +61,6 @@ class Scheduler(Actor[SchedulerMsg]):
     ) -> None:
         self.core = core
         self._faults = faults
-        self._cache = cache
         self._health = health
         self._step_timeout = step_timeout
         #: the executor's progress counter (None: one that never moves, so a step is hung once
@@ -94,7 +79,6 @@ class Scheduler(Actor[SchedulerMsg]):
         try:
             await self._handle(message)
         finally:
-            await self._flush_cache_updates()
             self._check_drained()
 
     async def _handle(self, message: SchedulerMsg) -> None:
@@ -155,8 +139,7 @@ class Scheduler(Actor[SchedulerMsg]):
                 reply.send(outcome)
             case ExecutorReady(incarnation=incarnation, executor=executor):
                 self._executor = executor
-                stats: CacheStats = await self._cache.ask(GetCacheStats, timeout=ASK_TIMEOUT)
-                core.executor_ready(incarnation, stats.blocks_total - stats.blocks_used)
+                core.executor_ready(incarnation)
                 log.debug("scheduler.executor_ready", executor_incarnation=incarnation)
                 await self._step()
             case EngineFailedNotice(reason=reason):
@@ -178,8 +161,6 @@ class Scheduler(Actor[SchedulerMsg]):
             case DrainDeadline():
                 count = core.stop()
                 log.warning("scheduler.drain_deadline", sequences_stopped=count)
-            case Wake():
-                await self._step()
             case _:
                 assert_never(message)
 
@@ -191,52 +172,16 @@ class Scheduler(Actor[SchedulerMsg]):
 
     # -- the step loop --------------------------------------------------------------------------
     async def _step(self) -> None:
-        """Plan and send the next step, if none is in flight and there is work (a bounded loop)."""
-        core = self.core
-        for _ in range(_MAX_PLANS):
-            plan = core.plan()
-            if plan is None:
-                return
-            await self._flush_cache_updates()
-            allocation: Allocation | None = None
-            if plan.grants:
-                try:
-                    allocation = await self._allocate(plan)
-                except OutOfBlocks:
-                    stats: CacheStats = await self._cache.ask(GetCacheStats, timeout=ASK_TIMEOUT)
-                    core.allocation_refused(stats.blocks_total - stats.blocks_used)
-                    self.context.log.warning(
-                        "scheduler.allocation_refused", free_blocks=core.stats().free_blocks
-                    )
-                    continue
-            started = core.allocated(plan, allocation)
-            if started is None:
-                continue  # all of it came from the prefix cache: plan the rest
-            step_id, incarnation, batch = started
-            self._arm_watchdog(step_id)
-            assert self._executor is not None
-            fault = None
-            if self._faults is not None and self._faults.matching:
-                fault = self._faults.match(core.inflight_prompts())
-            await self._executor.tell(RunStep(step_id, incarnation, batch, fault))
+        """Plan and send the next step, if none is in flight and there is work that fits."""
+        step = self.core.schedule()
+        if step is None:
             return
-        if core.can_step and not core.idle:
-            self._tell_self(Wake())
-
-    async def _allocate(self, plan: StepPlan) -> Allocation:
-        """Ask the cache manager for ``plan``'s blocks. :raises OutOfBlocks: if refused."""
-        allocation: Allocation = await self._cache.ask(
-            lambda r: AllocateBlocks(plan.grants, r, plan.prefixes), timeout=ASK_TIMEOUT
-        )
-        return allocation
-
-    async def _flush_cache_updates(self) -> None:
-        """Send pending commits, then frees: a finished sequence's full blocks stay cached."""
-        commits, frees = self.core.take_cache_updates()
-        if commits:
-            await self._cache.tell(CommitBlocks(commits))
-        if frees:
-            await self._cache.tell(FreeBlocks(frees))
+        self._arm_watchdog(step.step_id)
+        assert self._executor is not None
+        fault = None
+        if self._faults is not None and self._faults.matching:
+            fault = self._faults.match(self.core.inflight_prompts())
+        await self._executor.tell(RunStep(step.step_id, step.incarnation, step.batch, fault))
 
     def _log_budget(self, reason: str) -> None:
         budget = self.core.budget

@@ -7,24 +7,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from ..errors import StoicError
+from ..scheduler import FinishReason, TokenLogprob
 
 __all__ = ["Delta", "FinishReason", "ResultStream", "TokenLogprob"]
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """The chosen token's log-probability and the most likely alternatives."""
-
-    token_id: int
-    token: str
-    logprob: float
-    #: ``(token_id, token, logprob)``, best first
-    top: tuple[tuple[int, str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,9 @@
 * :func:`byte_tokenizer` -- a real ``tokenizers.Tokenizer`` with one token per byte (ids 0-255)
   and an ``<eos>`` token (id 256), built in memory;
 * :func:`create_scheduler` -- a :class:`SchedulerHarness`: a
-  :class:`~stoic.actors.SchedulerCore` over a real :class:`~stoic.actors.BlockAllocator`, driven
-  step by step the way the scheduler actor drives it, with fabricated step outputs.
+  :class:`~stoic.scheduler.SchedulerCore` (with its real
+  :class:`~stoic.scheduler.BlockAllocator`) and real result streams, driven step by step the
+  way the scheduler actor drives it, with fabricated step outputs.
 
     harness = create_scheduler(num_blocks=16, block_size=4)
     stream = harness.add("hello", max_tokens=5)
@@ -21,9 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ..errors import StoicError
 from ..model import SampledToken, SamplingParams, SeqChunk, StepBatch, StepOutput
-from ._allocator import BlockAllocator, OutOfBlocks
-from ._core import SchedulerConfig, SchedulerCore
-from ._messages import Allocation, Recovered
+from ..scheduler import BlockAllocator, Recovered, SchedulerConfig, SchedulerCore, Step
 from ._stream import ResultStream
 
 __all__ = [
@@ -97,28 +96,29 @@ def next_letter(chunk: SeqChunk) -> int:
 
 
 class SchedulerHarness:
-    """A :class:`SchedulerCore` and a :class:`BlockAllocator`, driven synchronously.
+    """A :class:`SchedulerCore` driven synchronously.
 
-    :meth:`start_step` plans, allocates (correcting the estimate and planning again when the
-    allocator refuses, as the actor does) and starts a step; :meth:`finish_step` completes it
-    with fabricated samples and emits the deltas. Commits and frees reach the allocator before
-    every allocation and after every call, as the actor's flush does.
+    :meth:`start_step` plans and starts a step (the core looks prefixes up and allocates on its
+    own allocator, as in the actor); :meth:`finish_step` completes it with fabricated samples
+    and emits the deltas.
     """
 
-    def __init__(self, core: SchedulerCore, allocator: BlockAllocator, tokenizer: Any) -> None:
+    def __init__(self, core: SchedulerCore, tokenizer: Any) -> None:
         self.core = core
-        self.allocator = allocator
         self.tokenizer = tokenizer
         self.incarnation = 0
-        self.core.executor_ready(0, allocator.free_blocks)
+        self.core.executor_ready(0)
         #: every stream added, in order
         self.streams: list[ResultStream] = []
         #: every batch started, in order
         self.batches: list[StepBatch] = []
-        self.inflight: tuple[int, int, StepBatch] | None = None
-        #: allocations the allocator refused (the core's free-block estimate was wrong)
-        self.refusals = 0
+        self.inflight: Step | None = None
         self._next_id = 0
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The core's block allocator (the KV cache's logical side)."""
+        return self.core.allocator
 
     def add(
         self,
@@ -139,37 +139,14 @@ class SchedulerHarness:
         )
         return stream
 
-    def flush(self) -> None:
-        """Apply the core's queued commits, then frees, to the allocator."""
-        commits, frees = self.core.take_cache_updates()
-        for c in commits:
-            self.allocator.commit(c.seq_id, c.start, c.hashes)
-        for seq_id in frees:
-            self.allocator.free(seq_id)
-
     def start_step(self) -> StepBatch | None:
-        """Plan and start a step (None if none can or need run)."""
-        for _ in range(3):
-            plan = self.core.plan()
-            if plan is None:
-                break
-            self.flush()
-            allocation: Allocation | None = None
-            if plan.grants:
-                try:
-                    tables, cached = self.allocator.allocate(plan.grants, plan.prefixes)
-                except OutOfBlocks:
-                    self.refusals += 1
-                    self.core.allocation_refused(self.allocator.free_blocks)
-                    continue
-                allocation = Allocation(tables, self.allocator.free_blocks, (), cached)
-            started = self.core.allocated(plan, allocation)
-            if started is not None:
-                self.inflight = started
-                self.batches.append(started[2])
-                break
-        self.flush()
-        return self.inflight[2] if self.inflight is not None else None
+        """Plan and start a step unless one is in flight (None if none can or need run)."""
+        if self.inflight is None:
+            step = self.core.schedule()
+            if step is not None:
+                self.inflight = step
+                self.batches.append(step.batch)
+        return self.inflight.batch if self.inflight is not None else None
 
     def output_for(
         self, batch: StepBatch, sample: Callable[[SeqChunk], int] = next_letter
@@ -186,7 +163,6 @@ class SchedulerHarness:
         touched = self.core.complete(step_id, incarnation, self.output_for(batch, sample))
         assert touched is not None, "the harness's own step was fenced"
         self.core.emit(touched)
-        self.flush()
         return True
 
     def step(self, sample: Callable[[SeqChunk], int] = next_letter) -> StepBatch | None:
@@ -215,17 +191,15 @@ class SchedulerHarness:
         *,
         final_if_charged: str | None = None,
     ) -> Recovered:
-        """What recovery does: fence, fail (or resume) every sequence, drop the cache, restart.
+        """What recovery does: fence, drop the cache, fail (or resume) every sequence, restart.
         Call it while a step is in flight (:meth:`start_step`) to fail that step. With
         ``final_if_charged``, a failure charged to the engine fails it (the supervisor's last)."""
         count = self.core.executor_down(
             error or RuntimeError("injected"), kind, final_if_charged=final_if_charged
         )
-        self.flush()
         self.inflight = None
-        self.allocator.free_all()
         self.incarnation += 1
-        self.core.executor_ready(self.incarnation, self.allocator.free_blocks)
+        self.core.executor_ready(self.incarnation)
         return count
 
     def held_blocks(self) -> set[int]:
@@ -236,17 +210,19 @@ class SchedulerHarness:
         """Assert the invariants that hold between calls.
 
         The allocator's own invariant; the blocks in use are exactly those in the core's block
-        tables (nothing leaked, nothing shared that is not recorded); the core's free-block
-        estimate matches; a stream is open exactly while its sequence is known to the core.
+        tables, each sequence's table the allocator's (nothing leaked, nothing shared that is not
+        recorded); a waiting sequence holds no blocks; a stream is open exactly while its
+        sequence is known to the core.
         """
         self.allocator.check_invariant()
         held = self.held_blocks()
         assert self.allocator.used_blocks == len(held), (
             f"allocator uses {self.allocator.used_blocks} blocks, tables hold {len(held)}"
         )
-        estimate = self.core.stats().free_blocks
-        assert estimate == self.allocator.free_blocks, (
-            f"the core counts {estimate} free blocks, the allocator has {self.allocator.free_blocks}"
+        for seq in (*self.core.running, *self.core.waiting):
+            assert seq.block_table == self.allocator.table(seq.seq_id), seq.request_id
+        assert not any(seq.block_table for seq in self.core.waiting), (
+            "a waiting sequence holds blocks"
         )
         known = {s.request_id for s in (*self.core.running, *self.core.waiting)}
         for stream in self.streams:
@@ -266,7 +242,7 @@ def create_scheduler(
     recovery: Literal["fail", "resume"] = "fail",
     max_resumes: int = 3,
 ) -> SchedulerHarness:
-    """A :class:`SchedulerHarness` over a fresh core and allocator with the byte tokenizer."""
+    """A :class:`SchedulerHarness` over a fresh core with the byte tokenizer."""
     tokenizer = byte_tokenizer()
     core = SchedulerCore(
         SchedulerConfig(
@@ -281,4 +257,4 @@ def create_scheduler(
         ),
         tokenizer,
     )
-    return SchedulerHarness(core, BlockAllocator(num_blocks), tokenizer)
+    return SchedulerHarness(core, tokenizer)

@@ -302,7 +302,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         parts = self._parts
-        return collect_stats(parts.scheduler_core, parts.cache_manager, self._health, self._faults)
+        return collect_stats(parts.scheduler_core, self._health, self._faults)
 
     def activity(self) -> Activity:
         """The sequences running and waiting now (request id, tokens so far and at most, age),

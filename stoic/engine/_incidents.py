@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..actors import EngineHealth, Recovered, SchedulerCore, Sequence
+from ..actors import EngineHealth, Recovered
 from ..errors import FailureKind
 from ..model import ComputePath
+from ..scheduler import SchedulerCore, Sequence
 
 __all__ = [
     "Activity",

@@ -114,10 +114,11 @@ class Recovery:
         last = final or (over if outcome.charged else None)  # the supervisor gives up after this
         (log.error if last else log.warning)("recovery.executor_failed", error=described, **streams)
         log.debug("recovery.fenced", **streams)
-        freed: int = await self._cache.ask(DropAll, timeout=ASK_TIMEOUT)
+        released: bool = await self._cache.ask(DropAll, timeout=ASK_TIMEOUT)
         log.debug(
             "recovery.cache_dropped",
-            blocks_freed=freed,
+            blocks_freed=outcome.blocks_freed,
+            tensors_released=released,
             seconds=round(time.monotonic() - started, 4),
         )
         if kind == "fatal" and not self._replaces_worker:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..actors import CacheManager, FaultInjector, SchedulerCore, State
 from ..actors import EngineHealth as _Health
+from ..actors import FaultInjector, State
 from ..errors import FailureKind
 from ..model import ComputePath
+from ..scheduler import SchedulerCore
 
 __all__ = ["EngineStats", "collect_stats"]
 
@@ -56,9 +57,6 @@ class EngineStats:
     state: State
     #: prompt tokens whose keys/values came from the prefix cache (not computed)
     prefix_cached_tokens: int
-    #: prompt tokens the scheduler believed cached (and did not charge to a step's budget) that
-    #: the cache no longer held: those steps computed less than the budget allowed
-    prefix_guess_missed_tokens: int
     #: KV blocks held by the prefix cache (in use or evictable)
     kv_blocks_cached: int
     #: the process the model runs in (the server's own with the thread executor)
@@ -107,15 +105,13 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
-def collect_stats(
-    core: SchedulerCore, cache: CacheManager, health: _Health, faults: FaultInjector
-) -> EngineStats:
-    sched, blocks, now = core.stats(), cache.stats(), health.snapshot()
+def collect_stats(core: SchedulerCore, health: _Health, faults: FaultInjector) -> EngineStats:
+    sched, now = core.stats(), health.snapshot()
     return EngineStats(
         running=sched.running,
         waiting=sched.waiting,
-        kv_blocks_used=blocks.blocks_used,
-        kv_blocks_total=blocks.blocks_total,
+        kv_blocks_used=sched.kv_blocks_used,
+        kv_blocks_total=sched.kv_blocks_total,
         incarnation=now.incarnation,
         restarts=now.restarts,
         failed_sequences=sched.failed_sequences,
@@ -128,8 +124,7 @@ def collect_stats(
         faults_injected=faults.injected,
         state=now.state,
         prefix_cached_tokens=sched.prefix_cached_tokens,
-        prefix_guess_missed_tokens=sched.prefix_guess_missed_tokens,
-        kv_blocks_cached=blocks.cached_blocks,
+        kv_blocks_cached=sched.kv_blocks_cached,
         executor_pid=now.executor_pid,
         restarts_by_kind=now.restarts_by_kind,
         requests_resumed=sched.requests_resumed,

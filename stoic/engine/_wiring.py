@@ -16,8 +16,6 @@ from ..actors import (
     IntakeConfig,
     IntakeMsg,
     Scheduler,
-    SchedulerConfig,
-    SchedulerCore,
     SchedulerMsg,
 )
 from ..config import EngineConfig
@@ -33,6 +31,7 @@ from ..model import (
     vocab_size,
 )
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
+from ..scheduler import SchedulerConfig, SchedulerCore
 from ._incidents import IncidentLog
 from ._recovery import Recovery
 
@@ -43,14 +42,13 @@ _log = get_logger("stoic.engine")
 
 @dataclass(frozen=True)
 class EngineParts:
-    """The running engine's actors: refs to talk to, and the two objects whose statistics are
-    read directly on the event loop."""
+    """The running engine's actors: refs to talk to, and the scheduler's core, whose statistics
+    are read directly on the event loop."""
 
     intake: ActorRef[IntakeMsg]
     scheduler: ActorRef[SchedulerMsg]
     cache: ActorRef[CacheMsg]
     scheduler_core: SchedulerCore
-    cache_manager: CacheManager
     kv_spec: KVCacheSpec
     #: the context length requests are checked against
     max_model_len: int
@@ -123,8 +121,9 @@ async def wire(
     # one backend for the intake (which compiles at admission) and a thread executor: a
     # constraint is compiled once; a process executor's worker builds its own
     grammar = LLGuidanceBackend(vocab_spec) if vocab_spec is not None else None
-    cache_manager = CacheManager(spec, make_cache=backend.make_cache)
-    cache = await system.spawn(cache_manager, name="cache", mailbox_size=1024)
+    cache = await system.spawn(
+        CacheManager(spec, make_cache=backend.make_cache), name="cache", mailbox_size=16
+    )
     core = SchedulerCore(
         SchedulerConfig(
             block_size=config.block_size,
@@ -156,7 +155,6 @@ async def wire(
     scheduler = await system.spawn(
         Scheduler(
             core,
-            cache,
             health,
             step_timeout=config.step_timeout + backend.watchdog_margin,
             faults=faults,
@@ -212,4 +210,4 @@ async def wire(
     await system.spawn(
         Guardian([cache, scheduler, intake], health), name="guardian", mailbox_size=16
     )
-    return EngineParts(intake, scheduler, cache, core, cache_manager, spec, max_len)
+    return EngineParts(intake, scheduler, cache, core, spec, max_len)

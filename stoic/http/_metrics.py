@@ -76,12 +76,6 @@ class _EngineCollector:
             "Prompt tokens whose keys and values came from the prefix cache.",
             stats.prefix_cached_tokens,
         )
-        yield counter(
-            "stoic_prefix_cache_guess_missed_tokens",
-            "Prompt tokens the scheduler believed cached, when it planned a request's first "
-            "step, that the prefix cache had evicted (computed after all).",
-            stats.prefix_guess_missed_tokens,
-        )
         yield gauge(
             "stoic_kv_cache_usage",
             "Fraction of KV cache blocks in use (0..1).",

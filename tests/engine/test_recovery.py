@@ -178,7 +178,7 @@ async def test_a_crashed_scheduler_fails_the_engine_and_ends_every_stream(
 ) -> None:
     """A bug that crashes the scheduler leaves no caller waiting: every stream ends with an error,
     the engine reports failed, and new requests are refused at once."""
-    from stoic.actors import SchedulerCore
+    from stoic.scheduler import SchedulerCore
 
     config = stoic.EngineConfig(model=str(tiny_model_dir), dtype="float32")
     async with stoic.Engine.start(config) as engine:

@@ -34,7 +34,6 @@ EXPECTED = {
     "stoic_generation_tokens_total",
     "stoic_prompt_tokens_total",
     "stoic_prefix_cache_hit_tokens_total",
-    "stoic_prefix_cache_guess_missed_tokens_total",
     "stoic_kv_cache_blocks_cached",
     "stoic_model_info",
 }
@@ -74,8 +73,6 @@ async def test_metrics_parse_and_count(
     stats = engine.stats()
     assert after[("stoic_kv_cache_blocks_total", "")] == stats.kv_blocks_total
     assert after[("stoic_prefix_cache_hit_tokens_total", "")] == stats.prefix_cached_tokens
-    missed = ("stoic_prefix_cache_guess_missed_tokens_total", "")
-    assert after[missed] == stats.prefix_guess_missed_tokens
     assert after[("stoic_kv_cache_blocks_cached", "")] == stats.kv_blocks_cached
     by_kind = {
         labels.removeprefix("kind="): value

@@ -1,11 +1,11 @@
-"""The scheduler core's configuration and statistics records."""
+"""The scheduler core's configuration, statistics and recovery outcome records."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-__all__ = ["SchedulerConfig", "SchedulerStats"]
+__all__ = ["Recovered", "SchedulerConfig", "SchedulerStats"]
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,11 @@ class SchedulerStats(NamedTuple):
     generated_tokens: int
     #: prompt tokens whose keys/values came from the prefix cache instead of being computed
     prefix_cached_tokens: int
-    #: prompt tokens believed cached when a sequence was planned that the cache did not share
-    #: (evicted since): its step computed less than its budget allowed
-    prefix_guess_missed_tokens: int
-    #: the scheduler's estimate of the cache manager's free blocks
-    free_blocks: int
+    #: KV blocks in use (held by a sequence) out of ``kv_blocks_total``
+    kv_blocks_used: int
+    kv_blocks_total: int
+    #: KV blocks held by the prefix cache (in use or evictable)
+    kv_blocks_cached: int
     #: resumes after executor failures (``--recovery resume``), one per sequence per failure
     #: (a sequence is one engine request: the names are :class:`stoic.EngineStats`'s)
     requests_resumed: int
@@ -67,3 +67,21 @@ class SchedulerStats(NamedTuple):
     token_budget: int
     #: sequences running at once in force
     seq_budget: int
+
+
+class Recovered(NamedTuple):
+    """What an executor failure did to the sequences (``SchedulerCore.executor_down``)."""
+
+    #: ended with the error (under ``"fail"``: every one that started)
+    failed: int
+    #: re-admitted to continue where they stopped (``"resume"``)
+    resumed: int
+    #: of ``failed``: their resumes were spent
+    exhausted: int
+    #: of ``failed``: found to cause the failures
+    isolated: int
+    #: the failure counts toward the engine's restart intensity; False: it is charged to a
+    #: suspect instead (the failed step ran only suspects: an isolation probe)
+    charged: bool = True
+    #: KV blocks that were in use, forgotten with the dropped cache
+    blocks_freed: int = 0

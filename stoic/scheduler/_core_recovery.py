@@ -1,8 +1,8 @@
-"""The executor's lifecycle and failures, one half of :class:`~stoic.actors._core.SchedulerCore`:
-fencing a failed executor, ending or resuming its sequences, isolating a poison request and
-failing the engine for good. Split from :mod:`stoic.actors._core` (module and class size); it is a
-mixin over the core's state, which :class:`~stoic.actors._core.SchedulerCore` initialises, and is
-never used on its own.
+"""The executor's lifecycle and failures, one part of :class:`~stoic.scheduler.SchedulerCore`:
+fencing a failed executor, dropping the KV cache's bookkeeping with it, ending or resuming its
+sequences, isolating a poison request and failing the engine for good. Split from
+:mod:`stoic.scheduler._core` (module and class size); it is a mixin over the core's state,
+which :class:`~stoic.scheduler.SchedulerCore` initialises, and is never used on its own.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import EngineFailed, EngineStopped, FailureKind, StoicError
-from ._messages import Recovered
+from ._allocator import BlockAllocator
 from ._outcomes import exhausted_error, failed_error, isolated_error
+from ._records import Recovered
 from ._sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from ._budget import StepBudget
     from ._core import _Inflight
-    from ._prefix_view import PrefixView
     from ._records import SchedulerConfig
 
 __all__ = ["CoreRecovery"]
@@ -44,8 +44,7 @@ class CoreRecovery:
     _probe: Sequence | None
     _incarnation: int | None
     _inflight: _Inflight | None
-    _free_blocks: int
-    _prefix_view: PrefixView
+    allocator: BlockAllocator
     _suspect_charges: int
     _failed_sequences: int
     _resumed: int
@@ -57,14 +56,13 @@ class CoreRecovery:
 
         def _remove(self, seq: Sequence) -> None: ...
 
-        def _release(self, seq: Sequence) -> int: ...
+        def _release(self, seq: Sequence) -> None: ...
 
     # -- the executor's lifecycle and failures --------------------------------------------------
-    def executor_ready(self, incarnation: int, free_blocks: int) -> None:
-        """Executor ``incarnation`` is ready; the cache manager has ``free_blocks`` free."""
+    def executor_ready(self, incarnation: int) -> None:
+        """Executor ``incarnation`` is ready: steps go to it."""
         if self.failed is None:
             self._incarnation = incarnation
-            self._free_blocks = free_blocks
 
     def fail_all(self, error: Callable[[Sequence], StoicError]) -> int:
         """The one exit path for errors: end every waiting and running sequence with
@@ -96,8 +94,22 @@ class CoreRecovery:
         once the executor is back. With ``final`` (the executor will not be restarted), or
         ``final_if_charged`` and a failure charged to the engine (see :meth:`_charged`), the
         engine fails instead (:meth:`fail_engine`): every sequence ends with ``EngineFailed``.
+
+        The KV tensors are dropped with the executor (the recovery's ``DropAll`` to the cache
+        manager): every block is forgotten here, the prefix cache with them, and every block is
+        zeroed again before its next use.
         """
-        self._prefix_view.clear()  # the cache is dropped with the executor
+        freed = self.allocator.free_all()
+        return self._settle(error, kind, final, final_if_charged)._replace(blocks_freed=freed)
+
+    def _settle(
+        self,
+        error: BaseException,
+        kind: FailureKind,
+        final: str | None,
+        final_if_charged: str | None,
+    ) -> Recovered:
+        """:meth:`executor_down` past the blocks' drop: what becomes of each sequence."""
         planned = self._inflight.planned if self._inflight is not None else ()
         batch = [p.seq for p in planned if p.seq.status is SeqStatus.RUNNING]
         charged = self._charged(batch)

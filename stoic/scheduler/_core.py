@@ -1,52 +1,58 @@
-"""The scheduler's core: queues, step planning under a token budget, step completion and every
-way a sequence ends. Pure and synchronous: no actors, no awaits, no model.
+"""The scheduler's core: queues, step planning under a token budget on the true KV cache state,
+step completion and every way a sequence ends. Pure and synchronous: no actors, no awaits, no
+model.
 
 The actor shell (:mod:`stoic.actors._scheduler`) drives it, in the spirit of vLLM v1's
 ``schedule()`` / ``update_from_output()``:
 
-1. :meth:`SchedulerCore.plan` picks the step's chunks under the token budget, preempting the
-   youngest running sequences when the (estimated) free blocks run out, and says which block
-   tables must grow and which new sequences may share a cached prefix;
-2. the shell asks the cache manager for those blocks, then :meth:`SchedulerCore.allocated` applies
-   the answer (or :meth:`SchedulerCore.allocation_refused` corrects the estimate) and returns the
-   :class:`~stoic.model.StepBatch` to run;
-3. :meth:`SchedulerCore.complete` applies a step's sampled tokens (a result from a fenced step or
-   incarnation is dropped), and after the next step is on its way :meth:`SchedulerCore.emit`
-   detokenises and finishes the sequences it touched.
+1. :meth:`SchedulerCore.schedule` picks the step's chunks under the token budget, looks each
+   starting sequence's prefix up in the prefix cache, allocates the blocks (preempting the
+   youngest running sequences when they run out) and returns the
+   :class:`~stoic.model.StepBatch` to run, all in one call against the
+   :class:`~stoic.scheduler.BlockAllocator` it owns: there is no estimate to correct, no plan
+   the cache could refuse, nothing to retry;
+2. :meth:`SchedulerCore.complete` applies a step's sampled tokens and commits the blocks it
+   filled to the prefix cache (a result from a fenced step or incarnation is dropped), and
+   after the next step is on its way :meth:`SchedulerCore.emit` detokenises and finishes the
+   sequences it touched.
+
+**Why the block bookkeeping lives here.** The cache manager actor owned it once, and the core
+planned before the cache manager answered the prefix lookup: it kept a guess of what was
+cached, charged the budget by the guess, corrected it afterwards and re-planned refused
+allocations. The block tables, free list, prefix hash index and reference counts are plain
+bookkeeping (no I/O, no tensors) that only the scheduler changes, so they live beside the
+planner, which consults them synchronously. The cache manager keeps the physical side: the KV
+tensors' lifetime and their drop after a failure (``DropAll``); the core forgets every block
+at the same moment (:meth:`~stoic.scheduler._core_recovery.CoreRecovery.executor_down`).
 
 Blocks go back one way (``_release``); sequences end with an error one way (:meth:`fail_all`).
-Block frees and prefix-cache commits are queued and taken by the shell
-(:meth:`take_cache_updates`), which sends them to the cache manager before its next allocation.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import EngineFailed, EngineStopped
 from ..model import SamplingParams, StepBatch, StepOutput
+from ._allocator import BlockAllocator
 from ._budget import StepBudget
 from ._core_blocks import CoreBlocks
 from ._core_recovery import CoreRecovery
-from ._messages import Allocation, BlockCommit, BlockGrant, PrefixQuery
-from ._plan import (
-    Planned,
-    StepPlan,
-    blocks_for,
-    chunks_of,
-    plan_step,
-    prefix_blocks,
-    skip_cached,
-    within_charge,
-)
-from ._prefix_view import PrefixView
+from ._plan import Planned, chunks_of, plan_step
 from ._records import SchedulerConfig, SchedulerStats
-from ._sequence import SeqStatus, Sequence
-from ._stream import ResultStream
+from ._sequence import SeqStatus, Sequence, Stream
 
-__all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats"]
+__all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats", "Step"]
+
+
+class Step(NamedTuple):
+    """A step to run: send ``batch`` to executor ``incarnation`` as step ``step_id``."""
+
+    step_id: int
+    incarnation: int
+    batch: StepBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +65,16 @@ class _Inflight:
 class SchedulerCore(CoreBlocks, CoreRecovery):
     """Waiting and running queues, the step plan and every sequence's fate.
 
-    Invariants (checked by ``tests/actors/test_scheduler_core.py``): every admitted sequence ends with
-    exactly one terminal outcome on its stream; the blocks of a finished, aborted or failed
-    sequence are queued for release at once; at most one step is in flight; the tokens of a
-    step never exceed the token budget; a result whose step or incarnation is not the one in
-    flight changes nothing.
+    Invariants (checked by ``tests/scheduler/``): every admitted sequence ends with exactly one
+    terminal outcome on its stream; the blocks of a finished, aborted or failed sequence are
+    free at once, and the allocator's blocks in use are exactly those in the sequences' tables;
+    at most one step is in flight; the tokens of a step never exceed the token budget; a
+    result whose step or incarnation is not the one in flight changes nothing.
 
     Two mixins over the same state hold the rest: the block tables and the prefix cache's
-    bookkeeping (:class:`~stoic.actors._core_blocks.CoreBlocks`), and the executor's lifecycle and
-    failures, i.e. fencing, fail/resume, poison isolation and the engine's end
-    (:class:`~stoic.actors._core_recovery.CoreRecovery`).
+    bookkeeping (:class:`~stoic.scheduler._core_blocks.CoreBlocks`), and the executor's
+    lifecycle and failures, i.e. fencing, fail/resume, poison isolation and the engine's end
+    (:class:`~stoic.scheduler._core_recovery.CoreRecovery`).
     """
 
     def __init__(self, config: SchedulerConfig, tokenizer: Any) -> None:
@@ -79,21 +85,14 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
         self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 0
         self._next_step_id = 0
-        self._free_blocks = config.num_blocks
+        #: the KV cache's logical side: block tables, free list, prefix cache (see the module)
+        self.allocator = BlockAllocator(config.num_blocks)
         self._incarnation: int | None = None
         self._inflight: _Inflight | None = None
         #: set once the engine is failed for good: nothing is admitted or stepped again
         self.failed: str | None = None
         #: set by a drain: nothing new is admitted
         self.admitting = True
-        self._to_free: list[int] = []
-        # how many of this core's sequences hold each block: a block shared from the prefix
-        # cache is free again only when its last holder lets go (keeps ``_free_blocks`` exact)
-        self._holders: Counter[int] = Counter()
-        self._to_commit: list[BlockCommit] = []
-        #: what this core believes the prefix cache holds (charges a starting sequence's step
-        #: budget for its uncached tokens only)
-        self._prefix_view = PrefixView(config.num_blocks)
         #: the step limits in force (backed off after an out-of-memory failure)
         self.budget = StepBudget(
             config.max_num_batched_tokens, config.max_num_seqs, config.block_size
@@ -114,7 +113,6 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
         self._prompt_tokens = 0
         self._generated = 0
         self._prefix_cached_tokens = 0
-        self._prefix_missed_tokens = 0
         self._resumed = 0
         self._exhausted = 0
         self._isolated = 0
@@ -169,8 +167,9 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated,
             prefix_cached_tokens=self._prefix_cached_tokens,
-            prefix_guess_missed_tokens=self._prefix_missed_tokens,
-            free_blocks=self._free_blocks,
+            kv_blocks_used=self.allocator.used_blocks,
+            kv_blocks_total=self.allocator.num_blocks,
+            kv_blocks_cached=self.allocator.cached_blocks,
             requests_resumed=self._resumed,
             resumes_exhausted=self._exhausted,
             requests_isolated=self._isolated,
@@ -186,7 +185,7 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         max_tokens: int,
-        stream: ResultStream,
+        stream: Stream,
     ) -> Sequence | None:
         """Queue a new sequence; if the engine is failed or draining, end its stream instead."""
         if self.failed is not None:
@@ -224,99 +223,56 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
         if seq is self._probe:
             self._next_probe()
 
-    def _preempt(self, seq: Sequence) -> int:
-        """Give a running sequence's blocks back; it is recomputed when readmitted (queue front).
-        Returns how many blocks became free."""
+    def _preempt(self, seq: Sequence) -> None:
+        """Give a running sequence's blocks back; it is recomputed when readmitted (queue front;
+        its full blocks stay in the prefix cache, so it may share them again)."""
         self._running.remove(seq)
-        freed = self._release(seq)
+        self._release(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self._waiting.appendleft(seq)
         self._preemptions += 1
-        return freed
 
     # -- planning -------------------------------------------------------------------------------
-    def plan(self) -> StepPlan | None:
-        """Plan the next step under the token budget and the free-block estimate.
+    def schedule(self) -> Step | None:
+        """Plan the next step on the allocator's true state, allocate its blocks and start it.
 
-        See :func:`~stoic.actors._plan.plan_step` for the order (running first, the youngest
-        preempted when blocks run out, then waiting ones admitted). Returns None if no step can
-        or need run.
+        See :func:`~stoic.scheduler._plan.plan_step` for the order (running first, the youngest
+        preempted when blocks run out, then waiting ones admitted, each sharing its cached
+        prefix). Returns the step to send, or None if no step can or need run (one in flight,
+        no executor, the engine failed, or nothing fits).
         """
         if not self.can_step:
             return None
         cfg = self.cfg
-        planned = plan_step(
+        plan = plan_step(
             self._running,
             self._waiting,
             budget=self.budget.tokens,
-            free_blocks=self._free_blocks,
             max_num_seqs=self.budget.seqs,
+            allocator=self.allocator,
             block_size=cfg.block_size,
-            prefix_caching=cfg.prefix_caching,
             preempt=self._preempt,
-            cached_tokens=self._believed_cached,
+            prefix_hashes=self._prefix_hashes if cfg.prefix_caching else None,
         )
-        if not planned:
+        if not plan.planned:
             return None
-        grants: list[BlockGrant] = []
-        prefixes: list[PrefixQuery] = []
-        for p in planned:
-            total = blocks_for(p.seq.num_computed + p.n_tokens, cfg.block_size)
-            if total > len(p.seq.block_table):
-                grants.append(BlockGrant(p.seq.seq_id, total))
-            if cfg.prefix_caching and p.seq.num_computed == 0 and not p.seq.block_table:
-                count = prefix_blocks(p.seq, cfg.block_size)
-                if count:
-                    prefixes.append(PrefixQuery(p.seq.seq_id, self._hashes(p.seq, count)))
-        return StepPlan(tuple(planned), tuple(grants), tuple(prefixes))
-
-    def allocation_refused(self, free_blocks: int) -> None:
-        """The cache manager refused a plan's blocks (the estimate drifted): correct the estimate.
-
-        The planned sequences stay where :meth:`plan` put them; the next plan takes them up.
-        """
-        self._free_blocks = free_blocks
-
-    def allocated(
-        self, plan: StepPlan, allocation: Allocation | None
-    ) -> tuple[int, int, StepBatch] | None:
-        """Apply the cache manager's answer to ``plan`` (None if it needed no blocks) and start the
-        step: returns ``(step_id, incarnation, batch)``, or None when every planned token was
-        found in the prefix cache (plan again for the rest).
-        """
-        planned = list(plan.planned)
-        fresh: tuple[int, ...] = ()
-        if allocation is not None:
-            fresh = allocation.fresh_blocks
-            for p in planned:
-                table = allocation.tables.get(p.seq.seq_id)
-                if table is not None:
-                    self._set_table(p.seq, table)
-            self._free_blocks = allocation.free_blocks
-            self._learn_prefixes(planned, allocation.cached_blocks)
-            if allocation.cached_blocks:
-                planned, skipped = skip_cached(
-                    planned, allocation.cached_blocks, self.cfg.block_size
-                )
-                self._prefix_cached_tokens += skipped
-        planned = within_charge(planned, self.budget.tokens)
-        if not planned or not self.can_step:
-            return None
-        chunks = chunks_of(planned)
+        self._prefix_cached_tokens += plan.cached_tokens
         self._next_step_id += 1
         incarnation = self._incarnation
         assert incarnation is not None
-        self._inflight = _Inflight(self._next_step_id, incarnation, tuple(planned))
-        self._last_batch = len(planned)
-        self._max_batch = max(self._max_batch, len(planned))
-        return self._next_step_id, incarnation, StepBatch(chunks, fresh)
+        self._inflight = _Inflight(self._next_step_id, incarnation, plan.planned)
+        self._last_batch = len(plan.planned)
+        self._max_batch = max(self._max_batch, len(plan.planned))
+        batch = StepBatch(chunks_of(plan.planned), plan.fresh_blocks)
+        return Step(self._next_step_id, incarnation, batch)
 
     def complete(self, step_id: int, incarnation: int, output: StepOutput) -> list[Sequence] | None:
         """Apply a step's sampled tokens and the token-level stops (EOS, stop ids, max_tokens).
 
         Returns the sequences that got a token (pass them to :meth:`emit` once the next step is
-        planned); those that finished have their blocks queued for release already. Returns None,
+        planned); those that finished have given their blocks back already (their full blocks
+        stay in the prefix cache). Returns None,
         changing nothing but a counter, when the result is not the step in flight (fenced).
         """
         inflight = self._inflight

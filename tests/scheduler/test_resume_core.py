@@ -9,9 +9,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stoic.actors._budget import CLEAN_STEPS_PER_DOUBLING
 from stoic.actors.testing import SchedulerHarness, create_scheduler, drain
 from stoic.errors import EngineFailed, ExecutorFailed
+from stoic.scheduler import CLEAN_STEPS_PER_DOUBLING
 
 PROMPTS = ["hello there", "a longer prompt than that", "abcd", "XYZZY poison", "zz"]
 
@@ -202,7 +202,6 @@ def test_an_aborted_suspect_ends_the_isolation_cleanly() -> None:
     _fail_inflight(h)
     _fail_inflight(h)
     h.core.abort(a.request_id)
-    h.flush()
     h.check()
     h.run_until_idle()
     h.check()

@@ -1,17 +1,54 @@
-"""One sequence's state inside the scheduler: its tokens, its KV progress, its block table."""
+"""One sequence's state inside the scheduler: its tokens, its KV progress, its block table, and
+what it reports to whoever awaits it (a :class:`Stream`: the actors' result stream)."""
 
 from __future__ import annotations
 
 import enum
 import hashlib
 from array import array
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-from ..errors import PartialOutput
+from ..errors import PartialOutput, StoicError
 from ..model import Detokenizer, SampledToken, SamplingParams
-from ._stream import FinishReason, ResultStream, TokenLogprob
 
-__all__ = ["SeqStatus", "Sequence", "block_hashes"]
+__all__ = ["FinishReason", "SeqStatus", "Sequence", "Stream", "TokenLogprob", "block_hashes"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the most likely alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    #: ``(token_id, token, logprob)``, best first
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+class Stream(Protocol):
+    """Where a sequence's output goes (:class:`stoic.actors.ResultStream`): the producer side,
+    which never blocks. Exactly one of :meth:`finish` and :meth:`fail` takes effect."""
+
+    request_id: str
+    #: prompt tokens served from the prefix cache (set by the scheduler on first admission)
+    cached_tokens: int
+
+    @property
+    def done(self) -> bool: ...
+
+    def push(
+        self,
+        text: str,
+        token_ids: tuple[int, ...] | list[int],
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None: ...
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None: ...
+
+    def fail(self, error: StoicError) -> None: ...
 
 
 def block_hashes(
@@ -77,7 +114,7 @@ class Sequence:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         max_tokens: int,
-        stream: ResultStream,
+        stream: Stream,
         tokenizer: Any,
     ) -> None:
         self.seq_id = seq_id

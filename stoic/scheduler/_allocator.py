@@ -1,11 +1,14 @@
-"""The block allocator: a fixed pool of KV block ids, per-sequence block tables, a prefix cache."""
+"""The block allocator: a fixed pool of KV block ids, per-sequence block tables, a prefix cache.
+
+The logical side of the KV cache, owned by the scheduler's core so that a step is planned on
+the true state (the prefix lookup, the blocks' allocation and the plan in one synchronous
+call, as vLLM's scheduler does). The physical side, the KV tensors and their drop after a
+failure, is the cache manager actor's (:class:`stoic.actors.CacheManager`).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
-
-from ._messages import BlockGrant, PrefixQuery
 
 __all__ = ["BlockAllocator", "OutOfBlocks"]
 
@@ -19,7 +22,7 @@ class BlockAllocator:
 
     **Prefix caching.** A full block whose keys and values a completed step wrote can be
     *committed* under its content hash (a chain over every token up to the block's end, see
-    :func:`~stoic.actors._sequence.block_hashes`). A new sequence whose first blocks hash
+    :func:`~stoic.scheduler.block_hashes`). A new sequence whose first blocks hash
     the same shares those blocks instead of computing them (:meth:`match`); a shared block is
     reference-counted. A committed block nobody references stays cached, *evictable*, in
     least-recently-used order, and is handed out again (its hash forgotten) only when no block is
@@ -38,6 +41,8 @@ class BlockAllocator:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        #: blocks not handed out since the pool was created or dropped (not zeroed yet)
+        self._unzeroed: set[int] = set(range(num_blocks))
         self.evictions = 0
 
     @property
@@ -61,6 +66,19 @@ class BlockAllocator:
     def table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._tables.get(seq_id, ()))
 
+    def lookup(self, hashes: tuple[bytes, ...]) -> tuple[int, int]:
+        """What :meth:`match` would share, changing nothing: ``(blocks, unused)``, the leading
+        cached blocks of ``hashes`` and how many of them no table holds (evictable: sharing
+        takes those out of :attr:`free_blocks`)."""
+        blocks = unused = 0
+        for digest in hashes:
+            block = self._by_hash.get(digest)
+            if block is None:
+                break
+            blocks += 1
+            unused += block in self._evictable
+        return blocks, unused
+
     def match(self, seq_id: int, hashes: tuple[bytes, ...]) -> int:
         """Start ``seq_id``'s (empty) table with the cached blocks of its longest cached prefix.
 
@@ -81,48 +99,31 @@ class BlockAllocator:
             self._tables[seq_id] = shared
         return len(shared)
 
-    def allocate(
-        self, grants: Iterable[BlockGrant], prefixes: Iterable[PrefixQuery] = ()
-    ) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
-        """Share each queried sequence's cached prefix (:meth:`match`), then :meth:`grow` the
-        granted tables; all-or-nothing.
+    def grow(self, seq_id: int, total: int) -> tuple[int, ...]:
+        """Extend ``seq_id``'s table to ``total`` blocks; all-or-nothing.
 
-        Returns ``(tables, cached)``: every granted sequence's table, and for each queried
-        sequence that shared cached blocks, how many.
+        Returns the blocks it took that were never handed out since the pool was created or
+        last dropped (:meth:`free_all`): their memory holds no zeros yet (see
+        :attr:`stoic.model.StepBatch.zero_blocks`).
 
-        :raises OutOfBlocks: if the grants need more blocks than are free (nothing changes).
-        :raises ValueError: on a negative count (nothing changes).
+        :raises OutOfBlocks: if that needs more than the free blocks (nothing changes).
         """
-        shared = {q.seq_id: self.match(q.seq_id, q.hashes) for q in prefixes}
-        try:
-            tables = self.grow(tuple(grants))
-        except (OutOfBlocks, ValueError):
-            for seq_id, n in shared.items():  # give the shared blocks back
-                if n:
-                    self.free(seq_id)
-            raise
-        return tables, {seq_id: n for seq_id, n in shared.items() if n}
-
-    def grow(self, grants: tuple[BlockGrant, ...]) -> dict[int, tuple[int, ...]]:
-        """Extend each ``(seq_id, total)`` table to ``total`` blocks; all-or-nothing.
-
-        :raises OutOfBlocks: if the grants together need more than the free blocks.
-        :raises ValueError: on a negative count.
-        """
-        if any(n < 0 for _, n in grants):
-            raise ValueError("negative block count")
-        need = sum(max(0, n - len(self._tables.get(seq_id, ()))) for seq_id, n in grants)
+        table = self._tables.get(seq_id, [])
+        need = total - len(table)
         if need > self.free_blocks:
             raise OutOfBlocks(f"need {need} blocks, {self.free_blocks} free")
-        out: dict[int, tuple[int, ...]] = {}
-        for seq_id, n in grants:
-            table = self._tables.setdefault(seq_id, [])
-            while len(table) < n:
-                block = self._take()
-                self._refs[block] = 1
-                table.append(block)
-            out[seq_id] = tuple(table)
-        return out
+        if need <= 0:
+            return ()
+        self._tables[seq_id] = table
+        fresh: list[int] = []
+        for _ in range(need):
+            block = self._take()
+            self._refs[block] = 1
+            table.append(block)
+            if block in self._unzeroed:
+                self._unzeroed.discard(block)
+                fresh.append(block)
+        return tuple(fresh)
 
     def _take(self) -> int:
         if self._free:
@@ -173,7 +174,9 @@ class BlockAllocator:
         return len(table)
 
     def free_all(self) -> int:
-        """Forget every table and every cached block (their contents are gone)."""
+        """Forget every table and every cached block: the KV tensors were dropped, so their
+        contents are gone and every block is to be zeroed again before its first use.
+        Returns how many blocks were in use."""
         freed = self.used_blocks
         self._tables.clear()
         self._refs.clear()
@@ -181,6 +184,7 @@ class BlockAllocator:
         self._hash_of.clear()
         self._evictable.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._unzeroed = set(range(self.num_blocks))
         return freed
 
     def check_invariant(self) -> None:
@@ -202,4 +206,5 @@ class BlockAllocator:
         assert not (free | evictable) & held.keys(), "a free or evictable block is held"
         assert free | evictable | held.keys() == set(range(self.num_blocks)), "a block is lost"
         assert evictable <= self._hash_of.keys(), "an evictable block is not committed"
+        assert self._unzeroed <= free, "a block not zeroed yet was handed out"
         assert {b: h for h, b in self._by_hash.items()} == self._hash_of, "hash maps disagree"

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from stoic.actors import BlockAllocator, OutOfBlocks, block_hashes
-from stoic.actors._messages import BlockGrant, PrefixQuery
+from stoic.scheduler import BlockAllocator, OutOfBlocks, block_hashes
 
 
 def _hashes(tokens: list[int], count: int, block_size: int = 4) -> tuple[bytes, ...]:
@@ -32,11 +31,11 @@ def test_a_committed_prefix_is_shared_and_reference_counted() -> None:
     them in use, freeing both leaves them cached (evictable), not free."""
     alloc = BlockAllocator(8)
     tokens = list(range(10))
-    alloc.grow(((1, 3),))
+    alloc.grow(1, 3)
     assert alloc.commit(1, 0, _hashes(tokens, 2)) == 2
     assert alloc.match(2, _hashes(tokens, 2)) == 2
     assert alloc.table(2) == alloc.table(1)[:2]
-    alloc.grow(((2, 3),))
+    alloc.grow(2, 3)
     assert alloc.table(2)[2] != alloc.table(1)[2], "the unshared tail gets its own block"
     alloc.check_invariant()
     alloc.free(1)
@@ -53,7 +52,7 @@ def test_match_stops_at_the_first_uncached_block() -> None:
     """Only a leading run of cached blocks is shared; a sequence with blocks shares nothing."""
     alloc = BlockAllocator(8)
     tokens = list(range(12))
-    alloc.grow(((1, 3),))
+    alloc.grow(1, 3)
     alloc.commit(1, 0, _hashes(tokens, 1))
     other = [*range(4), 50, 51, 52, 53, *range(8, 12)]
     assert alloc.match(2, _hashes(other, 3)) == 1
@@ -68,19 +67,19 @@ def test_cached_blocks_are_evicted_least_recently_used_only_when_none_is_free() 
     alloc = BlockAllocator(4)
     first, second = [1, 1, 1, 1], [2, 2, 2, 2]
     for seq_id, tokens in ((1, first), (2, second)):
-        alloc.grow(((seq_id, 1),))
+        alloc.grow(seq_id, 1)
         alloc.commit(seq_id, 0, _hashes(tokens, 1))
     alloc.free(1)
     alloc.free(2)
-    alloc.grow(((3, 2),))  # the two never-used blocks
+    alloc.grow(3, 2)  # the two never-used blocks
     assert alloc.evictions == 0 and alloc.cached_blocks == 2
-    alloc.grow(((4, 1),))  # must evict: the least recently freed is sequence 1's block
+    alloc.grow(4, 1)  # must evict: the least recently freed is sequence 1's block
     assert alloc.evictions == 1
     assert alloc.match(5, _hashes(first, 1)) == 0
     assert alloc.match(6, _hashes(second, 1)) == 1
     alloc.check_invariant()
     with pytest.raises(OutOfBlocks):
-        alloc.grow(((7, 1),))  # every block is now held
+        alloc.grow(7, 1)  # every block is now held
     alloc.check_invariant()
 
 
@@ -88,7 +87,8 @@ def test_a_hash_computed_twice_keeps_its_first_block() -> None:
     """Two sequences computing the same prefix at once: the second commit is a no-op."""
     alloc = BlockAllocator(4)
     tokens = [3, 3, 3, 3]
-    alloc.grow(((1, 1), (2, 1)))
+    alloc.grow(1, 1)
+    alloc.grow(2, 1)
     assert alloc.commit(1, 0, _hashes(tokens, 1)) == 1
     assert alloc.commit(2, 0, _hashes(tokens, 1)) == 0
     alloc.free(2)
@@ -99,7 +99,7 @@ def test_a_hash_computed_twice_keeps_its_first_block() -> None:
 def test_free_all_forgets_the_prefix_cache() -> None:
     """After a drop nothing is cached: the tensors holding those keys and values are gone."""
     alloc = BlockAllocator(4)
-    alloc.grow(((1, 2),))
+    alloc.grow(1, 2)
     alloc.commit(1, 0, _hashes(list(range(8)), 2))
     assert alloc.free_all() == 2
     assert alloc.cached_blocks == 0 and alloc.free_blocks == 4
@@ -129,7 +129,7 @@ def test_random_operations_keep_every_block_accounted_for() -> None:
                 live.add(seq_id)
             before = snapshot(seq_id)
             try:
-                alloc.grow(((seq_id, rng.randint(1, 4)),))
+                alloc.grow(seq_id, rng.randint(1, 4))
                 live.add(seq_id)
             except OutOfBlocks:
                 assert snapshot(seq_id) == before
@@ -148,20 +148,39 @@ def test_random_operations_keep_every_block_accounted_for() -> None:
         assert alloc.sequences == len(live)
 
 
-def test_allocate_is_all_or_nothing_with_shared_prefixes() -> None:
-    """When the grants do not fit, ``allocate`` gives back the prefix blocks it shared and
-    changes nothing; when they fit, it reports how many blocks each queried sequence shared."""
-    alloc = BlockAllocator(4)
-    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
-    alloc.grow((BlockGrant(1, 2),))
-    alloc.commit(1, 0, _hashes(tokens, 2))
-    alloc.free(1)  # both blocks cached, evictable
+def test_a_lookup_says_what_sharing_would_take_from_the_free_pool_and_changes_nothing() -> None:
+    """``lookup`` reports the leading cached blocks and how many of them nobody holds (sharing
+    takes those out of the free pool; a block another table holds costs nothing), without
+    changing anything; ``match`` then shares exactly that many."""
+    alloc = BlockAllocator(6)
+    tokens = list(range(12))
+    alloc.grow(1, 3)
+    alloc.commit(1, 0, _hashes(tokens, 3))
+    alloc.grow(2, 1)
+    alloc.commit(2, 0, _hashes([9, 9, 9, 9], 1))
+    alloc.free(2)  # its block cached, evictable
     before = (alloc.free_blocks, alloc.cached_blocks, alloc.sequences)
-    with pytest.raises(OutOfBlocks):
-        alloc.allocate([BlockGrant(2, 7)], [PrefixQuery(2, _hashes(tokens, 2))])
+    assert alloc.lookup(_hashes(tokens, 3)) == (3, 0), "held by sequence 1: free to share"
+    assert alloc.lookup(_hashes([9, 9, 9, 9, 1, 1, 1, 1], 2)) == (1, 1)
+    assert alloc.lookup(_hashes([5] * 8, 2)) == (0, 0)
     assert (alloc.free_blocks, alloc.cached_blocks, alloc.sequences) == before
     alloc.check_invariant()
-    tables, cached = alloc.allocate([BlockGrant(2, 3)], [PrefixQuery(2, _hashes(tokens, 2))])
-    assert cached == {2: 2}
-    assert len(tables[2]) == 3 and alloc.free_blocks == 1
+    assert alloc.match(3, _hashes([9, 9, 9, 9], 1)) == 1
+    assert alloc.free_blocks == before[0] - 1
+    alloc.check_invariant()
+
+
+def test_a_block_is_to_be_zeroed_once_per_pool_and_again_after_a_drop() -> None:
+    """``grow`` reports the blocks handed out for the first time since the pool was created or
+    dropped (their memory is not zeroed yet), each once; ``free_all`` makes every block fresh
+    again. A refused ``grow`` changes nothing."""
+    alloc = BlockAllocator(4)
+    assert alloc.grow(1, 2) == (0, 1)
+    alloc.free(1)
+    assert alloc.grow(2, 3) == (2,), "blocks 0 and 1 were zeroed already"
+    with pytest.raises(OutOfBlocks):
+        alloc.grow(3, 2)
+    assert alloc.grow(3, 1) == (3,)
+    alloc.free_all()
+    assert alloc.grow(4, 4) == (0, 1, 2, 3)
     alloc.check_invariant()

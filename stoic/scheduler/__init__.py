@@ -1,0 +1,41 @@
+"""Pure scheduling logic: sequences, the step plan, the block allocator with its prefix cache,
+the step budget and the errors a failure ends sequences with. No actors, no awaits, no torch:
+the scheduler actor (:mod:`stoic.actors`) is a thin shell that drives
+:class:`SchedulerCore` and does its I/O.
+
+The core plans each step on the true KV cache state: the prefix lookup, the blocks' allocation
+and the step's plan happen in one synchronous call (:meth:`SchedulerCore.schedule`), against
+the :class:`BlockAllocator` the core owns. The cache manager actor owns the physical KV
+tensors' lifetime and their drop after a failure.
+"""
+
+from ._allocator import BlockAllocator, OutOfBlocks
+from ._budget import CLEAN_STEPS_PER_DOUBLING, StepBudget
+from ._core import SchedulerCore, Step
+from ._plan import Planned, StepPlan, blocks_for, chunks_of, plan_step, prefix_blocks
+from ._records import Recovered, SchedulerConfig, SchedulerStats
+from ._sequence import FinishReason, SeqStatus, Sequence, Stream, TokenLogprob, block_hashes
+
+__all__ = [
+    "CLEAN_STEPS_PER_DOUBLING",
+    "BlockAllocator",
+    "FinishReason",
+    "OutOfBlocks",
+    "Planned",
+    "Recovered",
+    "SchedulerConfig",
+    "SchedulerCore",
+    "SchedulerStats",
+    "SeqStatus",
+    "Sequence",
+    "Step",
+    "StepBudget",
+    "StepPlan",
+    "Stream",
+    "TokenLogprob",
+    "block_hashes",
+    "blocks_for",
+    "chunks_of",
+    "plan_step",
+    "prefix_blocks",
+]
