@@ -102,7 +102,7 @@ class Product:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
         self.layout = _MIXED if parts else _LAYOUTS[kind]
-        self.rows = sum(p.rows for p in parts) if parts else int(packed.shape[0])
+        self.rows: int = sum(p.rows for p in parts) if parts else int(packed.shape[0])
         self.cols = cols
 
     @property

@@ -140,7 +140,7 @@ class MixedMatrix:
         """Whether each part holds its rows of ``weight`` (:meth:`QuantizedMatrix.matches`)."""
         if weight.dim() != 2 or weight.shape[0] != self.rows:
             return False
-        slices = weight.split([p.rows for p in self.parts])
+        slices = weight.split_with_sizes([p.rows for p in self.parts])
         return all(p.matches(kernels, w) for p, w in zip(self.parts, slices, strict=True))
 
 
