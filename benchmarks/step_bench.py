@@ -117,7 +117,7 @@ def random_blocks(kind: str, rows: int, cols: int, gen: np.random.Generator) -> 
     values do not change their speed)."""
     ggml = GGML_TYPES[kind]
     raw = gen.integers(0, 256, size=(rows, cols // ggml.weights, ggml.block_bytes), dtype=np.uint8)
-    scales = 2 if kind in ("Q4_1", "Q4_K", "Q5_K") else 1
+    scales = 2 if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
     at = slice(ggml.block_bytes - 2, None) if kind == "Q6_K" else slice(0, 2 * scales)
     raw[:, :, at] = np.full(scales, 0.01, dtype=np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))

@@ -1,4 +1,6 @@
-/* Products over GGML's K-quants (Q4_K, Q5_K, Q6_K), on the loops of _qkernels.c (DEFINE_MM,
+/* Products over GGML's K-quants (Q4_K, Q5_K, Q6_K) and the 5-bit Q5_0 and Q5_1 (what
+ * llama-quantize writes instead of Q4_K where a matrix's width is not a multiple of 256: most
+ * matrices of a Q4_K_M file of a model 576 or 896 wide), on the loops of _qkernels.c (DEFINE_MM,
  * DEFINE_MM16), to which this file is appended in one build (_qkernels.py).
  *
  * A K-quant row is made of 256-weight super-blocks (llama.cpp's ggml-quants.c, gguf-py's
@@ -20,6 +22,12 @@
  *   K5: {f32 d; f32 dmin; u8 sc[8]; u8 mn[8]; u8 qh[32]; u8 qs[128]}
  *   K6: {f32 d; i8 sc[16]; u8 ql[128]; u8 qh[64]}
  * Every 32 weights come out in order (no copy of x in another order, unlike U4 and Z4).
+ *
+ * Q5_0 (22 bytes): {fp16 d; u32 qh; u8 qs[16]}          w = (q - 16) * d
+ * Q5_1 (24 bytes): {fp16 d; fp16 m; u32 qh; u8 qs[16]}  w = q * d + m
+ *   weight l < 16: low nibble of qs[l], l >= 16: high nibble of qs[l - 16]; bit l of qh its
+ *   fifth bit. Repacked with float32 d (and m): Z5 {f32 d; u32 qh; u8 qs[16]} (24 bytes), U5
+ *   {f32 d; f32 m; u32 qh; u8 qs[16]} (28 bytes).
  * d * sc and dmin * mn are exact in float32 (11 by at most 8 significant bits), so each weight is
  * rounded once, as gguf-py rounds it: the de-quantised weights are bitwise gguf-py's (hence
  * transformers'), and the products are the float32 product over them up to the order of the sums
@@ -34,14 +42,32 @@
 #define K4_BYTES 152
 #define K5_BYTES 184
 #define K6_BYTES 212
+#define Z5_BYTES 24
+#define U5_BYTES 28
 
 static int64_t kquant_repacked_bytes(int type) {
-    return type == Q4_K ? K4_BYTES : type == Q5_K ? K5_BYTES : type == Q6_K ? K6_BYTES : 0;
+    switch (type) {
+    case Q4_K: return K4_BYTES;
+    case Q5_K: return K5_BYTES;
+    case Q6_K: return K6_BYTES;
+    case Q5_0: return Z5_BYTES;
+    case Q5_1: return U5_BYTES;
+    default: return 0;
+    }
 }
 
 static int64_t kquant_block_bytes(int type) {
-    return type == Q4_K ? 144 : type == Q5_K ? 176 : type == Q6_K ? 210 : 0;
+    switch (type) {
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    default: return 0;
+    }
 }
+
+static int64_t kquant_block_weights(int type) { return type == Q5_0 || type == Q5_1 ? QK : QK_K; }
 
 /* the 8 scales and 8 mins of a Q4_K/Q5_K super-block from their 12 bytes (get_scale_min_k4) */
 static void unpack_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
@@ -55,11 +81,18 @@ static void unpack_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
 
 static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
     const int64_t in = kquant_block_bytes(type), out = kquant_repacked_bytes(type);
-    if (K % QK_K != 0 || !in) return -1;
-    for (int64_t i = 0; i < N * (K / QK_K); i++) {
+    if (!in || K % kquant_block_weights(type) != 0) return -1;
+    for (int64_t i = 0; i < N * (K / kquant_block_weights(type)); i++) {
         const uint8_t *b = src + i * in;
         uint8_t *o = dst + i * out;
-        if (type == Q6_K) {
+        if (type == Q5_0 || type == Q5_1) {
+            const int64_t scales = type == Q5_1 ? 2 : 1;
+            for (int64_t k = 0; k < scales; k++) {
+                const float v = half_to_float(b + 2 * k);
+                memcpy(o + 4 * k, &v, 4);
+            }
+            memcpy(o + 4 * scales, b + 2 * scales, 20); /* qh, qs */
+        } else if (type == Q6_K) {
             const float d = half_to_float(b + 208);
             memcpy(o, &d, 4);
             memcpy(o + 4, b + 192, 16);       /* scales */
@@ -146,7 +179,37 @@ static inline void unpack_k6(const uint8_t *wr, int64_t i, __m256 q[4], float *d
     *m = 0.0f;
 }
 
-/* q * d + m: two roundings (no contraction), q * d exact, as gguf-py's (d * sc) * q - dmin * mn */
+/* Q5_0/Q5_1: 32 5-bit values in order; `b` the repacked block, `at` its qh */
+static inline void values_5(const uint8_t *at, __m256 q[4], int bias) {
+    uint32_t qh;
+    memcpy(&qh, at, 4);
+    const __m256i high = _mm256_set1_epi32((int)qh), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i one = _mm256_set1_epi32(1), offset = _mm256_set1_epi32(bias);
+    for (int k = 0; k < 4; k++) { /* weights 8k .. 8k + 7: nibble k / 2 of bytes 8 (k % 2) .. */
+        const __m128i shift = _mm_cvtsi32_si128(4 * (k >> 1));
+        const __m256i lo = _mm256_castps_si256(bits8(at + 4 + 8 * (k & 1), shift, 0x0F));
+        const __m256i bit = _mm256_and_si256(
+            _mm256_srlv_epi32(high, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * k))), one);
+        q[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(bit, 4)), offset));
+    }
+}
+
+static inline void unpack_z5(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + i * Z5_BYTES;
+    memcpy(d, b, 4);
+    *m = 0.0f;
+    values_5(b + 4, q, 16); /* (q - 16) * d: exact */
+}
+
+static inline void unpack_u5(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + i * U5_BYTES;
+    memcpy(d, b, 4);
+    memcpy(m, b + 4, 4);
+    values_5(b + 8, q, 0);
+}
+
+/* q * d + m: two roundings (no contraction), q * d exact, as gguf-py's (d * sc) * q - dmin * mn
+ * (and Q5_1's d * q + m; Q5_0's m is 0: adding it changes nothing) */
 #define DEFINE_DEQUANT(NAME, UNPACK)                                                           \
     static inline void NAME(const uint8_t *wr, int64_t i, __m256 w[4]) {                       \
         float d, m;                                                                            \
@@ -157,12 +220,18 @@ static inline void unpack_k6(const uint8_t *wr, int64_t i, __m256 q[4], float *d
 
 DEFINE_DEQUANT(dequant_k4, unpack_k4)
 DEFINE_DEQUANT(dequant_k5, unpack_k5)
+DEFINE_DEQUANT(dequant_z5, unpack_z5)
+DEFINE_DEQUANT(dequant_u5, unpack_u5)
 DEFINE_ROW(row_k4, unpack_k4)
 DEFINE_ROW(row_k5, unpack_k5)
 DEFINE_ROW(row_k6, unpack_k6)
+DEFINE_ROW(row_z5, unpack_z5)
+DEFINE_ROW(row_u5, unpack_u5)
 DEFINE_MM(mm_k4, K4_BYTES, dequant_k4, row_k4)
 DEFINE_MM(mm_k5, K5_BYTES, dequant_k5, row_k5)
 DEFINE_MM(mm_k6, K6_BYTES, dequant_k6, row_k6)
+DEFINE_MM(mm_z5, 8 * Z5_BYTES, dequant_z5, row_z5)
+DEFINE_MM(mm_u5, 8 * U5_BYTES, dequant_u5, row_u5)
 
 #ifdef HAVE_AVX512
 /* ---- 16 lanes: the same values, 16 weights a register (a Q6_K register is one sub-block of
@@ -215,6 +284,35 @@ static inline void unpack16_k6(const uint8_t *wr, int64_t i, __m512 q[2], float 
     *m = 0.0f;
 }
 
+/* 16 lanes of Q5_0/Q5_1: low nibbles of the 16 bytes are weights 0-15, high ones 16-31 */
+static inline void values16_5(const uint8_t *at, __m512 q[2], int bias) {
+    uint32_t qh;
+    memcpy(&qh, at, 4);
+    const __m512i high = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int k = 0; k < 2; k++) {
+        const __m512i lo = bits16(at + 4, _mm_cvtsi32_si128(4 * k), 0x0F);
+        const __m512i bit = _mm512_and_si512(
+            _mm512_srlv_epi32(high, _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * k))), one);
+        q[k] = _mm512_cvtepi32_ps(
+            _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(bit, 4)), _mm512_set1_epi32(bias)));
+    }
+}
+
+static inline void unpack16_z5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + i * Z5_BYTES;
+    memcpy(d, b, 4);
+    *m = 0.0f;
+    values16_5(b + 4, q, 16);
+}
+
+static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + i * U5_BYTES;
+    memcpy(d, b, 4);
+    memcpy(m, b + 4, 4);
+    values16_5(b + 8, q, 0);
+}
+
 #define DEFINE_DEQUANT16(NAME, UNPACK)                                                         \
     static inline void NAME(const uint8_t *wr, int64_t i, __m512 w[2]) {                       \
         float d, m;                                                                            \
@@ -228,16 +326,22 @@ DEFINE_DEQUANT16(dequant16_k5, unpack16_k5)
 DEFINE_MM16(mm16_k4, K4_BYTES, dequant16_k4, unpack16_k4, 0)
 DEFINE_MM16(mm16_k5, K5_BYTES, dequant16_k5, unpack16_k5, 0)
 DEFINE_MM16(mm16_k6, K6_BYTES, dequant16_k6, unpack16_k6, 0)
+DEFINE_DEQUANT16(dequant16_z5, unpack16_z5)
+DEFINE_DEQUANT16(dequant16_u5, unpack16_u5)
+DEFINE_MM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, unpack16_z5, 0)
+DEFINE_MM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, unpack16_u5, 0)
 #endif
 
 static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
                      int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
-    if (K % QK_K != 0) return -1;
+    if (K % (layout == Z5 || layout == U5 ? QK : QK_K) != 0) return -1;
 #ifdef HAVE_AVX512
     if (M <= MAX_ROWS_16) switch (layout) {
     case K4: return mm16_k4(x, M, K, w, N, bias, y, ldy, threads);
     case K5: return mm16_k5(x, M, K, w, N, bias, y, ldy, threads);
     case K6: return mm16_k6(x, M, K, w, N, bias, y, ldy, threads);
+    case Z5: return mm16_z5(x, M, K, w, N, bias, y, ldy, threads);
+    case U5: return mm16_u5(x, M, K, w, N, bias, y, ldy, threads);
     default: return -1;
     }
 #endif
@@ -245,22 +349,28 @@ static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uin
     case K4: mm_k4(x, M, K, w, N, bias, y, ldy, threads); return 0;
     case K5: mm_k5(x, M, K, w, N, bias, y, ldy, threads); return 0;
     case K6: mm_k6(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case Z5: mm_z5(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case U5: mm_u5(x, M, K, w, N, bias, y, ldy, threads); return 0;
     default: return -1;
     }
 }
 
 static int kquant_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
-    const int64_t in = kquant_block_bytes(type);
-    if (K % QK_K != 0 || !in) return -1;
-    uint8_t packed[K6_BYTES]; /* the largest repacked super-block */
-    for (int64_t i = 0; i < N * (K / QK_K); i++) {
-        kquant_repack(type, w + i * in, 1, QK_K, packed);
-        for (int j = 0; j < QK_K / QK; j++) {
+    const int64_t in = kquant_block_bytes(type), size = in ? kquant_block_weights(type) : 1;
+    if (!in || K % size != 0) return -1;
+    uint8_t packed[K6_BYTES]; /* the largest repacked block */
+    for (int64_t i = 0; i < N * (K / size); i++) {
+        kquant_repack(type, w + i * in, 1, size, packed);
+        for (int j = 0; j < size / QK; j++) {
             __m256 v[4];
-            if (type == Q4_K) dequant_k4(packed, j, v);
-            else if (type == Q5_K) dequant_k5(packed, j, v);
-            else dequant_k6(packed, j, v);
-            for (int k = 0; k < 4; k++) _mm256_storeu_ps(out + i * QK_K + j * QK + 8 * k, v[k]);
+            switch (type) {
+            case Q4_K: dequant_k4(packed, j, v); break;
+            case Q5_K: dequant_k5(packed, j, v); break;
+            case Q6_K: dequant_k6(packed, j, v); break;
+            case Q5_0: dequant_z5(packed, j, v); break;
+            default: dequant_u5(packed, j, v); break;
+            }
+            for (int k = 0; k < 4; k++) _mm256_storeu_ps(out + i * size + j * QK + 8 * k, v[k]);
         }
     }
     return 0;

@@ -25,7 +25,7 @@
 
 #define QK 32
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -385,11 +385,15 @@ DEFINE_MM16(mm16_u4, 8 * U4_BYTES, dequant16_u4, unpack16_u4, 1)
 DEFINE_MM16(mm16_z4, 8 * Z4_BYTES, dequant16_z4, unpack16_z4, 1)
 #endif
 
-/* The K-quants' layouts and products (_kquants.c, built after this file into the same library) */
+/* The K-quants' and Q5_0/Q5_1's layouts and products (_kquants.c, built after this file into
+ * the same library) */
 #define K4 103
 #define K5 104
 #define K6 105
-#define IS_KLAYOUT(t) ((t) >= K4 && (t) <= K6)
+#define Z5 106
+#define U5 107
+#define IS_KLAYOUT(t) ((t) >= K4 && (t) <= U5)
+#define IS_KTYPE(t) ((t) == Q4_K || (t) == Q5_K || (t) == Q6_K || (t) == Q5_0 || (t) == Q5_1)
 static int64_t kquant_repacked_bytes(int type);
 static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst);
 static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
@@ -399,7 +403,7 @@ static int kquant_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, f
 /* The repacked size of one block of GGML type `type` (32 weights; 256 for a K-quant), 0 for a
  * type the kernels do not know. */
 int64_t stoic_repacked_bytes(int type) {
-    if (type == Q4_K || type == Q5_K || type == Q6_K) return kquant_repacked_bytes(type);
+    if (IS_KTYPE(type)) return kquant_repacked_bytes(type);
     return type == Q4_1 ? U4_BYTES : type == Q4_0 ? Z4_BYTES : type == Q8_0 ? S8_BYTES : 0;
 }
 
@@ -420,7 +424,7 @@ static inline void reorder_nibbles(const uint8_t *in, uint8_t *out) {
  * Q8_0; the K-quants as _kquants.c says). The values are the same: every w the products compute
  * equals gguf-py's de-quantisation (stoic_dequantize shows it). */
 int stoic_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
-    if (type == Q4_K || type == Q5_K || type == Q6_K) return kquant_repack(type, src, N, K, dst);
+    if (IS_KTYPE(type)) return kquant_repack(type, src, N, K, dst);
     if (K % QK != 0 || !stoic_repacked_bytes(type)) return -1;
     const int64_t blocks = N * (K / QK);
     for (int64_t i = 0; i < blocks; i++) {
@@ -504,7 +508,7 @@ int stoic_qmm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
 /* out[N, K] = the weights of N rows of GGML blocks, as the products see them (repacked, then
  * de-quantised by the products' own code): for checks and tests. */
 int stoic_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
-    if (type == Q4_K || type == Q5_K || type == Q6_K) return kquant_dequantize(type, w, N, K, out);
+    if (IS_KTYPE(type)) return kquant_dequantize(type, w, N, K, out);
     const int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0;
     if (K % QK != 0 || !bytes) return -1;
     uint8_t packed[S8_BYTES];

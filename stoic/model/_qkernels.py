@@ -7,8 +7,8 @@ compiles in about a second where a ``torch.utils.cpp_extension`` build takes a m
 ninja; and why our own kernel at all: torch's weight-only int8/int4 CPU kernels were measured 8x
 *slower* than the float32 product on an AVX2 CPU (docs/benchmarks.md, "Single-stream speed").
 
-Types: Q4_0, Q4_1 and Q8_0 (32-weight blocks) and the K-quants Q4_K, Q5_K and Q6_K (256-weight
-super-blocks, ``_kquants.c``); a matrix stacked from parts of different types (a fused projection
+Types: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (32-weight blocks) and the K-quants Q4_K, Q5_K and Q6_K
+(256-weight super-blocks; these and the 5-bit types in ``_kquants.c``); a matrix stacked from parts of different types (a fused projection
 of a mixed file such as Q4_K_M: Q4_K q and k over a Q6_K v) is one product over its parts
 (:meth:`Kernels.bind_stack`).
 
@@ -54,13 +54,18 @@ class GgmlType(NamedTuple):
 GGML_TYPES: dict[str, GgmlType] = {
     "Q4_0": GgmlType(2, 18, 32),
     "Q4_1": GgmlType(3, 20, 32),
+    "Q5_0": GgmlType(6, 22, 32),
+    "Q5_1": GgmlType(7, 24, 32),
     "Q8_0": GgmlType(8, 34, 32),
     "Q4_K": GgmlType(12, 144, 256),
     "Q5_K": GgmlType(13, 176, 256),
     "Q6_K": GgmlType(14, 210, 256),
 }
 #: the repacked layout (``_qkernels.c``, ``_kquants.c``) the products read for each GGML type
-_LAYOUTS = {"Q4_0": 102, "Q4_1": 101, "Q8_0": 100, "Q4_K": 103, "Q5_K": 104, "Q6_K": 105}
+_LAYOUTS = {
+    "Q4_0": 102, "Q4_1": 101, "Q5_0": 106, "Q5_1": 107, "Q8_0": 100,
+    "Q4_K": 103, "Q5_K": 104, "Q6_K": 105,
+}  # fmt: skip
 #: the layout of a matrix stacked from parts of different layouts (``MIXED`` in ``_qkernels.c``)
 _MIXED = 110
 _BASE_FLAGS = (

@@ -11,10 +11,10 @@ chunk, where the product is compute-bound and float32 BLAS is faster) by the flo
 Nothing is lost: the blocks hold the float copy's weights (checked at load, row samples of every
 matrix de-quantised by the kernels and compared bitwise), and the products differ from the
 float ones within float32 rounding, as two BLAS kernels do (``_qkernels.c`` says how). Types: Q4_0,
-Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (what :data:`._qkernels.GGML_TYPES` lists), each matrix on its own
-type (a mixed file such as Q4_K_M: a fused projection of matrices of different types is a
-:class:`MixedMatrix`); a matrix of any other type (Q5_0, F16, ...) stays on the float path, and
-so does a fused projection with one such part.
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (what :data:`._qkernels.GGML_TYPES` lists), each matrix
+on its own type (a mixed file such as Q4_K_M: a fused projection of matrices of different types
+is a :class:`MixedMatrix`); a matrix of any other type (Q2_K, Q3_K, IQ types, F16, ...) stays on
+the float path, and so does a fused projection with one such part.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     gen = np.random.default_rng(seed)
     blocks = cols // ggml.weights
     raw = gen.integers(0, 256, size=(rows, blocks, ggml.block_bytes), dtype=np.uint8)
-    halves = 2 if kind in ("Q4_1", "Q4_K", "Q5_K") else 1  # d (and m) lead; Q6_K: d last
+    halves = 2 if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1  # d (and m) lead; Q6_K: d last
     at = slice(ggml.block_bytes - 2, None) if kind == "Q6_K" else slice(0, 2 * halves)
     limit = 0.05 if ggml.weights == 32 else 0.01
     scales = gen.uniform(-limit, limit, size=(rows, blocks, halves)).astype(np.float16)

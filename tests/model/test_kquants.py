@@ -1,5 +1,6 @@
 """K-quant products (:mod:`stoic.model._qkernels`, ``_kquants.c``): Q4_K, Q5_K and Q6_K blocks
-de-quantise bit for bit to gguf-py's numbers and multiply to the float product within float32
+(and Q5_0 and Q5_1, which Q4_K_M files hold where a width is not a multiple of 256) de-quantise
+bit for bit to gguf-py's numbers and multiply to the float product within float32
 rounding, on the AVX2 and the AVX-512 build; a file that mixes types runs each matrix on its
 own type and decodes the same greedy tokens as its de-quantised float32 model."""
 
@@ -18,7 +19,7 @@ from stoic.model import ModelRunner, _qkernels, default_cache_dir, load_model
 from stoic.model._qkernels import Kernels, KernelsUnavailable, load_kernels
 from stoic.model._quant import MixedMatrix, QuantizedMatrix
 
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 ISAS = ("avx2", "avx512")
 
 
@@ -84,7 +85,7 @@ def test_k_quant_products_equal_the_dequantised_product(
 
 @pytest.mark.parametrize("rows", [1, 4, 20])
 def test_a_stack_of_types_multiplies_each_part_on_its_own(isa_kernels: Kernels, rows: int) -> None:
-    """A fused projection of a mixed file (Q4_K and Q5_K over Q6_K, a Q8_0 and a Q4_1 part) is
+    """A fused projection of a mixed file (Q4_K and Q5_K over Q6_K, Q8_0, Q4_1 and Q5_0 parts) is
     one product: each part's rows on its own type, the bias added, results in the parts'
     order."""
     parts = [
@@ -92,13 +93,13 @@ def test_a_stack_of_types_multiplies_each_part_on_its_own(isa_kernels: Kernels, 
         ("Q6_K", random_blocks("Q6_K", 5, 512, seed=4)),
         ("Q5_K", random_blocks("Q5_K", 3, 512, seed=5)),
     ]
-    for kind in ("Q8_0", "Q4_1"):
+    for kind in ("Q8_0", "Q4_1", "Q5_0"):
         weights = np.random.default_rng(6).normal(size=(4, 512)).astype(np.float32)
         parts.append((kind, torch.from_numpy(quantize(kind, weights))))
     weight = torch.cat([gguf_py(kind, blocks) for kind, blocks in parts])
     bias = torch.randn(weight.shape[0])
     product = isa_kernels.bind_stack(parts, bias)
-    assert product.kind == "Q4_K+Q6_K+Q5_K+Q8_0+Q4_1" and product.rows == weight.shape[0]
+    assert product.kind == "Q4_K+Q6_K+Q5_K+Q8_0+Q4_1+Q5_0" and product.rows == weight.shape[0]
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     assert_within_rounding(product(x) - bias, x, weight)
 
@@ -139,11 +140,12 @@ def test_stacking_matrices_of_different_types_keeps_each_type(kernels: Kernels) 
 FILES = {
     "q4_k_m": {
         "default": "Q4_K", "0.attn_v": "Q6_K", "0.ffn_down": "Q6_K", "1.ffn_down": "Q5_K",
-        "output": "Q6_K",
+        "1.attn_q": "Q5_0", "1.attn_k": "Q5_0", "output": "Q6_K",
     },
     "every_type": {
         "default": "Q5_K", "0.attn_q": "Q4_K", "0.attn_k": "Q8_0", "0.attn_v": "Q6_K",
-        "0.ffn_gate": "Q4_0", "0.ffn_up": "Q4_1", "1.attn_output": "F32", "output": "Q8_0",
+        "0.ffn_gate": "Q4_0", "0.ffn_up": "Q4_1", "0.ffn_down": "Q5_1", "1.attn_output": "F32",
+        "output": "Q8_0",
     },
 }  # fmt: skip
 PROMPTS = ["the cat sat on the mat", "0123456789", "hello world, hello", "zzz"]
