@@ -59,9 +59,10 @@ _LLAMA_TENSORS = {
     "q": "attn_q",
     "k": "attn_k",
     "v": "attn_v",
+    "qkv": "attn_qkv",  # Phi-3's fused [q; k; v]
     "o": "attn_output",
     "gate": "ffn_gate",
-    "up": "ffn_up",
+    "up": "ffn_up",  # Phi-3's fused [gate; up]
     "down": "ffn_down",
 }
 #: GGML type id -> type name, for the types the kernels compute on
@@ -321,14 +322,17 @@ def _read_matrix(
 
 
 def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
-    """The quantised matrices of a Llama-layout GGUF file, keyed ``"{layer}.{q|k|v|o|gate|up|
-    down}"`` and ``"head"`` (``output.weight``, else the tied ``token_embd.weight``), rows in
-    transformers' order. Matrices of types the kernels lack are left out.
+    """The quantised matrices of a Llama-layout GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3:
+    :data:`._fused.FUSED_TYPES`), keyed ``"{layer}.{q|k|v|qkv|o|gate|up|down}"`` and ``"head"``
+    (``output.weight``, else the tied ``token_embd.weight``), rows in transformers' order (the
+    Q and K rows of a ``llama`` file un-permuted, as transformers' loader does for that
+    architecture only). Matrices of types the kernels lack are left out.
 
     :raises OSError: if the file cannot be read; ``ValueError`` if it is not GGUF or truncated.
     """
     header = read_gguf_header(gguf)
     tensors = header.tensors
+    permuted = header.architecture == "llama"
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     out: dict[str, QuantizedMatrix] = {}
@@ -339,7 +343,7 @@ def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
                 if tensor is None:
                     continue
                 order = None
-                if short in ("q", "k") and len(tensor.dims) == 2:
+                if permuted and short in ("q", "k") and len(tensor.dims) == 2:
                     order = _unpermute(tensor.dims[1], heads if short == "q" else kv_heads)
                 found = _read_matrix(file, header, tensor, order)
                 if found is not None:

@@ -10,6 +10,7 @@ de-quantisation of what is written here is the reference the kernels are checked
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -134,6 +135,68 @@ def _byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+#: the vocabulary size of :func:`_add_byte_tokenizer`'s tokenizer
+BYTE_VOCAB = 260
+
+
+def _add_byte_tokenizer(w: gguf.GGUFWriter) -> None:
+    """A byte-level tokenizer of :data:`BYTE_VOCAB` tokens (BOS 256, EOS 257)."""
+    tokens = [*_byte_tokens(), "<s>", "</s>", "Ġt", "he"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 256 + [3, 3, 1, 1])
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+
+
+def _llama_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order of a Q or K projection in a ``llama`` file (what transformers'
+    loader undoes)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_model_gguf(path: Path, model: Any, arch: str, kind: str) -> Path:
+    """``model`` (a transformers causal LM of a Llama-family ``arch``: a GGUF architecture,
+    ``"llama"`` for Mistral too, named so) as a GGUF file: its 2-D projections and output
+    quantised to ``kind``, the rest float32, names by gguf-py's tensor map, and the byte-level
+    tokenizer (its vocabulary must be :data:`BYTE_VOCAB`)."""
+    cfg = model.config
+    layers = int(cfg.num_hidden_layers)
+    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{cfg.model_type}")
+    w.add_block_count(layers)
+    w.add_context_length(int(cfg.max_position_embeddings))
+    w.add_embedding_length(int(cfg.hidden_size))
+    w.add_feed_forward_length(int(cfg.intermediate_size))
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    _add_byte_tokenizer(w)
+    w.add_pad_token_id(0)  # (Phi-3's config defaults to one outside the vocabulary)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    for key, value in model.state_dict().items():
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        tensor = value.detach().float().numpy()
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            tensor = _llama_permute(tensor, heads if "attn_q" in name else kv_heads)
+        if tensor.ndim == 2 and not name.startswith("token_embd"):
+            blocks = quantize(kind, tensor)
+            w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=GGMLQuantizationType[kind])
+        else:
+            w.add_tensor(name, np.ascontiguousarray(tensor))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_llama_gguf(
     path: Path,
     types: dict[str, str],
@@ -150,7 +213,6 @@ def write_llama_gguf(
     ``output`` of the GGML type ``types`` gives for its name (``"0.attn_v"``, ``"output"``;
     else ``types["default"]``), norms and the token embedding float32."""
     gen = np.random.default_rng(seed)
-    tokens = [*_byte_tokens(), "<s>", "</s>", "Ġt", "he"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-kquant")
     w.add_block_count(layers)
@@ -162,13 +224,7 @@ def write_llama_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3, 3, 1, 1])
-    w.add_token_merges(["Ġ t", "h e"])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
+    _add_byte_tokenizer(w)
 
     def matrix(name: str, key: str, rows: int, cols: int) -> None:
         kind = types.get(key, types["default"])
@@ -179,7 +235,7 @@ def write_llama_gguf(
         blocks = quantize(kind, weight)
         w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=GGMLQuantizationType[kind])
 
-    vocab = len(tokens)
+    vocab = BYTE_VOCAB
     w.add_tensor("token_embd.weight", gen.normal(0, 1, size=(vocab, hidden)).astype(np.float32))
     dim = hidden // heads
     for i in range(layers):
