@@ -45,7 +45,10 @@ from ._stepprogress import tick
 __all__ = ["FUSED_TYPES", "FusedLlama", "fuse_llama"]
 
 #: the ``model_type`` values that run here (any other keeps transformers' forward)
-FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+#: of those, the Gemma layout: norms of ``1 + weight``, norms after attention and after the
+#: MLP too, GELU (tanh), a rotary table per layer type
+_GEMMA_TYPES = ("gemma3_text",)
 #: from this many tokens in a step on, gate and up are two matrix products: one fused product
 #: of twice the width measured 3-8% slower at 32 rows on an AVX2 CPU (and faster at one row)
 SPLIT_MLP_ROWS = 16
@@ -64,6 +67,11 @@ class _Layer:
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
     #: keys at least this many positions before a query are not attended (None: all are)
     window: int | None = None
+    #: Gemma's norms of the attention's and the MLP's outputs (before their residuals)
+    post_attn: torch.Tensor | None = None
+    post_mlp: torch.Tensor | None = None
+    #: the layer's rotary table (Gemma's layer type; None: the model's one table)
+    rope: str | None = None
 
 
 def _fuse_rows(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,9 +93,20 @@ def _fuse_rows(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _supported(config: Any, base: Any) -> bool:
-    if getattr(config, "model_type", None) not in FUSED_TYPES:
+    kind = getattr(config, "model_type", None)
+    if kind not in FUSED_TYPES:
         return False
-    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
+    if kind in _GEMMA_TYPES:
+        if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
+            return False
+        # soft-capped or bidirectional attention is not the paged attention's here
+        if getattr(config, "attn_logit_softcapping", None) or getattr(
+            config, "use_bidirectional_attention", False
+        ):
+            return False
+    elif getattr(config, "hidden_act", None) != "silu":
+        return False
+    if getattr(config, "mlp_bias", False):
         return False
     rope = getattr(config, "rope_parameters", None) or {}
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
@@ -169,9 +188,17 @@ class FusedLlama:
         kernel_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
     ) -> None:
+        #: Gemma's embedding module scales by sqrt(hidden) itself
         self._embed = base.embed_tokens
         self._rotary = base.rotary_emb
-        self._final_norm = base.norm.weight
+        gemma = config.model_type in _GEMMA_TYPES
+        self._gelu = gemma
+
+        def norm(weight: torch.Tensor) -> torch.Tensor:
+            # Gemma multiplies by 1 + weight (in float32, as its RMSNorm does)
+            return (1.0 + weight.detach().float()).to(weight.dtype) if gemma else weight
+
+        self._final_norm = norm(base.norm.weight)
         self._eps = float(config.rms_norm_eps)
         self._heads = int(config.num_attention_heads)
         self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._heads)
@@ -200,12 +227,17 @@ class FusedLlama:
             attn, mlp = layer.self_attn, layer.mlp
             (qkv, qkv_bias, qkv_keys), (gate_up, gate_up_keys) = _fused_projections(attn, mlp, i)
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            qk_norm = None if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight)
+            qk_norm = (
+                None
+                if q_norm is None or k_norm is None
+                else (norm(q_norm.weight), norm(k_norm.weight))
+            )
+            post = layer.post_attention_layernorm.weight
             self._layers.append(
                 _Layer(
                     attn=attn,
-                    norm_in=layer.input_layernorm.weight,
-                    norm_post=layer.post_attention_layernorm.weight,
+                    norm_in=norm(layer.input_layernorm.weight),
+                    norm_post=norm(layer.pre_feedforward_layernorm.weight) if gemma else post,
                     qkv=linear(qkv, qkv_bias, *qkv_keys),
                     o=linear(attn.o_proj.weight, attn.o_proj.bias, f"{i}.o"),
                     # packed as its two halves: the many-row steps multiply them apart
@@ -213,9 +245,14 @@ class FusedLlama:
                     down=linear(mlp.down_proj.weight, None, f"{i}.down"),
                     qk_norm=qk_norm,
                     window=_window(attn, config),
+                    post_attn=norm(post) if gemma else None,
+                    post_mlp=norm(layer.post_feedforward_layernorm.weight) if gemma else None,
+                    rope=getattr(attn, "layer_type", None) if gemma else None,
                 )
             )
-        qk_norms = any(lay.qk_norm is not None for lay in self._layers)
+        self._ropes = sorted({lay.rope for lay in self._layers}, key=str)
+        # the C layers and operators have no q/k norms (nor Gemma's norms, GELU or tables)
+        qk_norms = gemma or any(lay.qk_norm is not None for lay in self._layers)
         windows = [lay.window for lay in self._layers if lay.window is not None]
         #: steps with a position this far in or further run every layer on the torch path (the
         #: C attention has no window; below it, a window hides nothing)
@@ -263,14 +300,22 @@ class FusedLlama:
         linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         return sum(p.quantized is not None for p in linears), len(linears)
 
+    def _table(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rope: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``cos``, ``sin`` ``[1, 1, N, D]`` (broadcast over the heads of ``[1,
+        heads, N, D]``) by the model's own rotary module, of layer type ``rope`` (Gemma)."""
+        args = (hidden, positions) if rope is None else (hidden, positions, rope)
+        cos, sin = self._rotary(*args)
+        return cos[:, None], sin[:, None]
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata
     ) -> torch.Tensor:
         """Hidden states ``[1, N, hidden]`` after the final norm, for ``input_ids`` ``[1, N]``."""
         hidden = self._embed(input_ids)
-        cos, sin = self._rotary(hidden, positions)
-        # [1, 1, N, D]: broadcast over the heads of [1, heads, N, D]
-        cos, sin = cos[:, None], sin[:, None]
+        tables = {rope: self._table(hidden, positions, rope) for rope in self._ropes}
+        cos, sin = tables[self._ropes[0]]  # the C decoder's (a model of one table)
         windowed = self._window is not None and int(positions.max()) >= self._window
         if (
             self.c_decoder is not None
@@ -297,9 +342,12 @@ class FusedLlama:
             else None
         )
         if ops is not None:  # float32 [N, D] tables for the C rotary
-            cos, sin = cos.reshape(-1, dim).float(), sin.reshape(-1, dim).float()
+            tables = {
+                r: (c.reshape(-1, dim).float(), s.reshape(-1, dim).float())
+                for r, (c, s) in tables.items()
+            }
         elif cos.dtype != work:
-            cos, sin = cos.to(work), sin.to(work)
+            tables = {r: (c.to(work), s.to(work)) for r, (c, s) in tables.items()}
         attend = (
             DecodeAttention(self._attn_kernels, step, hidden.shape[1])
             if self._attn_kernels is not None and not windowed and DecodeAttention.applies(step)
@@ -307,6 +355,7 @@ class FusedLlama:
         )
         for layer in self._layers:
             tick()  # the step watchdog's progress: one a layer
+            cos, sin = tables[layer.rope]
             q, k, v = self.attention_inputs(
                 hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps, ops, layer.qk_norm
             )
@@ -324,7 +373,16 @@ class FusedLlama:
                     stoic_step=step,
                 )
             hidden = self.mlp_block(
-                hidden, out, layer.o, layer.norm_post, layer.gate_up, layer.down, self._eps, ops
+                hidden,
+                out,
+                layer.o,
+                layer.norm_post,
+                layer.gate_up,
+                layer.down,
+                self._eps,
+                ops,
+                post=(layer.post_attn, layer.post_mlp),
+                gelu=self._gelu,
             )
         width = hidden.shape[-1]
         return F.rms_norm(hidden, (width,), self._final_norm, self._eps)
@@ -377,13 +435,22 @@ def mlp_block(
     down: QLinear,
     eps: float,
     ops: PrefillOps | None = None,
+    *,
+    post: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    gelu: bool = False,
 ) -> torch.Tensor:
     """The rest of a layer after attention (``attn_out`` ``[1, N, heads, head_dim]``): output
     projection and residual, then norm, gated MLP and residual; returns ``[1, N, width]``.
-    With ``ops`` (a bfloat16 step) the norm and SiLU x up run in C."""
+    With ``ops`` (a bfloat16 step) the norm and SiLU x up run in C. ``post`` (Gemma): the
+    norms of the attention's and the MLP's outputs before their residuals; ``gelu``: GELU
+    (tanh) x up instead of SiLU x up (neither with ``ops``)."""
     n = hidden.shape[1]
+    width = hidden.shape[-1]
+    attended = o(attn_out.reshape(1, n, -1), native=True)
+    if post[0] is not None:
+        attended = F.rms_norm(attended, (width,), post[0], eps)
     # a product's result in another dtype than hidden's is promoted by the addition
-    hidden = hidden + o(attn_out.reshape(1, n, -1), native=True)
+    hidden = hidden + attended
     if ops is not None:
         x = ops.rms_norm(hidden, norm, eps)
     else:
@@ -393,8 +460,14 @@ def mlp_block(
     else:  # the same rows of the same tensor, as two products (faster at many rows; the
         # packed copy holds the two halves)
         gate, up = gate_up.dense(x, 2, native=True)
-    act = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
-    return hidden + down(act, native=True)
+    if gelu:
+        act = F.gelu(gate, approximate="tanh") * up
+    else:
+        act = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
+    mlp = down(act, native=True)
+    if post[1] is not None:
+        mlp = F.rms_norm(mlp, (width,), post[1], eps)
+    return hidden + mlp
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
