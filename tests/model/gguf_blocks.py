@@ -174,8 +174,15 @@ def write_model_gguf(path: Path, model: Any, arch: str, kind: str) -> Path:
     w.add_feed_forward_length(int(cfg.intermediate_size))
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters
+    rope = rope if "rope_theta" in rope else rope["full_attention"]  # Gemma: one a layer type
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    gemma = arch == "gemma3"
+    if gemma:
+        w.add_key_length(int(cfg.head_dim))
+        w.add_value_length(int(cfg.head_dim))
+        w.add_sliding_window(int(cfg.sliding_window))
     _add_byte_tokenizer(w)
     w.add_pad_token_id(0)  # (Phi-3's config defaults to one outside the vocabulary)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
@@ -183,6 +190,8 @@ def write_model_gguf(path: Path, model: Any, arch: str, kind: str) -> Path:
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
         tensor = value.detach().float().numpy()
+        if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
+            tensor = tensor + 1
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             tensor = _llama_permute(tensor, heads if "attn_q" in name else kv_heads)
         if tensor.ndim == 2 and not name.startswith("token_embd"):

@@ -1,8 +1,9 @@
-"""Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral (sliding window) and Phi-3 (fused qkv and
-gate_up) run on the fused path (:mod:`stoic.model._fused`), from a Hugging Face directory and
-from a quantised GGUF file (on its blocks): greedy tokens equal transformers' ``generate`` and
-logprobs are within 1e-4 of its own, float32, alone, batched, in chunks and from the prefix
-cache; the generic forward is never called."""
+"""Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral (sliding window), Phi-3 (fused qkv and
+gate_up) and Gemma 3 (1 + w norms, post norms, GELU, two rotary tables) run on the fused path
+(:mod:`stoic.model._fused`), from a Hugging Face directory and from a quantised GGUF file (on
+its blocks): greedy tokens equal transformers' ``generate`` and logprobs are within 1e-4 of its
+own, float32, alone, batched, in chunks and from the prefix cache; the generic forward is never
+called."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from stoic.model import ModelRunner, default_cache_dir, load_model
 from stoic.model._fused import FusedLlama
 
 #: family -> (config class, model class, config overrides, GGUF architecture)
-FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str | None]] = {
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str]] = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}, "qwen2"),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 128}, "qwen3"),
     # a window shorter than the prompts: the paged mask must honour it
@@ -48,7 +49,7 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str | None]] = {
             "bos_token_id": 256,
             "eos_token_id": 257,
         },
-        None,  # (no GGUF file: its norms, windows and two rope bases are not written here)
+        "gemma3",
     ),
 }
 #: prompts longer than a chunk (``max_num_batched_tokens``) and than Mistral's window; the
@@ -97,16 +98,15 @@ def family_model(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     default_model_dir: Path,
-) -> tuple[str, Path, Path | None]:
-    """(family, its Hugging Face directory, its Q8_0 GGUF file or None)."""
+) -> tuple[str, Path, Path]:
+    """(family, its Hugging Face directory, its Q8_0 GGUF file)."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
     model = _tiny(family)
     model.save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (root / "hf" / name).write_bytes((default_model_dir / name).read_bytes())
-    arch = FAMILIES[family][3]
-    gguf = write_model_gguf(root / "tiny.gguf", model, arch, "Q8_0") if arch else None
+    gguf = write_model_gguf(root / "tiny.gguf", model, FAMILIES[family][3], "Q8_0")
     return family, root / "hf", gguf
 
 
@@ -172,15 +172,13 @@ async def _engine_outputs(model: str, cache: Path, quantization: str) -> list[An
 @pytest.mark.model
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 async def test_a_family_runs_fused_and_decodes_like_transformers(
-    family_model: tuple[str, Path, Path | None], source: str, tmp_path: Path
+    family_model: tuple[str, Path, Path], source: str, tmp_path: Path
 ) -> None:
     """The family's model (its directory, or its Q8_0 GGUF file on the file's blocks) runs on
     the fused path, never on transformers' decoder layers, and gives transformers' greedy
     tokens with logprobs within 1e-4, each prompt alone and all together, prefilled in chunks
     and from the prefix cache."""
     family, hf, gguf = family_model
-    if source == "gguf" and gguf is None:
-        pytest.skip(f"no GGUF file of {family} is written here")
     path = str(hf if source == "hf" else gguf)
     quantization = "none" if source == "hf" else "gguf"
     if source == "gguf":
