@@ -277,7 +277,7 @@ class FusedLlama:
             and PrefillOps.supports(int(config.hidden_size), self._head_dim)
             else None
         )
-        # the C layer has no q/k norms (nor biases: :func:`layer_weights` checks)
+        # the C layer has no q/k norms (nor biases but q/k/v's: :func:`layer_weights` checks)
         weights = layer_weights(self._layers) if kernels is not None and not qk_norms else None
         dtype = self._final_norm.dtype
         if weights is not None and CDecoder.supports(

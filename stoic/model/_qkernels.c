@@ -571,13 +571,14 @@ static void rope(float *x, int64_t rows, int64_t heads, int64_t dh, const float 
 /* q [M, heads, dh], k and v [M, kv_heads, dh] of M tokens from hidden [M, D]: RMSNorm, the
  * fused [q; k; v] product, rotary on q and k. */
 int stoic_layer_pre(const float *hidden, int64_t M, int64_t D, const float *norm, float eps,
-                    int layout, const uint8_t *qkv, int64_t heads, int64_t kv_heads, int64_t dh,
-                    const float *cos, const float *sin, float *q, float *k, float *v, int threads) {
+                    int layout, const uint8_t *qkv, const float *bias, int64_t heads,
+                    int64_t kv_heads, int64_t dh, const float *cos, const float *sin, float *q,
+                    float *k, float *v, int threads) {
     const int64_t nq = heads * dh, nk = kv_heads * dh, n = nq + 2 * nk;
     float *x = calloc((size_t)(M * D), sizeof(float)), *y = malloc(sizeof(float) * (size_t)(M * n));
     if (!x || !y) { free(x); free(y); return -2; }
     rms_norm(hidden, norm, M, D, eps, x);
-    int rc = stoic_qmm(layout, x, M, D, qkv, n, NULL, y, threads);
+    int rc = stoic_qmm(layout, x, M, D, qkv, n, bias, y, threads); /* bias: NULL or [n] */
     if (rc == 0) {
         rope(y, M, heads + kv_heads, dh, cos, sin, n); /* q and k are adjacent in each row */
         for (int64_t m = 0; m < M; m++) {

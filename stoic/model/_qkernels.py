@@ -147,9 +147,9 @@ class Kernels:
             "stoic_dequantize": [i32, ptr, i64, i64, ptr],
             "stoic_repack": [i32, ptr, i64, i64, ptr],
             "stoic_repacked_bytes": [i32],
-            # hidden M D norm eps layout qkv heads kv_heads dh cos sin q k v threads
-            "stoic_layer_pre": [ptr, i64, i64, ptr, f32, i32, ptr, i64, i64, i64, ptr, ptr,
-                                ptr, ptr, ptr, i32],
+            # hidden M D norm eps layout qkv bias heads kv_heads dh cos sin q k v threads
+            "stoic_layer_pre": [ptr, i64, i64, ptr, f32, i32, ptr, ptr, i64, i64, i64, ptr,
+                                ptr, ptr, ptr, ptr, i32],
             # q k v k_pool v_pool write tables lens M heads kv_heads dh block max_blocks scale
             # out threads
             "stoic_decode_attention": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,

@@ -196,8 +196,9 @@ async def test_a_family_runs_fused_and_decodes_like_transformers(
     if source == "gguf":  # every projection and the output on the file's blocks
         summary = runner.quantized
         assert summary["projections"] == summary["of"] == 8 and summary["head"] == "Q8_0"
-        # the C decode layers where the layer is Llama's plus a window (not biases or norms)
-        assert summary["c_layers"] == (family in ("mistral", "phi3"))
+        # the C decode layers where the layer is Llama's plus a window or q/k/v biases (not
+        # with norms of q and k or Gemma's)
+        assert summary["c_layers"] == (family in ("mistral", "phi3", "qwen2"))
 
     original = transformers.AutoModelForCausalLM.from_pretrained
     with pytest.MonkeyPatch.context() as patch:
