@@ -218,7 +218,8 @@ async def test_a_family_runs_fused_and_decodes_like_transformers(
 
 
 def test_architectures_outside_the_list_keep_the_generic_path(tmp_path: Path) -> None:
-    """A GPT-2 model is not fused (and a Phi-3 of partial rotary is not either)."""
+    """A GPT-2 model is not fused, nor a Phi-3 of partial rotary, nor a Gemma 3 whose
+    attention is soft-capped (the paged attention here has no cap)."""
     from stoic.model._fused import fuse_llama
 
     gpt2 = transformers.GPT2LMHeadModel(
@@ -236,3 +237,18 @@ def test_architectures_outside_the_list_keep_the_generic_path(tmp_path: Path) ->
     )
     phi = transformers.Phi3ForCausalLM(config)
     assert fuse_llama(phi, config) is None
+    soft = transformers.Gemma3TextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=0,
+        attn_logit_softcapping=30.0,
+    )
+    gemma = transformers.Gemma3ForCausalLM(soft)
+    assert fuse_llama(gemma, soft) is None
+    soft.attn_logit_softcapping = None  # the same model without the cap is fused
+    assert fuse_llama(gemma, soft) is not None
