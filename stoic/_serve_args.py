@@ -63,9 +63,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=d.quantization,
         choices=["auto", "gguf", "none"],
-        help="a .gguf model's decode steps multiply by the file's own 4-/8-bit weights (Q4_0, "
-        "Q4_1, Q8_0), the same numbers as the de-quantised copy, up to 6x fewer bytes read a "
-        "token. auto: where the CPU (x86-64 AVX2) and a C compiler allow (kernels built once, "
+        help="a .gguf model's decode steps multiply by the file's own 4- to 8-bit weights (Q4_0, "
+        "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; each matrix on its own type), the same numbers "
+        "as the de-quantised copy, up to 6x fewer bytes read a token. auto: where the CPU (x86-64 AVX2) and a C compiler allow (kernels built once, "
         "cached); gguf: required, the start fails without; none: de-quantised weights only "
         "(default %(default)s)",
     )

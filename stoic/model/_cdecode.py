@@ -46,6 +46,8 @@ class LayerWeights:
     #: the layer's index in the KV cache, and its attention scale
     cache_layer: int
     scaling: float
+    #: the ``[q; k; v]`` product's float32 bias (Qwen2), or None
+    qkv_bias: torch.Tensor | None = None
 
 
 class CDecoder:
@@ -120,8 +122,9 @@ class CDecoder:
         for layer in self._layers:
             tick()  # the step watchdog's progress: one a layer
             qkv, o, gu, down = layer.qkv, layer.o, layer.gate_up, layer.down
+            bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             rc = pre(
-                hp, m, width, layer.norm_in.data_ptr(), eps, qkv.layout, qkv.pointer,
+                hp, m, width, layer.norm_in.data_ptr(), eps, qkv.layout, qkv.pointer, bias,
                 h, kvh, dim, cp, sp, qp, kp, vp, threads,
             )  # fmt: skip
             if rc == 0:
@@ -167,14 +170,16 @@ def block_tables(step: StepMetadata, tokens: int) -> tuple[torch.Tensor, torch.T
 
 def layer_weights(layers: list[Any]) -> list[LayerWeights] | None:
     """The :class:`LayerWeights` of ``layers`` (:class:`._fused._Layer`), or None when a
-    projection has no quantised blocks or a bias (the C layer has neither)."""
+    projection has no quantised blocks, or one but ``[q; k; v]`` has a bias (the C layer has
+    neither)."""
     out = []
     for layer in layers:
         parts = [layer.qkv.product, layer.o.product, layer.gate_up.product, layer.down.product]
         if any(p is None for p in parts) or any(
-            lin.bias is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            lin.bias is not None for lin in (layer.o, layer.gate_up, layer.down)
         ):
             return None
+        bias = layer.qkv.bias
         qkv, o, gu, down = parts
         assert qkv is not None and o is not None and gu is not None and down is not None
         out.append(
@@ -187,6 +192,7 @@ def layer_weights(layers: list[Any]) -> list[LayerWeights] | None:
                 down,
                 int(getattr(layer.attn, "layer_idx", 0)),
                 float(layer.attn.scaling),
+                None if bias is None else bias.detach().float().contiguous(),
             )
         )
     return out

@@ -1,9 +1,9 @@
-"""A lean forward pass for Llama-architecture models: fused projections, few ops per layer.
+"""A lean forward pass for Llama-family models: fused projections, few ops per layer.
 
 transformers' own forward works for every model but pays, per layer and per step, for its
 generic plumbing (keyword routing, output capture, one linear per projection). For a model of
-``model_type`` ``"llama"`` (SmolLM2, Llama 2/3, TinyLlama, ...) :class:`FusedLlama` runs the same
-arithmetic with:
+a ``model_type`` in :data:`FUSED_TYPES` (Llama: SmolLM2, Llama 2/3, TinyLlama; Mistral; Qwen2 and
+Qwen2.5; Qwen3; Phi-3) :class:`FusedLlama` runs the same arithmetic with:
 
 * one ``[q; k; v]`` projection and, below :data:`SPLIT_MLP_ROWS` tokens in the step, one
   ``[gate; up]`` projection per layer (5 matrix products per layer instead of 7; 6 in steps of
@@ -16,6 +16,13 @@ arithmetic with:
   supports), applied to q and k in the layout the paged attention reads.
 
 Attention itself is :func:`._paged.paged_attention`, as on the transformers path.
+
+The families differ from Llama only by configuration of the one layer (:class:`_Layer`): biases
+on q, k and v (Qwen2; any projection's bias is its :class:`QLinear`'s), an RMSNorm of each
+query and key head before the rotary (Qwen3), a sliding attention window per layer (Mistral,
+Qwen2's ``use_sliding_window``, Phi-3), projections the model already fuses (Phi-3's
+``qkv_proj`` and ``gate_up_proj``). Other architectures (Gemma's scaled embeddings and
+``1 + w`` norms, GELU, soft-capping; partial rotary) keep transformers' forward.
 """
 
 from __future__ import annotations
@@ -35,9 +42,13 @@ from ._qkernels import Kernels
 from ._quant import MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from ._stepprogress import tick
 
-__all__ = ["FusedLlama", "fuse_llama"]
+__all__ = ["FUSED_TYPES", "FusedLlama", "fuse_llama"]
 
-_SUPPORTED_TYPES = ("llama",)
+#: the ``model_type`` values that run here (any other keeps transformers' forward)
+FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+#: of those, the Gemma layout: norms of ``1 + weight``, norms after attention and after the
+#: MLP too, GELU (tanh), a rotary table per layer type
+_GEMMA_TYPES = ("gemma3_text",)
 #: from this many tokens in a step on, gate and up are two matrix products: one fused product
 #: of twice the width measured 3-8% slower at 32 rows on an AVX2 CPU (and faster at one row)
 SPLIT_MLP_ROWS = 16
@@ -52,6 +63,15 @@ class _Layer:
     o: QLinear
     gate_up: QLinear
     down: QLinear
+    #: the per-head RMSNorm weights of queries and keys (Qwen3), or None
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: keys at least this many positions before a query are not attended (None: all are)
+    window: int | None = None
+    #: Gemma's norms of the attention's and the MLP's outputs (before their residuals)
+    post_attn: torch.Tensor | None = None
+    post_mlp: torch.Tensor | None = None
+    #: the layer's rotary table (Gemma's layer type; None: the model's one table)
+    rope: str | None = None
 
 
 def _fuse_rows(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,9 +93,24 @@ def _fuse_rows(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _supported(config: Any, base: Any) -> bool:
-    if getattr(config, "model_type", None) not in _SUPPORTED_TYPES:
+    kind = getattr(config, "model_type", None)
+    if kind not in FUSED_TYPES:
         return False
-    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
+    if kind in _GEMMA_TYPES:
+        if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
+            return False
+        # soft-capped or bidirectional attention is not the paged attention's here
+        if getattr(config, "attn_logit_softcapping", None) or getattr(
+            config, "use_bidirectional_attention", False
+        ):
+            return False
+    elif getattr(config, "hidden_act", None) != "silu":
+        return False
+    if getattr(config, "mlp_bias", False):
+        return False
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):  # the rotary here turns the whole head
         return False
     if getattr(config, "attn_logit_softcapping", None):
         # attention soft-capping: the C attention kernels have none; transformers' layers
@@ -83,6 +118,33 @@ def _supported(config: Any, base: Any) -> bool:
         return False
     layers = getattr(base, "layers", None)
     return bool(layers) and hasattr(base, "rotary_emb") and hasattr(base, "embed_tokens")
+
+
+def _fused_projections(
+    attn: Any, mlp: Any, i: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor | None, list[str]], tuple[torch.Tensor, list[str]]]:
+    """A layer's ``[q; k; v]`` weight, bias and block keys, and its ``[gate; up]`` weight and
+    block keys: the model's own fused projections (Phi-3; a GGUF file's ``attn_qkv`` and
+    ``ffn_up``), or its separate ones concatenated (:func:`_fuse_rows`)."""
+    if hasattr(attn, "qkv_proj"):
+        qkv = (attn.qkv_proj.weight, attn.qkv_proj.bias, [f"{i}.qkv"])
+    else:
+        weight, bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        qkv = (weight, bias, [f"{i}.q", f"{i}.k", f"{i}.v"])
+    if hasattr(mlp, "gate_up_proj"):
+        return qkv, (mlp.gate_up_proj.weight, [f"{i}.up"])
+    gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+    return qkv, (gate_up, [f"{i}.gate", f"{i}.up"])
+
+
+def _window(attn: Any, config: Any) -> int | None:
+    """The layer's sliding attention window, as transformers' attention passes it: the
+    module's own (Qwen2, Qwen3: per layer type), else the config's (Mistral, Phi-3)."""
+    if hasattr(attn, "sliding_window"):
+        window = attn.sliding_window
+    else:
+        window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
 
 
 def fuse_llama(
@@ -130,9 +192,17 @@ class FusedLlama:
         kernel_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
     ) -> None:
+        #: Gemma's embedding module scales by sqrt(hidden) itself
         self._embed = base.embed_tokens
         self._rotary = base.rotary_emb
-        self._final_norm = base.norm.weight
+        gemma = config.model_type in _GEMMA_TYPES
+        self._gelu = gemma
+
+        def norm(weight: torch.Tensor) -> torch.Tensor:
+            # Gemma multiplies by 1 + weight (in float32, as its RMSNorm does)
+            return (1.0 + weight.detach().float()).to(weight.dtype) if gemma else weight
+
+        self._final_norm = norm(base.norm.weight)
         self._eps = float(config.rms_norm_eps)
         self._heads = int(config.num_attention_heads)
         self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._heads)
@@ -159,20 +229,38 @@ class FusedLlama:
 
         for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+            (qkv, qkv_bias, qkv_keys), (gate_up, gate_up_keys) = _fused_projections(attn, mlp, i)
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            qk_norm = (
+                None
+                if q_norm is None or k_norm is None
+                else (norm(q_norm.weight), norm(k_norm.weight))
+            )
+            post = layer.post_attention_layernorm.weight
             self._layers.append(
                 _Layer(
                     attn=attn,
-                    norm_in=layer.input_layernorm.weight,
-                    norm_post=layer.post_attention_layernorm.weight,
-                    qkv=linear(qkv, qkv_bias, f"{i}.q", f"{i}.k", f"{i}.v"),
+                    norm_in=norm(layer.input_layernorm.weight),
+                    norm_post=norm(layer.pre_feedforward_layernorm.weight) if gemma else post,
+                    qkv=linear(qkv, qkv_bias, *qkv_keys),
                     o=linear(attn.o_proj.weight, attn.o_proj.bias, f"{i}.o"),
                     # packed as its two halves: the many-row steps multiply them apart
-                    gate_up=linear(gate_up, None, f"{i}.gate", f"{i}.up", parts=2),
+                    gate_up=linear(gate_up, None, *gate_up_keys, parts=2),
                     down=linear(mlp.down_proj.weight, None, f"{i}.down"),
+                    qk_norm=qk_norm,
+                    window=_window(attn, config),
+                    post_attn=norm(post) if gemma else None,
+                    post_mlp=norm(layer.post_feedforward_layernorm.weight) if gemma else None,
+                    rope=getattr(attn, "layer_type", None) if gemma else None,
                 )
             )
+        self._ropes = sorted({lay.rope for lay in self._layers}, key=str)
+        # the C layers and operators have no q/k norms (nor Gemma's norms, GELU or tables)
+        qk_norms = gemma or any(lay.qk_norm is not None for lay in self._layers)
+        windows = [lay.window for lay in self._layers if lay.window is not None]
+        #: steps with a position this far in or further run every layer on the torch path (the
+        #: C attention has no window; below it, a window hides nothing)
+        self._window = min(windows) if windows else None
 
         #: decode-only steps' layers in C (:mod:`._cdecode`), when every projection runs on
         #: quantised blocks and the shapes allow; None: the torch path for every step
@@ -188,10 +276,13 @@ class FusedLlama:
         #: the bfloat16 steps' norms, rotary and SiLU x up in C (:mod:`._cops`)
         self._ops = (
             PrefillOps(kernels)
-            if kernels is not None and PrefillOps.supports(int(config.hidden_size), self._head_dim)
+            if kernels is not None
+            and not qk_norms
+            and PrefillOps.supports(int(config.hidden_size), self._head_dim)
             else None
         )
-        weights = layer_weights(self._layers) if kernels is not None else None
+        # the C layer has no q/k norms (nor biases but q/k/v's: :func:`layer_weights` checks)
+        weights = layer_weights(self._layers) if kernels is not None and not qk_norms else None
         dtype = self._final_norm.dtype
         if weights is not None and CDecoder.supports(
             dtype, self._head_dim, self._heads, self._kv_heads
@@ -219,15 +310,28 @@ class FusedLlama:
         linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         return {p.quantized.kind for p in linears if p.quantized is not None}
 
+    def _table(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rope: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``cos``, ``sin`` ``[1, 1, N, D]`` (broadcast over the heads of ``[1,
+        heads, N, D]``) by the model's own rotary module, of layer type ``rope`` (Gemma)."""
+        args = (hidden, positions) if rope is None else (hidden, positions, rope)
+        cos, sin = self._rotary(*args)
+        return cos[:, None], sin[:, None]
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata
     ) -> torch.Tensor:
         """Hidden states ``[1, N, hidden]`` after the final norm, for ``input_ids`` ``[1, N]``."""
         hidden = self._embed(input_ids)
-        cos, sin = self._rotary(hidden, positions)
-        # [1, 1, N, D]: broadcast over the heads of [1, heads, N, D]
-        cos, sin = cos[:, None], sin[:, None]
-        if self.c_decoder is not None and self.c_decoder.accepts(step, hidden.shape[1]):
+        tables = {rope: self._table(hidden, positions, rope) for rope in self._ropes}
+        cos, sin = tables[self._ropes[0]]  # the C decoder's (a model of one table)
+        windowed = self._window is not None and int(positions.max()) >= self._window
+        if (
+            self.c_decoder is not None
+            and not windowed
+            and self.c_decoder.accepts(step, hidden.shape[1])
+        ):
             hidden = self.c_decoder.forward(hidden, cos, sin, step)
             return F.rms_norm(hidden, (hidden.shape[-1],), self._final_norm, self._eps)
         dim = self._head_dim
@@ -248,27 +352,47 @@ class FusedLlama:
             else None
         )
         if ops is not None:  # float32 [N, D] tables for the C rotary
-            cos, sin = cos.reshape(-1, dim).float(), sin.reshape(-1, dim).float()
+            tables = {
+                r: (c.reshape(-1, dim).float(), s.reshape(-1, dim).float())
+                for r, (c, s) in tables.items()
+            }
         elif cos.dtype != work:
-            cos, sin = cos.to(work), sin.to(work)
+            tables = {r: (c.to(work), s.to(work)) for r, (c, s) in tables.items()}
         attend = (
             DecodeAttention(self._attn_kernels, step, hidden.shape[1])
-            if self._attn_kernels is not None and DecodeAttention.applies(step)
+            if self._attn_kernels is not None and not windowed and DecodeAttention.applies(step)
             else None
         )
         for layer in self._layers:
             tick()  # the step watchdog's progress: one a layer
+            cos, sin = tables[layer.rope]
             q, k, v = self.attention_inputs(
-                hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps, ops
+                hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps, ops, layer.qk_norm
             )
             if attend is not None:
                 out = attend(layer.attn, q, k, v)
             else:
                 out, _ = paged_attention(
-                    layer.attn, q, k, v, None, scaling=layer.attn.scaling, stoic_step=step
+                    layer.attn,
+                    q,
+                    k,
+                    v,
+                    None,
+                    scaling=layer.attn.scaling,
+                    sliding_window=layer.window,
+                    stoic_step=step,
                 )
             hidden = self.mlp_block(
-                hidden, out, layer.o, layer.norm_post, layer.gate_up, layer.down, self._eps, ops
+                hidden,
+                out,
+                layer.o,
+                layer.norm_post,
+                layer.gate_up,
+                layer.down,
+                self._eps,
+                ops,
+                post=(layer.post_attn, layer.post_mlp),
+                gelu=self._gelu,
             )
         width = hidden.shape[-1]
         return F.rms_norm(hidden, (width,), self._final_norm, self._eps)
@@ -283,13 +407,16 @@ def attention_inputs(
     sizes: list[int],
     eps: float,
     ops: PrefillOps | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's rotated queries and keys, and its values, each ``[1, heads, N, head_dim]``, for
     ``hidden`` ``[1, N, width]`` (``cos``/``sin`` ``[1, 1, N, head_dim]``). With ``ops`` (a
     bfloat16 step) the norm and rotary run in C (``cos``/``sin`` float32 ``[N, head_dim]``), and
-    q, k and v are views of the one product's result."""
+    q, k and v are views of the one product's result. With ``qk_norm`` (the query and key
+    heads' RMSNorm weights; never with ``ops``) each head is normalised before the rotary."""
     n, dim = hidden.shape[1], cos.shape[-1]
     if ops is not None:
+        assert qk_norm is None, "the C operators have no q/k norms"
         y = qkv(ops.rms_norm(hidden, norm, eps), native=True)
         ops.rotate_(y, (sizes[0] + sizes[1]) // dim, dim, cos, sin)
         heads = y.view(1, n, -1, dim).transpose(1, 2)
@@ -297,9 +424,15 @@ def attention_inputs(
         return q, k, v
     x = F.rms_norm(hidden, (hidden.shape[-1],), norm, eps)
     qk, v = qkv(x, native=True).split_with_sizes([sizes[0] + sizes[1], sizes[2]], -1)
+    qk_heads = [sizes[0] // dim, sizes[1] // dim]
+    qk = qk.view(1, n, -1, dim)
+    if qk_norm is not None:
+        q, k = qk.split_with_sizes(qk_heads, 2)
+        q = F.rms_norm(q, (dim,), qk_norm[0], eps)
+        qk = torch.cat((q, F.rms_norm(k, (dim,), qk_norm[1], eps)), 2)
     # queries and keys rotated together: one set of elementwise ops for both
-    qk = _rotate(qk.view(1, n, -1, dim).transpose(1, 2), cos, sin)
-    q, k = qk.split_with_sizes([sizes[0] // dim, sizes[1] // dim], 1)
+    qk = _rotate(qk.transpose(1, 2), cos, sin)
+    q, k = qk.split_with_sizes(qk_heads, 1)
     return q, k, v.view(1, n, -1, dim).transpose(1, 2)
 
 
@@ -312,13 +445,22 @@ def mlp_block(
     down: QLinear,
     eps: float,
     ops: PrefillOps | None = None,
+    *,
+    post: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    gelu: bool = False,
 ) -> torch.Tensor:
     """The rest of a layer after attention (``attn_out`` ``[1, N, heads, head_dim]``): output
     projection and residual, then norm, gated MLP and residual; returns ``[1, N, width]``.
-    With ``ops`` (a bfloat16 step) the norm and SiLU x up run in C."""
+    With ``ops`` (a bfloat16 step) the norm and SiLU x up run in C. ``post`` (Gemma): the
+    norms of the attention's and the MLP's outputs before their residuals; ``gelu``: GELU
+    (tanh) x up instead of SiLU x up (neither with ``ops``)."""
     n = hidden.shape[1]
+    width = hidden.shape[-1]
+    attended = o(attn_out.reshape(1, n, -1), native=True)
+    if post[0] is not None:
+        attended = F.rms_norm(attended, (width,), post[0], eps)
     # a product's result in another dtype than hidden's is promoted by the addition
-    hidden = hidden + o(attn_out.reshape(1, n, -1), native=True)
+    hidden = hidden + attended
     if ops is not None:
         x = ops.rms_norm(hidden, norm, eps)
     else:
@@ -328,8 +470,14 @@ def mlp_block(
     else:  # the same rows of the same tensor, as two products (faster at many rows; the
         # packed copy holds the two halves)
         gate, up = gate_up.dense(x, 2, native=True)
-    act = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
-    return hidden + down(act, native=True)
+    if gelu:
+        act = F.gelu(gate, approximate="tanh") * up
+    else:
+        act = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
+    mlp = down(act, native=True)
+    if post[1] is not None:
+        mlp = F.rms_norm(mlp, (width,), post[1], eps)
+    return hidden + mlp
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

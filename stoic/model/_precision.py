@@ -10,7 +10,8 @@ Two types are chosen, not one:
 ``--dtype float32`` / ``bfloat16`` / ``float16`` set both to that type. ``--dtype auto`` on CUDA
 is bfloat16 (float16 where the GPU lacks it). On a CPU it measures (:mod:`._dtype_probe`):
 float32 or bfloat16, whichever multiplies faster here, cached per CPU model and torch version.
-For a Llama-layout GGUF model whose decode steps run on the file's quantised blocks
+For a GGUF model whose decode steps run on the file's quantised blocks in the C layers (a
+``llama``, ``qwen2`` or ``phi3`` file: :data:`_C_LAYER_FILES`)
 (:mod:`._quant`, ``--quantization`` not ``none``, the kernels buildable here), ``auto`` keeps
 the activations and the KV cache in float32, because the kernels and the C decode layers
 compute in float32, and uses the probe's choice only as the dense dtype. On a CPU with AMX
@@ -35,6 +36,11 @@ from ..config import Quantization
 from ._dtype_probe import probe_cpu_dtype
 
 __all__ = ["DTYPE_NAMES", "Precision", "parse_dtype", "resolve_dtype", "resolve_precision"]
+
+#: the GGUF architectures whose decode steps run in the C layers (:mod:`._cdecode`: Llama and
+#: Mistral, Qwen2, Phi-3); Qwen3's and Gemma 3's run torch layers on the blocks, where float32
+#: activations were not measured to pay
+_C_LAYER_FILES = ("llama", "qwen2", "phi3")
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,13 +92,14 @@ def resolve_dtype(
 
 def _decodes_on_blocks(gguf: Path, device: torch.device, cache_root: Path) -> bool:
     """Whether a model loaded from ``gguf`` on ``device`` can decode on its quantised blocks
-    with the C layers: a Llama-layout file, and the kernels built (or buildable) here."""
+    with the C layers: a file of :data:`_C_LAYER_FILES`, and the kernels built (or buildable)
+    here."""
     from ._gguf import GgufError, read_gguf_header
     from ._qkernels import Kernels
     from ._quant import kernels_for
 
     try:
-        if read_gguf_header(gguf).architecture != "llama":
+        if read_gguf_header(gguf).architecture not in _C_LAYER_FILES:
             return False
     except (OSError, GgufError):
         return False

@@ -13,6 +13,9 @@
  * its sums. One row (a one-sequence decode step) factors each block instead (d * sum(q x) +
  * m * sum(x): 14-15% faster), multiplying by the exact q * d + m, which the float copy holds
  * rounded to float32; factoring measured up to 25% slower at 8-64 rows.
+ * The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) are in _kquants.c, built after this
+ * file into the same library, on the same loops (DEFINE_MM, DEFINE_MM16); a matrix stacked
+ * from parts of different types (a fused projection of a mixed file) is the MIXED layout.
  * Built and loaded by _qkernels.py; threads are OpenMP's (the libgomp torch itself loads).
  */
 #include <immintrin.h>
@@ -22,7 +25,7 @@
 
 #define QK 32
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -72,7 +75,9 @@ static inline void widen_s8(const uint8_t *q, __m256 w[4]) {
         w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i))));
 }
 
-static inline void dequant_s8(const uint8_t *b, __m256 w[4]) {
+/* DEQUANT(wr, i, w) and UNPACK(wr, i, q, d, m) read the i-th 32 weights of a row `wr` */
+static inline void dequant_s8(const uint8_t *wr, int64_t i, __m256 w[4]) {
+    const uint8_t *b = wr + i * S8_BYTES;
     float d;
     memcpy(&d, b, 4);
     const __m256 dv = _mm256_set1_ps(d);
@@ -80,7 +85,8 @@ static inline void dequant_s8(const uint8_t *b, __m256 w[4]) {
     for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], dv);
 }
 
-static inline void dequant_u4(const uint8_t *b, __m256 w[4]) {
+static inline void dequant_u4(const uint8_t *wr, int64_t i, __m256 w[4]) {
+    const uint8_t *b = wr + i * U4_BYTES;
     float d, m;
     memcpy(&d, b, 4);
     memcpy(&m, b + 4, 4);
@@ -89,7 +95,8 @@ static inline void dequant_u4(const uint8_t *b, __m256 w[4]) {
     for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], dv), mv);
 }
 
-static inline void dequant_z4(const uint8_t *b, __m256 w[4]) {
+static inline void dequant_z4(const uint8_t *wr, int64_t i, __m256 w[4]) {
+    const uint8_t *b = wr + i * Z4_BYTES;
     float d;
     memcpy(&d, b, 4);
     const __m256 dv = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
@@ -101,14 +108,14 @@ static inline void dequant_z4(const uint8_t *b, __m256 w[4]) {
  * ROWS is a constant, so the accumulators stay in registers; per block and row the four partial
  * products are summed before they meet the accumulator, and one row alternates two
  * accumulators, so no chain of dependent additions bounds the loop. */
-#define DEFINE_TILE(NAME, BLOCK_BYTES, DEQUANT, ROWS)                                          \
+#define DEFINE_TILE(NAME, DEQUANT, ROWS)                                                       \
     static inline void NAME(const float *x, int64_t K, const uint8_t *wr, int64_t nb,         \
                             float *out, int64_t stride, float add) {                          \
         __m256 acc[ROWS][2];                                                                  \
         for (int t = 0; t < ROWS; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();           \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             __m256 w[4];                                                                      \
-            DEQUANT(wr + b * (BLOCK_BYTES), w);                                               \
+            DEQUANT(wr, b, w);                                                                \
             for (int t = 0; t < ROWS; t++) {                                                  \
                 const float *xr = x + t * K + b * QK;                                         \
                 __m256 p = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr),                         \
@@ -129,19 +136,22 @@ static inline void dequant_z4(const uint8_t *b, __m256 w[4]) {
  * fifth fewer instructions, measured 14-15% faster over the default model's matrices. It
  * multiplies by the blocks' exact values q d + m; the float copy (and the tiles above) by those
  * values rounded to float32: the difference is within float32 rounding of the product. */
-static inline void unpack_u4(const uint8_t *b, __m256 q[4], float *d, float *m) {
+static inline void unpack_u4(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + i * U4_BYTES;
     memcpy(d, b, 4);
     memcpy(m, b + 4, 4);
     widen_u4(b + 8, q);
 }
 
-static inline void unpack_z4(const uint8_t *b, __m256 q[4], float *d, float *m) {
+static inline void unpack_z4(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + i * Z4_BYTES;
     memcpy(d, b, 4);
     *m = -8.0f * *d; /* (q - 8) d = q d - 8 d: 8 d is exact */
     widen_u4(b + 4, q);
 }
 
-static inline void unpack_s8(const uint8_t *b, __m256 q[4], float *d, float *m) {
+static inline void unpack_s8(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + i * S8_BYTES;
     memcpy(d, b, 4);
     *m = 0.0f;
     widen_s8(b + 4, q);
@@ -149,14 +159,14 @@ static inline void unpack_s8(const uint8_t *b, __m256 q[4], float *d, float *m) 
 
 #define MAX_ROW_BLOCKS 4096 /* K up to 131072; wider rows take the tile path */
 
-#define DEFINE_ROW(NAME, BLOCK_BYTES, UNPACK)                                                  \
+#define DEFINE_ROW(NAME, UNPACK)                                                              \
     static inline float NAME(const float *x, const float *sx, const uint8_t *wr, int64_t nb) { \
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                           \
         float offset[2] = {0.0f, 0.0f};                                                       \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             __m256 q[4];                                                                      \
             float d, m;                                                                       \
-            UNPACK(wr + b * (BLOCK_BYTES), q, &d, &m);                                        \
+            UNPACK(wr, b, q, &d, &m);                                                         \
             const float *xr = x + b * QK;                                                     \
             __m256 p = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(xr),                             \
                                        _mm256_mul_ps(q[1], _mm256_loadu_ps(xr + 8)));         \
@@ -168,9 +178,9 @@ static inline void unpack_s8(const uint8_t *b, __m256 q[4], float *d, float *m) 
         return hsum(_mm256_add_ps(acc[0], acc[1])) + (offset[0] + offset[1]);                 \
     }
 
-DEFINE_ROW(row_u4, U4_BYTES, unpack_u4)
-DEFINE_ROW(row_z4, Z4_BYTES, unpack_z4)
-DEFINE_ROW(row_s8, S8_BYTES, unpack_s8)
+DEFINE_ROW(row_u4, unpack_u4)
+DEFINE_ROW(row_z4, unpack_z4)
+DEFINE_ROW(row_s8, unpack_s8)
 
 static void block_sums(const float *x, int64_t nb, float *sx) {
     for (int64_t b = 0; b < nb; b++) {
@@ -183,13 +193,13 @@ static void block_sums(const float *x, int64_t nb, float *sx) {
 /* y[M, N]: the output rows are shared out among the threads; one row of x takes the factored
  * path above, more rows are taken in tiles of 8 rows, then 4, then 1 (measured over the default model's matrices on 2 AVX2 cores: 8-row tiles
  * were 9-23% faster than 4-row ones from 8 rows on, 4-row ones 2-10% faster below). */
-#define DEFINE_MM(NAME, BLOCK_BYTES, DEQUANT, ROW)                                             \
-    DEFINE_TILE(NAME##_1, BLOCK_BYTES, DEQUANT, 1)                                            \
-    DEFINE_TILE(NAME##_4, BLOCK_BYTES, DEQUANT, 4)                                            \
-    DEFINE_TILE(NAME##_8, BLOCK_BYTES, DEQUANT, 8)                                            \
+#define DEFINE_MM(NAME, BYTES_256, DEQUANT, ROW)                                               \
+    DEFINE_TILE(NAME##_1, DEQUANT, 1)                                                         \
+    DEFINE_TILE(NAME##_4, DEQUANT, 4)                                                         \
+    DEFINE_TILE(NAME##_8, DEQUANT, 8)                                                         \
     static void NAME(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,       \
-                     const float *bias, float *y, int threads) {                              \
-        const int64_t nb = K / QK, row_bytes = nb * (BLOCK_BYTES);                            \
+                     const float *bias, float *y, int64_t ldy, int threads) {                 \
+        const int64_t nb = K / QK, row_bytes = nb * (BYTES_256) / 8;                          \
         if (M == 1 && nb <= MAX_ROW_BLOCKS) {                                                 \
             float sx[MAX_ROW_BLOCKS];                                                         \
             block_sums(x, nb, sx);                                                            \
@@ -203,15 +213,15 @@ static void block_sums(const float *x, int64_t nb, float *sx) {
             const uint8_t *wr = w + n * row_bytes;                                            \
             const float add = bias ? bias[n] : 0.0f;                                          \
             int64_t r = 0;                                                                    \
-            for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * N + n, N, add); \
-            for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * N + n, N, add); \
-            for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * N + n, N, add);         \
+            for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);     \
         }                                                                                     \
     }
 
-DEFINE_MM(mm_s8, S8_BYTES, dequant_s8, row_s8)
-DEFINE_MM(mm_u4, U4_BYTES, dequant_u4, row_u4)
-DEFINE_MM(mm_z4, Z4_BYTES, dequant_z4, row_z4)
+DEFINE_MM(mm_s8, 8 * S8_BYTES, dequant_s8, row_s8)
+DEFINE_MM(mm_u4, 8 * U4_BYTES, dequant_u4, row_u4)
+DEFINE_MM(mm_z4, 8 * Z4_BYTES, dequant_z4, row_z4)
 
 #ifdef __AVX512F__
 /* ---- The same products with 16-lane AVX-512 registers (built where the CPU has AVX-512F).
@@ -247,33 +257,37 @@ static inline void widen16_s8(const uint8_t *q, __m512 w[2]) {
     w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
 }
 
-static inline void unpack16_u4(const uint8_t *b, __m512 q[2], float *d, float *m) {
+static inline void unpack16_u4(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + i * U4_BYTES;
     memcpy(d, b, 4);
     memcpy(m, b + 4, 4);
     widen16_u4(b + 8, q);
 }
 
-static inline void unpack16_z4(const uint8_t *b, __m512 q[2], float *d, float *m) {
+static inline void unpack16_z4(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + i * Z4_BYTES;
     memcpy(d, b, 4);
     *m = -8.0f * *d;
     widen16_u4(b + 4, q);
 }
 
-static inline void unpack16_s8(const uint8_t *b, __m512 q[2], float *d, float *m) {
+static inline void unpack16_s8(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + i * S8_BYTES;
     memcpy(d, b, 4);
     *m = 0.0f;
     widen16_s8(b + 4, q);
 }
 
 /* de-quantised as the 8-lane code does it: q * d (+ m), two roundings (no contraction) */
-static inline void dequant16_u4(const uint8_t *b, __m512 w[2]) {
+static inline void dequant16_u4(const uint8_t *wr, int64_t i, __m512 w[2]) {
     float d, m;
-    unpack16_u4(b, w, &d, &m);
+    unpack16_u4(wr, i, w, &d, &m);
     const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
     for (int i = 0; i < 2; i++) w[i] = _mm512_add_ps(_mm512_mul_ps(w[i], dv), mv);
 }
 
-static inline void dequant16_z4(const uint8_t *b, __m512 w[2]) {
+static inline void dequant16_z4(const uint8_t *wr, int64_t i, __m512 w[2]) {
+    const uint8_t *b = wr + i * Z4_BYTES;
     float d;
     memcpy(&d, b, 4);
     widen16_u4(b + 4, w);
@@ -281,7 +295,8 @@ static inline void dequant16_z4(const uint8_t *b, __m512 w[2]) {
     for (int i = 0; i < 2; i++) w[i] = _mm512_mul_ps(_mm512_sub_ps(w[i], eight), dv);
 }
 
-static inline void dequant16_s8(const uint8_t *b, __m512 w[2]) {
+static inline void dequant16_s8(const uint8_t *wr, int64_t i, __m512 w[2]) {
+    const uint8_t *b = wr + i * S8_BYTES;
     float d;
     memcpy(&d, b, 4);
     widen16_s8(b + 4, w);
@@ -289,14 +304,14 @@ static inline void dequant16_s8(const uint8_t *b, __m512 w[2]) {
     for (int i = 0; i < 2; i++) w[i] = _mm512_mul_ps(w[i], dv);
 }
 
-#define DEFINE_ROW16(NAME, BLOCK_BYTES, UNPACK)                                                \
+#define DEFINE_ROW16(NAME, UNPACK)                                                            \
     static inline float NAME(const float *x, const float *sx, const uint8_t *wr, int64_t nb) { \
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                           \
         float offset[2] = {0.0f, 0.0f};                                                       \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             __m512 q[2];                                                                      \
             float d, m;                                                                       \
-            UNPACK(wr + b * (BLOCK_BYTES), q, &d, &m);                                        \
+            UNPACK(wr, b, q, &d, &m);                                                         \
             const float *xr = x + b * QK;                                                     \
             __m512 p = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xr + 16),                        \
                                        _mm512_mul_ps(q[0], _mm512_loadu_ps(xr)));             \
@@ -306,14 +321,14 @@ static inline void dequant16_s8(const uint8_t *b, __m512 w[2]) {
         return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + (offset[0] + offset[1]); \
     }
 
-#define DEFINE_TILE16(NAME, BLOCK_BYTES, DEQUANT, ROWS)                                        \
+#define DEFINE_TILE16(NAME, DEQUANT, ROWS)                                                     \
     static inline void NAME(const float *x, int64_t K, const uint8_t *wr, int64_t nb,         \
                             float *out, int64_t stride, float add) {                          \
         __m512 acc[ROWS];                                                                     \
         for (int t = 0; t < ROWS; t++) acc[t] = _mm512_setzero_ps();                          \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             __m512 w[2];                                                                      \
-            DEQUANT(wr + b * (BLOCK_BYTES), w);                                               \
+            DEQUANT(wr, b, w);                                                                \
             for (int t = 0; t < ROWS; t++) {                                                  \
                 const float *xr = x + t * K + b * QK;                                         \
                 acc[t] = _mm512_add_ps(acc[t],                                                \
@@ -326,14 +341,14 @@ static inline void dequant16_s8(const uint8_t *b, __m512 w[2]) {
     }
 
 /* as DEFINE_MM; PERMUTE: whether x is copied into the 4-bit blocks' order first */
-#define DEFINE_MM16(NAME, BLOCK_BYTES, DEQUANT, UNPACK, PERMUTE)                               \
-    DEFINE_ROW16(NAME##_row, BLOCK_BYTES, UNPACK)                                             \
-    DEFINE_TILE16(NAME##_1, BLOCK_BYTES, DEQUANT, 1)                                          \
-    DEFINE_TILE16(NAME##_4, BLOCK_BYTES, DEQUANT, 4)                                          \
-    DEFINE_TILE16(NAME##_8, BLOCK_BYTES, DEQUANT, 8)                                          \
+#define DEFINE_MM16(NAME, BYTES_256, DEQUANT, UNPACK, PERMUTE)                                 \
+    DEFINE_ROW16(NAME##_row, UNPACK)                                                          \
+    DEFINE_TILE16(NAME##_1, DEQUANT, 1)                                                       \
+    DEFINE_TILE16(NAME##_4, DEQUANT, 4)                                                       \
+    DEFINE_TILE16(NAME##_8, DEQUANT, 8)                                                       \
     static int NAME(const float *x0, int64_t M, int64_t K, const uint8_t *w, int64_t N,       \
-                    const float *bias, float *y, int threads) {                               \
-        const int64_t nb = K / QK, row_bytes = nb * (BLOCK_BYTES);                            \
+                    const float *bias, float *y, int64_t ldy, int threads) {                  \
+        const int64_t nb = K / QK, row_bytes = nb * (BYTES_256) / 8;                          \
         float *xp = NULL;                                                                     \
         const float *x = x0;                                                                  \
         if (PERMUTE) {                                                                        \
@@ -355,23 +370,40 @@ static inline void dequant16_s8(const uint8_t *b, __m512 w[2]) {
                 const float add = bias ? bias[n] : 0.0f;                                      \
                 int64_t r = 0;                                                                \
                 for (; r + 8 <= M; r += 8)                                                    \
-                    NAME##_8(x + r * K, K, wr, nb, y + r * N + n, N, add);                    \
+                    NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);                \
                 for (; r + 4 <= M; r += 4)                                                    \
-                    NAME##_4(x + r * K, K, wr, nb, y + r * N + n, N, add);                    \
-                for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * N + n, N, add);     \
+                    NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);                \
+                for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
             }                                                                                 \
         }                                                                                     \
         free(xp);                                                                             \
         return 0;                                                                             \
     }
 
-DEFINE_MM16(mm16_s8, S8_BYTES, dequant16_s8, unpack16_s8, 0)
-DEFINE_MM16(mm16_u4, U4_BYTES, dequant16_u4, unpack16_u4, 1)
-DEFINE_MM16(mm16_z4, Z4_BYTES, dequant16_z4, unpack16_z4, 1)
+DEFINE_MM16(mm16_s8, 8 * S8_BYTES, dequant16_s8, unpack16_s8, 0)
+DEFINE_MM16(mm16_u4, 8 * U4_BYTES, dequant16_u4, unpack16_u4, 1)
+DEFINE_MM16(mm16_z4, 8 * Z4_BYTES, dequant16_z4, unpack16_z4, 1)
 #endif
 
-/* The repacked size of one block of GGML type `type` (0: a type it does not know). */
+/* The K-quants' and Q5_0/Q5_1's layouts and products (_kquants.c, built after this file into
+ * the same library) */
+#define K4 103
+#define K5 104
+#define K6 105
+#define Z5 106
+#define U5 107
+#define IS_KLAYOUT(t) ((t) >= K4 && (t) <= U5)
+#define IS_KTYPE(t) ((t) == Q4_K || (t) == Q5_K || (t) == Q6_K || (t) == Q5_0 || (t) == Q5_1)
+static int64_t kquant_repacked_bytes(int type);
+static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst);
+static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                     int64_t N, const float *bias, float *y, int64_t ldy, int threads);
+static int kquant_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out);
+
+/* The repacked size of one block of GGML type `type` (32 weights; 256 for a K-quant), 0 for a
+ * type the kernels do not know. */
 int64_t stoic_repacked_bytes(int type) {
+    if (IS_KTYPE(type)) return kquant_repacked_bytes(type);
     return type == Q4_1 ? U4_BYTES : type == Q4_0 ? Z4_BYTES : type == Q8_0 ? S8_BYTES : 0;
 }
 
@@ -389,9 +421,10 @@ static inline void reorder_nibbles(const uint8_t *in, uint8_t *out) {
 }
 
 /* dst = the N rows of K / 32 GGML blocks at src, repacked (U4 for Q4_1, Z4 for Q4_0, S8 for
- * Q8_0). The values are the same: every w the products compute equals gguf-py's de-quantisation
- * (stoic_dequantize shows it). */
+ * Q8_0; the K-quants as _kquants.c says). The values are the same: every w the products compute
+ * equals gguf-py's de-quantisation (stoic_dequantize shows it). */
 int stoic_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    if (IS_KTYPE(type)) return kquant_repack(type, src, N, K, dst);
     if (K % QK != 0 || !stoic_repacked_bytes(type)) return -1;
     const int64_t blocks = N * (K / QK);
     for (int64_t i = 0; i < blocks; i++) {
@@ -419,39 +452,72 @@ int stoic_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *ds
     return 0;
 }
 
-/* y = x @ W^T (+ bias) for W repacked as `type` (S8, U4 or Z4). Returns 0, -1 for another type or
- * K not a multiple of 32, -2 if a scratch buffer could not be allocated. */
-int stoic_qmm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-              const float *bias, float *y, int threads) {
+/* A matrix stacked from parts of different layouts (a fused projection whose matrices a mixed
+ * file holds in different types, e.g. Q4_K q and k over a Q6_K v): `w` points to a descriptor,
+ *   int64 parts; then per part int64 layout, int64 rows, int64 address of its repacked rows
+ * and each part's product fills its columns of y. */
+#define MIXED 110
+
+static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                    const float *bias, float *y, int64_t ldy, int threads);
+
+static int qmm_mixed(const float *x, int64_t M, int64_t K, const int64_t *desc, int64_t N,
+                     const float *bias, float *y, int64_t ldy, int threads) {
+    int64_t row = 0;
+    for (int64_t p = 0; p < desc[0]; p++) {
+        const int64_t layout = desc[1 + 3 * p], rows = desc[2 + 3 * p];
+        const uint8_t *w = (const uint8_t *)(intptr_t)desc[3 + 3 * p];
+        if (layout == MIXED || rows < 0 || row + rows > N) return -1;
+        const int rc = qmm_into((int)layout, x, M, K, w, rows, bias ? bias + row : NULL, y + row,
+                                ldy, threads);
+        if (rc) return rc;
+        row += rows;
+    }
+    return row == N ? 0 : -1;
+}
+
+static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                    const float *bias, float *y, int64_t ldy, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
+    if (type == MIXED) return qmm_mixed(x, M, K, (const int64_t *)w, N, bias, y, ldy, threads);
+    if (IS_KLAYOUT(type)) return kquant_mm(type, x, M, K, w, N, bias, y, ldy, threads);
 #ifdef HAVE_AVX512
     if (M <= MAX_ROWS_16) switch (type) {
-    case S8: return mm16_s8(x, M, K, w, N, bias, y, threads);
-    case U4: return mm16_u4(x, M, K, w, N, bias, y, threads);
-    case Z4: return mm16_z4(x, M, K, w, N, bias, y, threads);
+    case S8: return mm16_s8(x, M, K, w, N, bias, y, ldy, threads);
+    case U4: return mm16_u4(x, M, K, w, N, bias, y, ldy, threads);
+    case Z4: return mm16_z4(x, M, K, w, N, bias, y, ldy, threads);
     default: return -1;
     }
 #endif
     switch (type) {
-    case S8: mm_s8(x, M, K, w, N, bias, y, threads); return 0;
-    case U4: mm_u4(x, M, K, w, N, bias, y, threads); return 0;
-    case Z4: mm_z4(x, M, K, w, N, bias, y, threads); return 0;
+    case S8: mm_s8(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case U4: mm_u4(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case Z4: mm_z4(x, M, K, w, N, bias, y, ldy, threads); return 0;
     default: return -1;
     }
+}
+
+/* y = x @ W^T (+ bias) for W repacked as `type` (S8, U4, Z4, a K layout or MIXED). Returns 0,
+ * -1 for another type or K not a multiple of the blocks' width, -2 if a scratch buffer could not
+ * be allocated. */
+int stoic_qmm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+              const float *bias, float *y, int threads) {
+    return qmm_into(type, x, M, K, w, N, bias, y, N, threads);
 }
 
 /* out[N, K] = the weights of N rows of GGML blocks, as the products see them (repacked, then
  * de-quantised by the products' own code): for checks and tests. */
 int stoic_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
+    if (IS_KTYPE(type)) return kquant_dequantize(type, w, N, K, out);
     const int64_t bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0;
     if (K % QK != 0 || !bytes) return -1;
     uint8_t packed[S8_BYTES];
     for (int64_t i = 0; i < N * (K / QK); i++) {
         __m256 v[4];
         stoic_repack(type, w + i * bytes, 1, QK, packed);
-        if (type == Q4_1) dequant_u4(packed, v);
-        else if (type == Q4_0) dequant_z4(packed, v);
-        else dequant_s8(packed, v);
+        if (type == Q4_1) dequant_u4(packed, 0, v);
+        else if (type == Q4_0) dequant_z4(packed, 0, v);
+        else dequant_s8(packed, 0, v);
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * QK + 8 * j, v[j]);
     }
     return 0;
@@ -505,13 +571,14 @@ static void rope(float *x, int64_t rows, int64_t heads, int64_t dh, const float 
 /* q [M, heads, dh], k and v [M, kv_heads, dh] of M tokens from hidden [M, D]: RMSNorm, the
  * fused [q; k; v] product, rotary on q and k. */
 int stoic_layer_pre(const float *hidden, int64_t M, int64_t D, const float *norm, float eps,
-                    int layout, const uint8_t *qkv, int64_t heads, int64_t kv_heads, int64_t dh,
-                    const float *cos, const float *sin, float *q, float *k, float *v, int threads) {
+                    int layout, const uint8_t *qkv, const float *bias, int64_t heads,
+                    int64_t kv_heads, int64_t dh, const float *cos, const float *sin, float *q,
+                    float *k, float *v, int threads) {
     const int64_t nq = heads * dh, nk = kv_heads * dh, n = nq + 2 * nk;
     float *x = calloc((size_t)(M * D), sizeof(float)), *y = malloc(sizeof(float) * (size_t)(M * n));
     if (!x || !y) { free(x); free(y); return -2; }
     rms_norm(hidden, norm, M, D, eps, x);
-    int rc = stoic_qmm(layout, x, M, D, qkv, n, NULL, y, threads);
+    int rc = stoic_qmm(layout, x, M, D, qkv, n, bias, y, threads); /* bias: NULL or [n] */
     if (rc == 0) {
         rope(y, M, heads + kv_heads, dh, cos, sin, n); /* q and k are adjacent in each row */
         for (int64_t m = 0; m < M; m++) {

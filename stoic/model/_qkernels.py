@@ -7,6 +7,11 @@ compiles in about a second where a ``torch.utils.cpp_extension`` build takes a m
 ninja; and why our own kernel at all: torch's weight-only int8/int4 CPU kernels were measured 8x
 *slower* than the float32 product on an AVX2 CPU (docs/benchmarks.md, "Single-stream speed").
 
+Types: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (32-weight blocks) and the K-quants Q4_K, Q5_K and Q6_K
+(256-weight super-blocks; these and the 5-bit types in ``_kquants.c``); a matrix stacked from parts of different types (a fused projection
+of a mixed file such as Q4_K_M: Q4_K q and k over a Q6_K v) is one product over its parts
+(:meth:`Kernels.bind_stack`).
+
 On a CPU with AVX-512F the build adds ``-mavx512f``: products of up to 16 rows then use 16-lane
 registers (35% less time at one row on a Xeon; the same arithmetic, the sums in another order).
 
@@ -27,18 +32,42 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .._logging import get_logger
 
-__all__ = ["GGML_TYPES", "Kernels", "KernelsUnavailable", "Product", "load_kernels"]
+__all__ = ["GGML_TYPES", "GgmlType", "Kernels", "KernelsUnavailable", "Product", "load_kernels"]
 
-#: GGML type ids the kernels compute on, with their block size in bytes (32 weights a block)
-GGML_TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-#: the repacked layout (``_qkernels.c``) the products read for each GGML type
-_LAYOUTS = {"Q4_0": 102, "Q4_1": 101, "Q8_0": 100}
+
+class GgmlType(NamedTuple):
+    """A GGML block type the kernels compute on."""
+
+    type_id: int
+    #: bytes of one block of ``weights`` weights
+    block_bytes: int
+    weights: int
+
+
+#: the GGML types the kernels compute on, by name
+GGML_TYPES: dict[str, GgmlType] = {
+    "Q4_0": GgmlType(2, 18, 32),
+    "Q4_1": GgmlType(3, 20, 32),
+    "Q5_0": GgmlType(6, 22, 32),
+    "Q5_1": GgmlType(7, 24, 32),
+    "Q8_0": GgmlType(8, 34, 32),
+    "Q4_K": GgmlType(12, 144, 256),
+    "Q5_K": GgmlType(13, 176, 256),
+    "Q6_K": GgmlType(14, 210, 256),
+}
+#: the repacked layout (``_qkernels.c``, ``_kquants.c``) the products read for each GGML type
+_LAYOUTS = {
+    "Q4_0": 102, "Q4_1": 101, "Q5_0": 106, "Q5_1": 107, "Q8_0": 100,
+    "Q4_K": 103, "Q5_K": 104, "Q6_K": 105,
+}  # fmt: skip
+#: the layout of a matrix stacked from parts of different layouts (``MIXED`` in ``_qkernels.c``)
+_MIXED = 110
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);
@@ -60,9 +89,11 @@ class KernelsUnavailable(RuntimeError):
 
 class Product:
     """``x @ W.T (+ bias)`` by a matrix repacked for the kernels (:meth:`Kernels.bind`): a call
-    costs a ctypes call and an output allocation."""
+    costs a ctypes call and an output allocation. ``kind`` is the GGML type, or the parts'
+    types joined by ``+`` for a stacked matrix (layout ``MIXED``: ``packed`` is its descriptor,
+    ``parts`` the products whose repacked rows it points to)."""
 
-    __slots__ = ("_bias", "_packed", "_qmm", "cols", "kind", "layout", "rows")
+    __slots__ = ("_bias", "_packed", "_qmm", "cols", "kind", "layout", "parts", "rows")
 
     def __init__(
         self,
@@ -71,10 +102,13 @@ class Product:
         packed: torch.Tensor,
         cols: int,
         bias: torch.Tensor | None,
+        parts: tuple[Product, ...] = (),
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
-        self.layout = _LAYOUTS[kind]
-        self.rows, self.cols = int(packed.shape[0]), cols
+        self.parts = parts
+        self.layout = _MIXED if parts else _LAYOUTS[kind]
+        self.rows: int = sum(p.rows for p in parts) if parts else int(packed.shape[0])
+        self.cols = cols
 
     @property
     def pointer(self) -> int:
@@ -113,9 +147,9 @@ class Kernels:
             "stoic_dequantize": [i32, ptr, i64, i64, ptr],
             "stoic_repack": [i32, ptr, i64, i64, ptr],
             "stoic_repacked_bytes": [i32],
-            # hidden M D norm eps layout qkv heads kv_heads dh cos sin q k v threads
-            "stoic_layer_pre": [ptr, i64, i64, ptr, f32, i32, ptr, i64, i64, i64, ptr, ptr,
-                                ptr, ptr, ptr, i32],
+            # hidden M D norm eps layout qkv bias heads kv_heads dh cos sin q k v threads
+            "stoic_layer_pre": [ptr, i64, i64, ptr, f32, i32, ptr, ptr, i64, i64, i64, ptr,
+                                ptr, ptr, ptr, ptr, i32],
             # q k v k_pool v_pool write tables lens M heads kv_heads dh block max_blocks scale
             # out threads
             "stoic_decode_attention": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
@@ -160,30 +194,73 @@ class Kernels:
 
     def bind(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
-        products' layout once (float32 scales, nibbles reordered: 0.625-1.125 bytes a weight).
+        products' layout once (float32 scales; Q4_0/Q4_1 nibbles reordered: 0.625-1.125 bytes a
+        weight; the K-quants keep theirs: 1.01-1.06x the file's bytes).
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
-        type_id, block_bytes = GGML_TYPES[kind]
+        ggml = GGML_TYPES[kind]
         n, row_bytes = blocks.shape
-        cols = row_bytes // block_bytes * 32
-        if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_bytes % block_bytes:
+        cols = row_bytes // ggml.block_bytes * ggml.weights
+        if (
+            blocks.dtype != torch.uint8
+            or not blocks.is_contiguous()
+            or row_bytes % ggml.block_bytes
+        ):
             raise ValueError(f"not {kind} blocks: {blocks.dtype} {tuple(blocks.shape)}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-            raise ValueError(f"a bias of {tuple(bias.shape)} for {n} outputs")
-        packed = torch.empty(n, cols // 32 * self._packed_bytes(type_id), dtype=torch.uint8)
-        if self._repack(type_id, blocks.data_ptr(), n, cols, packed.data_ptr()) != 0:
+        _check_bias(bias, n)
+        packed = torch.empty(
+            n, cols // ggml.weights * self._packed_bytes(ggml.type_id), dtype=torch.uint8
+        )
+        if self._repack(ggml.type_id, blocks.data_ptr(), n, cols, packed.data_ptr()) != 0:
             raise ValueError(f"cannot repack {kind} blocks {tuple(blocks.shape)}")
         return Product(self._qmm, kind, packed, cols, None if bias is None else bias.contiguous())
 
+    def bind_stack(
+        self, parts: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None
+    ) -> Product:
+        """:meth:`bind` for the matrix made of ``parts`` (``(kind, blocks)``, one below the
+        other, of one width) whose types differ: one product, each part multiplied by its own
+        kernel into its columns of the result.
+
+        :raises ValueError: if a part does not fit, or the parts differ in width.
+        """
+        products = tuple(self.bind(kind, blocks, None) for kind, blocks in parts)
+        if not products or len({p.cols for p in products}) != 1:
+            raise ValueError(f"cannot stack matrices of widths {[p.cols for p in products]}")
+        rows = sum(p.rows for p in products)
+        _check_bias(bias, rows)
+        entries = [len(products)]
+        for p in products:
+            entries += [p.layout, p.rows, p.pointer]
+        descriptor = torch.tensor(entries, dtype=torch.int64)
+        kind = "+".join(dict.fromkeys(p.kind for p in products))
+        return Product(
+            self._qmm,
+            kind,
+            descriptor,
+            products[0].cols,
+            None if bias is None else bias.contiguous(),
+            products,
+        )
+
     def dequantize(self, kind: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
         """The float32 ``[N, cols]`` matrix ``blocks`` holds, as :meth:`mm` sees it."""
-        type_id, block_bytes = GGML_TYPES[kind]
-        if cols % 32 or blocks.shape[1] != cols // 32 * block_bytes or not blocks.is_contiguous():
+        ggml = GGML_TYPES[kind]
+        if (
+            cols % ggml.weights
+            or blocks.shape[1] != cols // ggml.weights * ggml.block_bytes
+            or not blocks.is_contiguous()
+        ):
             raise ValueError(f"{kind} blocks {tuple(blocks.shape)} do not hold {cols} columns")
         out = torch.empty(blocks.shape[0], cols, dtype=torch.float32)
-        self._dequantize(type_id, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr())
+        self._dequantize(ggml.type_id, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr())
         return out
+
+
+def _check_bias(bias: torch.Tensor | None, rows: int) -> None:
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (rows,)):
+        raise ValueError(f"a bias of {tuple(bias.shape)} for {rows} outputs")
 
 
 def _cpu_flags() -> set[str]:
@@ -209,9 +286,9 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-#: the C sources, built into one library in this order (``_cops.c``: the bfloat16 prefill's
-#: elementwise operators)
-_SOURCES = ("_qkernels.c", "_cops.c")
+#: the C sources, built into one library in this order (``_kquants.c``: the K-quants' products;
+#: ``_cops.c``: the bfloat16 prefill's elementwise operators)
+_SOURCES = ("_qkernels.c", "_kquants.c", "_cops.c")
 
 
 def _source() -> bytes:

@@ -10,9 +10,11 @@ chunk, where the product is compute-bound and float32 BLAS is faster) by the flo
 
 Nothing is lost: the blocks hold the float copy's weights (checked at load, row samples of every
 matrix de-quantised by the kernels and compared bitwise), and the products differ from the
-float ones within float32 rounding, as two BLAS kernels do (``_qkernels.c`` says how). Types: Q4_0, Q4_1, Q8_0 (what
-:data:`._qkernels.GGML_TYPES` lists); a matrix of any other type (K-quants, F16) stays on the
-float path.
+float ones within float32 rounding, as two BLAS kernels do (``_qkernels.c`` says how). Types: Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (what :data:`._qkernels.GGML_TYPES` lists), each matrix
+on its own type (a mixed file such as Q4_K_M: a fused projection of matrices of different types
+is a :class:`MixedMatrix`); a matrix of any other type (Q2_K, Q3_K, IQ types, F16, ...) stays on
+the float path, and so does a fused projection with one such part.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ._qkernels import GGML_TYPES, Kernels, Product
 __all__ = [
     "DENSE_KERNEL_ROWS",
     "MAX_KERNEL_ROWS",
+    "MixedMatrix",
     "QLinear",
     "QuantizedMatrix",
     "kernels_for",
@@ -56,19 +59,21 @@ _LLAMA_TENSORS = {
     "q": "attn_q",
     "k": "attn_k",
     "v": "attn_v",
+    "qkv": "attn_qkv",  # Phi-3's fused [q; k; v]
     "o": "attn_output",
     "gate": "ffn_gate",
-    "up": "ffn_up",
+    "up": "ffn_up",  # Phi-3's fused [gate; up]
     "down": "ffn_down",
 }
-#: GGML type id -> (type name, block bytes), for the types the kernels compute on
-_KINDS = {type_id: (name, size) for name, (type_id, size) in GGML_TYPES.items()}
+#: GGML type id -> type name, for the types the kernels compute on
+_KINDS = {ggml.type_id: name for name, ggml in GGML_TYPES.items()}
 _log = get_logger("stoic.model")
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """``rows`` x ``cols`` weights as GGML blocks: uint8 ``[rows, cols / 32 * block_bytes]``."""
+    """``rows`` x ``cols`` weights as GGML blocks: uint8 ``[rows, cols / weights * block_bytes]``
+    (``weights`` a block: 32, or 256 for a K-quant)."""
 
     kind: str
     blocks: torch.Tensor
@@ -79,18 +84,20 @@ class QuantizedMatrix:
         return int(self.blocks.shape[0])
 
     @staticmethod
-    def stack(parts: list[QuantizedMatrix | None]) -> QuantizedMatrix | None:
-        """The matrices one below the other (a fused projection), or None when any is missing
-        or they differ in type or width."""
-        if not parts or any(p is None for p in parts):
+    def stack(parts: list[QuantizedMatrix | None]) -> QuantizedMatrix | MixedMatrix | None:
+        """The matrices one below the other (a fused projection): one matrix of their type, a
+        :class:`MixedMatrix` where their types differ, None when any is missing or they differ
+        in width."""
+        found = [p for p in parts if p is not None]
+        if not found or len(found) != len(parts) or len({p.cols for p in found}) != 1:
             return None
-        first = parts[0]
-        assert first is not None
-        if any(p is None or p.kind != first.kind or p.cols != first.cols for p in parts):
-            return None
-        return QuantizedMatrix(
-            first.kind, torch.cat([p.blocks for p in parts if p is not None]), first.cols
-        )
+        if len({p.kind for p in found}) > 1:
+            return MixedMatrix(tuple(found))
+        return QuantizedMatrix(found[0].kind, torch.cat([p.blocks for p in found]), found[0].cols)
+
+    def bind(self, kernels: Kernels, bias: torch.Tensor | None) -> Product:
+        """The product by these blocks (and a float32 ``bias``), repacked once."""
+        return kernels.bind(self.kind, self.blocks, bias)
 
     def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
         """Whether these blocks hold ``weight`` (the de-quantised copy), judged on a sample of
@@ -104,6 +111,38 @@ class QuantizedMatrix:
         mine = kernels.dequantize(self.kind, self.blocks.index_select(0, index), self.cols)
         theirs = weight.detach().index_select(0, index.to(weight.device)).cpu()
         return torch.equal(mine.to(theirs.dtype), theirs)
+
+
+@dataclass(frozen=True)
+class MixedMatrix:
+    """Matrices of different GGML types one below the other (a fused projection of a mixed file:
+    Q4_K_M holds some layers' V projection as Q6_K under Q4_K queries and keys); one product,
+    each part multiplied on its own type (:meth:`._qkernels.Kernels.bind_stack`)."""
+
+    parts: tuple[QuantizedMatrix, ...]
+
+    @property
+    def kind(self) -> str:
+        """The parts' types, joined by ``+`` (``"Q4_K+Q6_K"``)."""
+        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
+
+    def bind(self, kernels: Kernels, bias: torch.Tensor | None) -> Product:
+        return kernels.bind_stack([(p.kind, p.blocks) for p in self.parts], bias)
+
+    def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
+        """Whether each part holds its rows of ``weight`` (:meth:`QuantizedMatrix.matches`)."""
+        if weight.dim() != 2 or weight.shape[0] != self.rows:
+            return False
+        slices = weight.split_with_sizes([p.rows for p in self.parts])
+        return all(p.matches(kernels, w) for p, w in zip(self.parts, slices, strict=True))
 
 
 class QLinear:
@@ -133,7 +172,7 @@ class QLinear:
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        quantized: QuantizedMatrix | None = None,
+        quantized: QuantizedMatrix | MixedMatrix | None = None,
         kernels: Kernels | None = None,
         max_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
@@ -146,7 +185,7 @@ class QLinear:
         self._product: Product | None = None
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
-            self._product = kernels.bind(self.quantized.kind, self.quantized.blocks, bias32)
+            self._product = self.quantized.bind(kernels, bias32)
         #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
         #: (None once packed: :attr:`_packed` holds the same numbers)
         self.dense_weight: torch.Tensor | None = weight
@@ -166,7 +205,7 @@ class QLinear:
         cls,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        quantized: QuantizedMatrix | None,
+        quantized: QuantizedMatrix | MixedMatrix | None,
         kernels: Kernels | None,
         *,
         max_rows: int = MAX_KERNEL_ROWS,
@@ -266,11 +305,14 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
 def _read_matrix(
     file: BinaryIO, header: GgufHeader, tensor: GgufTensor, order: torch.Tensor | None = None
 ) -> QuantizedMatrix | None:
-    if tensor.ggml_type not in _KINDS or len(tensor.dims) != 2 or tensor.dims[0] % 32:
+    kind = _KINDS.get(tensor.ggml_type)
+    if kind is None or len(tensor.dims) != 2:
         return None
-    kind, block_bytes = _KINDS[tensor.ggml_type]
+    ggml = GGML_TYPES[kind]
     cols, rows = tensor.dims
-    blocks = torch.empty(rows, cols // 32 * block_bytes, dtype=torch.uint8)
+    if cols % ggml.weights:
+        return None
+    blocks = torch.empty(rows, cols // ggml.weights * ggml.block_bytes, dtype=torch.uint8)
     file.seek(header.data_start + tensor.offset)
     if file.readinto(blocks.numpy()) != blocks.numel():  # type: ignore[attr-defined]
         raise ValueError(f"tensor {tensor.name} runs past the end of the file")
@@ -280,14 +322,17 @@ def _read_matrix(
 
 
 def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
-    """The quantised matrices of a Llama-layout GGUF file, keyed ``"{layer}.{q|k|v|o|gate|up|
-    down}"`` and ``"head"`` (``output.weight``, else the tied ``token_embd.weight``), rows in
-    transformers' order. Matrices of types the kernels lack are left out.
+    """The quantised matrices of a Llama-layout GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3:
+    :data:`._fused.FUSED_TYPES`), keyed ``"{layer}.{q|k|v|qkv|o|gate|up|down}"`` and ``"head"``
+    (``output.weight``, else the tied ``token_embd.weight``), rows in transformers' order (the
+    Q and K rows of a ``llama`` file un-permuted, as transformers' loader does for that
+    architecture only). Matrices of types the kernels lack are left out.
 
     :raises OSError: if the file cannot be read; ``ValueError`` if it is not GGUF or truncated.
     """
     header = read_gguf_header(gguf)
     tensors = header.tensors
+    permuted = header.architecture == "llama"
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     out: dict[str, QuantizedMatrix] = {}
@@ -298,7 +343,7 @@ def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
                 if tensor is None:
                     continue
                 order = None
-                if short in ("q", "k") and len(tensor.dims) == 2:
+                if permuted and short in ("q", "k") and len(tensor.dims) == 2:
                     order = _unpermute(tensor.dims[1], heads if short == "q" else kv_heads)
                 found = _read_matrix(file, header, tensor, order)
                 if found is not None:

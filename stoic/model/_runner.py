@@ -56,8 +56,9 @@ class ModelRunner:
     masks are computed in a thread of the runner's own while the forward runs (llguidance and
     torch both release the GIL), then applied to those rows' logits before sampling.
 
-    A Llama-architecture model runs through :class:`._fused.FusedLlama` (fused projections, the
-    same arithmetic) unless ``fused`` is False; any other model through transformers' forward.
+    A model of a Llama-family architecture (:data:`._fused.FUSED_TYPES`: Llama, Mistral, Qwen2,
+    Qwen3, Phi-3) runs through :class:`._fused.FusedLlama` (fused projections, the same
+    arithmetic) unless ``fused`` is False; any other model through transformers' forward.
 
     ``quantization`` (``--quantization``, :mod:`._quant`): with ``"auto"`` a model loaded from a
     GGUF file multiplies steps of few tokens by the file's quantised blocks where this machine

@@ -47,9 +47,9 @@ def probe_says(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_auto_keeps_float32_activations_for_a_gguf_llama_decoding_on_blocks(
     kernels: Kernels, probe_says: Any, tmp_path: Path
 ) -> None:
-    """Where bfloat16 measures faster, a GGUF Llama file whose decode runs on its blocks gets
-    float32 activations and bfloat16 dense products; with ``--quantization none``, a model
-    directory or another architecture, ``auto`` is the probe's choice; an explicit dtype is
+    """Where bfloat16 measures faster, a GGUF Llama (or Qwen2) file whose decode runs on its
+    blocks in the C layers gets float32 activations and bfloat16 dense products; with ``--quantization none``, a model
+    directory or another architecture (Qwen3), ``auto`` is the probe's choice; an explicit dtype is
     taken as given; where float32 is faster nothing is bfloat16."""
     root = default_cache_dir()
     gguf = default_gguf_path()
@@ -64,7 +64,11 @@ def test_auto_keeps_float32_activations_for_a_gguf_llama_decoding_on_blocks(
         torch.bfloat16
     )
     assert resolve_precision("auto", CPU, root, gguf=None) == Precision(torch.bfloat16)
-    other = write_gguf(tmp_path / "qwen.gguf", architecture="qwen2")
+    qwen2 = write_gguf(tmp_path / "qwen2.gguf", architecture="qwen2")  # C layers too
+    assert resolve_precision("auto", CPU, root, gguf=qwen2) == Precision(
+        torch.float32, torch.bfloat16
+    )
+    other = write_gguf(tmp_path / "qwen3.gguf", architecture="qwen3")
     assert resolve_precision("auto", CPU, root, gguf=other) == Precision(torch.bfloat16)
     assert resolve_precision("float32", CPU, root, gguf=gguf) == Precision(torch.float32)
     assert resolve_precision("bf16", CPU, root, gguf=gguf) == Precision(torch.bfloat16)

@@ -7,12 +7,10 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-import numpy as np
 import pytest
 import structlog
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf_blocks import gguf_py, random_blocks
 
 from stoic.errors import ModelUnavailable
 from stoic.model import (
@@ -31,41 +29,27 @@ from stoic.model._quant import (
     read_llama_blocks,
 )
 
-
-def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Random bytes shaped as ``rows`` x ``cols`` weights of ``kind``, with finite fp16 scales."""
-    _, size = GGML_TYPES[kind]
-    gen = np.random.default_rng(seed)
-    raw = gen.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
-    halves = 2 if kind == "Q4_1" else 1  # d (and m) lead every block
-    scales = gen.uniform(-0.05, 0.05, size=(rows, cols // 32, halves)).astype(np.float16)
-    raw[:, :, : 2 * halves] = scales.view(np.uint8).reshape(rows, cols // 32, 2 * halves)
-    return torch.from_numpy(raw.reshape(rows, -1).copy())
+#: the types of 32-weight blocks (the K-quants' tests: test_kquants.py)
+BLOCK32 = sorted(kind for kind, ggml in GGML_TYPES.items() if ggml.weights == 32)
 
 
-def _gguf_py(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """What transformers' GGUF loader de-quantises ``blocks`` to (gguf-py), float32."""
-    values = dequantize(blocks.numpy(), GGMLQuantizationType[kind])
-    return torch.from_numpy(np.asarray(values, dtype=np.float32))
-
-
-@pytest.mark.parametrize("kind", sorted(GGML_TYPES))
+@pytest.mark.parametrize("kind", BLOCK32)
 def test_kernels_dequantise_to_the_numbers_gguf_py_gives(kernels: Kernels, kind: str) -> None:
     """Every weight the kernels compute with is bit for bit the float32 value of transformers'
     de-quantised copy (so quantised and float paths multiply the same matrix)."""
-    blocks = _random_blocks(kind, 7, 96, seed=1)
-    assert torch.equal(kernels.dequantize(kind, blocks, 96), _gguf_py(kind, blocks))
+    blocks = random_blocks(kind, 7, 96, seed=1)
+    assert torch.equal(kernels.dequantize(kind, blocks, 96), gguf_py(kind, blocks))
 
 
-@pytest.mark.parametrize("kind", sorted(GGML_TYPES))
+@pytest.mark.parametrize("kind", BLOCK32)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
 def test_product_equals_the_float_product_up_to_rounding(
     kernels: Kernels, kind: str, rows: int
 ) -> None:
     """``x @ W.T + b`` over the blocks equals the float64 product with the de-quantised matrix
     within float32 rounding, for row counts on and off the kernel's 4-row tiles."""
-    blocks = _random_blocks(kind, 37, 160, seed=rows)
-    weight = _gguf_py(kind, blocks)
+    blocks = random_blocks(kind, 37, 160, seed=rows)
+    weight = gguf_py(kind, blocks)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(37)
     want = (x.double() @ weight.double().T + bias.double()).float()
@@ -78,7 +62,7 @@ def test_product_equals_the_float_product_up_to_rounding(
 def test_mismatched_shapes_are_refused_before_computing(kernels: Kernels) -> None:
     """A width that is not the blocks', not a multiple of 32, a non-float32 or strided input:
     ValueError, nothing read past the tensors."""
-    blocks = _random_blocks("Q8_0", 4, 64, seed=0)
+    blocks = random_blocks("Q8_0", 4, 64, seed=0)
     for x in (
         torch.randn(2, 96),
         torch.randn(2, 48),
@@ -97,8 +81,8 @@ def test_qlinear_uses_the_blocks_for_small_steps_only(kernels: Kernels) -> None:
     """At most ``max_rows`` rows go through the kernel, more through ``F.linear`` on the float
     weight (told apart here by giving the two different matrices); other dtypes come back in
     their own dtype."""
-    blocks = _random_blocks("Q4_1", 16, 64, seed=3)
-    weight = _gguf_py("Q4_1", blocks)
+    blocks = random_blocks("Q4_1", 16, 64, seed=3)
+    weight = gguf_py("Q4_1", blocks)
     linear = QLinear(
         torch.zeros_like(weight), None, QuantizedMatrix("Q4_1", blocks, 64), kernels, 4
     )
@@ -252,9 +236,9 @@ def test_kernels_build_wherever_the_machine_allows(tmp_path: Path) -> None:
         pytest.skip(f"no compiler, or the CPU lacks {missing}")
     kernels = load_kernels(tmp_path)
     assert kernels.path.is_relative_to(tmp_path) and kernels.path.exists()
-    blocks = _random_blocks("Q4_0", 3, 32, seed=5)
+    blocks = random_blocks("Q4_0", 3, 32, seed=5)
     x = torch.randn(2, 32)
-    want = x @ _gguf_py("Q4_0", blocks).T
+    want = x @ gguf_py("Q4_0", blocks).T
     torch.testing.assert_close(kernels.mm("Q4_0", x, blocks, None), want, rtol=1e-5, atol=1e-5)
 
 

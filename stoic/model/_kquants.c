@@ -1,0 +1,377 @@
+/* Products over GGML's K-quants (Q4_K, Q5_K, Q6_K) and the 5-bit Q5_0 and Q5_1 (what
+ * llama-quantize writes instead of Q4_K where a matrix's width is not a multiple of 256: most
+ * matrices of a Q4_K_M file of a model 576 or 896 wide), on the loops of _qkernels.c (DEFINE_MM,
+ * DEFINE_MM16), to which this file is appended in one build (_qkernels.py).
+ *
+ * A K-quant row is made of 256-weight super-blocks (llama.cpp's ggml-quants.c, gguf-py's
+ * gguf.quants):
+ *   Q4_K (144 bytes): {fp16 d; fp16 dmin; u8 scales[12]; u8 qs[128]}
+ *       8 sub-blocks of 32, each with a 6-bit scale sc and min mn (packed in the 12 bytes);
+ *       w = (d * sc) * q - (dmin * mn), q the 4-bit value: sub-blocks 2c and 2c + 1 are the
+ *       low and the high nibbles of qs[32c .. 32c + 31]
+ *   Q5_K (176 bytes): {fp16 d; fp16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}
+ *       as Q4_K with a fifth bit: bit j of qh[l] is the high bit of weight l of sub-block j
+ *   Q6_K (210 bytes): {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d}
+ *       16 sub-blocks of 16 with an int8 scale; w = (d * sc) * (q - 32), q 6 bits: weight
+ *       128h + 32r + l (r < 4, l < 32) has its low 4 bits in nibble r / 2 of ql[64h + 32(r % 2) + l]
+ *       and its high 2 in bits 2r, 2r + 1 of qh[32h + l]
+ * Repacked once at load (kquant_repack) only so that a sub-block costs fewer instructions: the
+ * fp16 scales as float32 and the 6-bit scales and mins one byte each; the quantised values stay
+ * as the file has them (152, 184 and 212 bytes a super-block: 1.06, 1.05 and 1.01x the file's).
+ *   K4: {f32 d; f32 dmin; u8 sc[8]; u8 mn[8]; u8 qs[128]}
+ *   K5: {f32 d; f32 dmin; u8 sc[8]; u8 mn[8]; u8 qh[32]; u8 qs[128]}
+ *   K6: {f32 d; i8 sc[16]; u8 ql[128]; u8 qh[64]}
+ * Every 32 weights come out in order (no copy of x in another order, unlike U4 and Z4).
+ *
+ * Q5_0 (22 bytes): {fp16 d; u32 qh; u8 qs[16]}          w = (q - 16) * d
+ * Q5_1 (24 bytes): {fp16 d; fp16 m; u32 qh; u8 qs[16]}  w = q * d + m
+ *   weight l < 16: low nibble of qs[l], l >= 16: high nibble of qs[l - 16]; bit l of qh its
+ *   fifth bit. Repacked with float32 d (and m): Z5 {f32 d; u32 qh; u8 qs[16]} (24 bytes), U5
+ *   {f32 d; f32 m; u32 qh; u8 qs[16]} (28 bytes).
+ * d * sc and dmin * mn are exact in float32 (11 by at most 8 significant bits), so each weight is
+ * rounded once, as gguf-py rounds it: the de-quantised weights are bitwise gguf-py's (hence
+ * transformers'), and the products are the float32 product over them up to the order of the sums
+ * (several rows: tiles of de-quantised weights; one row of Q4_K/Q5_K: the factored
+ * s * sum(q x) - mn * sum(x), as for Q4_1; one row of Q6_K multiplies the de-quantised weights).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK_K 256
+#define K4_BYTES 152
+#define K5_BYTES 184
+#define K6_BYTES 212
+#define Z5_BYTES 24
+#define U5_BYTES 28
+
+static int64_t kquant_repacked_bytes(int type) {
+    switch (type) {
+    case Q4_K: return K4_BYTES;
+    case Q5_K: return K5_BYTES;
+    case Q6_K: return K6_BYTES;
+    case Q5_0: return Z5_BYTES;
+    case Q5_1: return U5_BYTES;
+    default: return 0;
+    }
+}
+
+static int64_t kquant_block_bytes(int type) {
+    switch (type) {
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    default: return 0;
+    }
+}
+
+static int64_t kquant_block_weights(int type) { return type == Q5_0 || type == Q5_1 ? QK : QK_K; }
+
+/* the 8 scales and 8 mins of a Q4_K/Q5_K super-block from their 12 bytes (get_scale_min_k4) */
+static void unpack_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    const int64_t in = kquant_block_bytes(type), out = kquant_repacked_bytes(type);
+    if (!in || K % kquant_block_weights(type) != 0) return -1;
+    for (int64_t i = 0; i < N * (K / kquant_block_weights(type)); i++) {
+        const uint8_t *b = src + i * in;
+        uint8_t *o = dst + i * out;
+        if (type == Q5_0 || type == Q5_1) {
+            const int64_t scales = type == Q5_1 ? 2 : 1;
+            for (int64_t k = 0; k < scales; k++) {
+                const float v = half_to_float(b + 2 * k);
+                memcpy(o + 4 * k, &v, 4);
+            }
+            memcpy(o + 4 * scales, b + 2 * scales, 20); /* qh, qs */
+        } else if (type == Q6_K) {
+            const float d = half_to_float(b + 208);
+            memcpy(o, &d, 4);
+            memcpy(o + 4, b + 192, 16);       /* scales */
+            memcpy(o + 20, b, 128 + 64);      /* ql, qh */
+        } else {
+            const float d = half_to_float(b), dmin = half_to_float(b + 2);
+            memcpy(o, &d, 4);
+            memcpy(o + 4, &dmin, 4);
+            unpack_scales(b + 4, o + 8, o + 16);
+            memcpy(o + 24, b + 16, (size_t)(in - 16)); /* (qh and) qs */
+        }
+    }
+    return 0;
+}
+
+/* ---- 8 lanes: the i-th 32 weights of a row, as integers (as floats) and their scale d and
+ * offset m (w = q * d + m), or de-quantised */
+static inline __m256 bits8(const uint8_t *p, __m128i shift, int mask) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srl_epi32(v, shift), _mm256_set1_epi32(mask)));
+}
+
+static inline __m256 as_float8(__m256 bits) { return _mm256_cvtepi32_ps(_mm256_castps_si256(bits)); }
+
+/* d * sc[j] and -(dmin * mn[j]) of a K4/K5 super-block */
+static inline void scale_min(const uint8_t *b, int j, float *d, float *m) {
+    float sd, smin;
+    memcpy(&sd, b, 4);
+    memcpy(&smin, b + 4, 4);
+    *d = sd * (float)b[8 + j];
+    *m = -(smin * (float)b[16 + j]);
+}
+
+static inline void unpack_k4(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + (i >> 3) * K4_BYTES;
+    const int j = (int)(i & 7);
+    scale_min(b, j, d, m);
+    const uint8_t *qs = b + 24 + 32 * (j >> 1);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
+    for (int k = 0; k < 4; k++) q[k] = as_float8(bits8(qs + 8 * k, shift, 0x0F));
+}
+
+static inline void unpack_k5(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + (i >> 3) * K5_BYTES;
+    const int j = (int)(i & 7);
+    scale_min(b, j, d, m);
+    const uint8_t *qh = b + 24, *qs = b + 56 + 32 * (j >> 1);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1)), hshift = _mm_cvtsi32_si128(j);
+    for (int k = 0; k < 4; k++) {
+        const __m256i lo = _mm256_castps_si256(bits8(qs + 8 * k, shift, 0x0F));
+        const __m256i hi = _mm256_castps_si256(bits8(qh + 8 * k, hshift, 0x01));
+        q[k] = _mm256_cvtepi32_ps(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)));
+    }
+}
+
+/* the 32 weights' 6-bit values minus 32, as floats, and the scales of their two halves */
+static inline void values_k6(const uint8_t *wr, int64_t i, __m256 q[4], float s[2]) {
+    const uint8_t *b = wr + (i >> 3) * K6_BYTES;
+    const int j = (int)(i & 7), h = j >> 2, r = j & 3;
+    float d;
+    memcpy(&d, b, 4);
+    s[0] = d * (float)(int8_t)b[4 + 2 * j];
+    s[1] = d * (float)(int8_t)b[5 + 2 * j];
+    const uint8_t *ql = b + 20 + 64 * h + 32 * (r & 1), *qh = b + 148 + 32 * h;
+    const __m128i shift = _mm_cvtsi32_si128(4 * (r >> 1)), hshift = _mm_cvtsi32_si128(2 * r);
+    const __m256i bias = _mm256_set1_epi32(32);
+    for (int k = 0; k < 4; k++) {
+        const __m256i lo = _mm256_castps_si256(bits8(ql + 8 * k, shift, 0x0F));
+        const __m256i hi = _mm256_castps_si256(bits8(qh + 8 * k, hshift, 0x03));
+        q[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias));
+    }
+}
+
+static inline void dequant_k6(const uint8_t *wr, int64_t i, __m256 w[4]) {
+    float s[2];
+    values_k6(wr, i, w, s);
+    for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(w[k], _mm256_set1_ps(s[k >> 1]));
+}
+
+/* Q6_K has two scales in 32 weights: its one-row path multiplies the de-quantised weights */
+static inline void unpack_k6(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    dequant_k6(wr, i, q);
+    *d = 1.0f;
+    *m = 0.0f;
+}
+
+/* Q5_0/Q5_1: 32 5-bit values in order; `b` the repacked block, `at` its qh */
+static inline void values_5(const uint8_t *at, __m256 q[4], int bias) {
+    uint32_t qh;
+    memcpy(&qh, at, 4);
+    const __m256i high = _mm256_set1_epi32((int)qh), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i one = _mm256_set1_epi32(1), offset = _mm256_set1_epi32(bias);
+    for (int k = 0; k < 4; k++) { /* weights 8k .. 8k + 7: nibble k / 2 of bytes 8 (k % 2) .. */
+        const __m128i shift = _mm_cvtsi32_si128(4 * (k >> 1));
+        const __m256i lo = _mm256_castps_si256(bits8(at + 4 + 8 * (k & 1), shift, 0x0F));
+        const __m256i bit = _mm256_and_si256(
+            _mm256_srlv_epi32(high, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * k))), one);
+        q[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(bit, 4)), offset));
+    }
+}
+
+static inline void unpack_z5(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + i * Z5_BYTES;
+    memcpy(d, b, 4);
+    *m = 0.0f;
+    values_5(b + 4, q, 16); /* (q - 16) * d: exact */
+}
+
+static inline void unpack_u5(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
+    const uint8_t *b = wr + i * U5_BYTES;
+    memcpy(d, b, 4);
+    memcpy(m, b + 4, 4);
+    values_5(b + 8, q, 0);
+}
+
+/* q * d + m: two roundings (no contraction), q * d exact, as gguf-py's (d * sc) * q - dmin * mn
+ * (and Q5_1's d * q + m; Q5_0's m is 0: adding it changes nothing) */
+#define DEFINE_DEQUANT(NAME, UNPACK)                                                           \
+    static inline void NAME(const uint8_t *wr, int64_t i, __m256 w[4]) {                       \
+        float d, m;                                                                            \
+        UNPACK(wr, i, w, &d, &m);                                                              \
+        const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);                           \
+        for (int k = 0; k < 4; k++) w[k] = _mm256_add_ps(_mm256_mul_ps(w[k], dv), mv);          \
+    }
+
+DEFINE_DEQUANT(dequant_k4, unpack_k4)
+DEFINE_DEQUANT(dequant_k5, unpack_k5)
+DEFINE_DEQUANT(dequant_z5, unpack_z5)
+DEFINE_DEQUANT(dequant_u5, unpack_u5)
+DEFINE_ROW(row_k4, unpack_k4)
+DEFINE_ROW(row_k5, unpack_k5)
+DEFINE_ROW(row_k6, unpack_k6)
+DEFINE_ROW(row_z5, unpack_z5)
+DEFINE_ROW(row_u5, unpack_u5)
+DEFINE_MM(mm_k4, K4_BYTES, dequant_k4, row_k4)
+DEFINE_MM(mm_k5, K5_BYTES, dequant_k5, row_k5)
+DEFINE_MM(mm_k6, K6_BYTES, dequant_k6, row_k6)
+DEFINE_MM(mm_z5, 8 * Z5_BYTES, dequant_z5, row_z5)
+DEFINE_MM(mm_u5, 8 * U5_BYTES, dequant_u5, row_u5)
+
+#ifdef HAVE_AVX512
+/* ---- 16 lanes: the same values, 16 weights a register (a Q6_K register is one sub-block of
+ * one scale) */
+static inline __m512i bits16(const uint8_t *p, __m128i shift, int mask) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_and_si512(_mm512_srl_epi32(v, shift), _mm512_set1_epi32(mask));
+}
+
+static inline void unpack16_k4(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + (i >> 3) * K4_BYTES;
+    const int j = (int)(i & 7);
+    scale_min(b, j, d, m);
+    const uint8_t *qs = b + 24 + 32 * (j >> 1);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
+    for (int k = 0; k < 2; k++) q[k] = _mm512_cvtepi32_ps(bits16(qs + 16 * k, shift, 0x0F));
+}
+
+static inline void unpack16_k5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + (i >> 3) * K5_BYTES;
+    const int j = (int)(i & 7);
+    scale_min(b, j, d, m);
+    const uint8_t *qh = b + 24, *qs = b + 56 + 32 * (j >> 1);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1)), hshift = _mm_cvtsi32_si128(j);
+    for (int k = 0; k < 2; k++) {
+        const __m512i hi = _mm512_slli_epi32(bits16(qh + 16 * k, hshift, 0x01), 4);
+        q[k] = _mm512_cvtepi32_ps(_mm512_or_si512(bits16(qs + 16 * k, shift, 0x0F), hi));
+    }
+}
+
+static inline void dequant16_k6(const uint8_t *wr, int64_t i, __m512 w[2]) {
+    const uint8_t *b = wr + (i >> 3) * K6_BYTES;
+    const int j = (int)(i & 7), h = j >> 2, r = j & 3;
+    float d;
+    memcpy(&d, b, 4);
+    const uint8_t *ql = b + 20 + 64 * h + 32 * (r & 1), *qh = b + 148 + 32 * h;
+    const __m128i shift = _mm_cvtsi32_si128(4 * (r >> 1)), hshift = _mm_cvtsi32_si128(2 * r);
+    for (int k = 0; k < 2; k++) {
+        const __m512i hi = _mm512_slli_epi32(bits16(qh + 16 * k, hshift, 0x03), 4);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(bits16(ql + 16 * k, shift, 0x0F), hi),
+                                           _mm512_set1_epi32(32));
+        const float s = d * (float)(int8_t)b[4 + 2 * j + k];
+        w[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s));
+    }
+}
+
+static inline void unpack16_k6(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    dequant16_k6(wr, i, q);
+    *d = 1.0f;
+    *m = 0.0f;
+}
+
+/* 16 lanes of Q5_0/Q5_1: low nibbles of the 16 bytes are weights 0-15, high ones 16-31 */
+static inline void values16_5(const uint8_t *at, __m512 q[2], int bias) {
+    uint32_t qh;
+    memcpy(&qh, at, 4);
+    const __m512i high = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int k = 0; k < 2; k++) {
+        const __m512i lo = bits16(at + 4, _mm_cvtsi32_si128(4 * k), 0x0F);
+        const __m512i bit = _mm512_and_si512(
+            _mm512_srlv_epi32(high, _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * k))), one);
+        q[k] = _mm512_cvtepi32_ps(
+            _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(bit, 4)), _mm512_set1_epi32(bias)));
+    }
+}
+
+static inline void unpack16_z5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + i * Z5_BYTES;
+    memcpy(d, b, 4);
+    *m = 0.0f;
+    values16_5(b + 4, q, 16);
+}
+
+static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
+    const uint8_t *b = wr + i * U5_BYTES;
+    memcpy(d, b, 4);
+    memcpy(m, b + 4, 4);
+    values16_5(b + 8, q, 0);
+}
+
+#define DEFINE_DEQUANT16(NAME, UNPACK)                                                         \
+    static inline void NAME(const uint8_t *wr, int64_t i, __m512 w[2]) {                       \
+        float d, m;                                                                            \
+        UNPACK(wr, i, w, &d, &m);                                                              \
+        const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);                           \
+        for (int k = 0; k < 2; k++) w[k] = _mm512_add_ps(_mm512_mul_ps(w[k], dv), mv);          \
+    }
+
+DEFINE_DEQUANT16(dequant16_k4, unpack16_k4)
+DEFINE_DEQUANT16(dequant16_k5, unpack16_k5)
+DEFINE_MM16(mm16_k4, K4_BYTES, dequant16_k4, unpack16_k4, 0)
+DEFINE_MM16(mm16_k5, K5_BYTES, dequant16_k5, unpack16_k5, 0)
+DEFINE_MM16(mm16_k6, K6_BYTES, dequant16_k6, unpack16_k6, 0)
+DEFINE_DEQUANT16(dequant16_z5, unpack16_z5)
+DEFINE_DEQUANT16(dequant16_u5, unpack16_u5)
+DEFINE_MM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, unpack16_z5, 0)
+DEFINE_MM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, unpack16_u5, 0)
+#endif
+
+static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                     int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
+    if (K % (layout == Z5 || layout == U5 ? QK : QK_K) != 0) return -1;
+#ifdef HAVE_AVX512
+    if (M <= MAX_ROWS_16) switch (layout) {
+    case K4: return mm16_k4(x, M, K, w, N, bias, y, ldy, threads);
+    case K5: return mm16_k5(x, M, K, w, N, bias, y, ldy, threads);
+    case K6: return mm16_k6(x, M, K, w, N, bias, y, ldy, threads);
+    case Z5: return mm16_z5(x, M, K, w, N, bias, y, ldy, threads);
+    case U5: return mm16_u5(x, M, K, w, N, bias, y, ldy, threads);
+    default: return -1;
+    }
+#endif
+    switch (layout) {
+    case K4: mm_k4(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case K5: mm_k5(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case K6: mm_k6(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case Z5: mm_z5(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    case U5: mm_u5(x, M, K, w, N, bias, y, ldy, threads); return 0;
+    default: return -1;
+    }
+}
+
+static int kquant_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
+    const int64_t in = kquant_block_bytes(type), size = in ? kquant_block_weights(type) : 1;
+    if (!in || K % size != 0) return -1;
+    uint8_t packed[K6_BYTES]; /* the largest repacked block */
+    for (int64_t i = 0; i < N * (K / size); i++) {
+        kquant_repack(type, w + i * in, 1, size, packed);
+        for (int j = 0; j < size / QK; j++) {
+            __m256 v[4];
+            switch (type) {
+            case Q4_K: dequant_k4(packed, j, v); break;
+            case Q5_K: dequant_k5(packed, j, v); break;
+            case Q6_K: dequant_k6(packed, j, v); break;
+            case Q5_0: dequant_z5(packed, j, v); break;
+            default: dequant_u5(packed, j, v); break;
+            }
+            for (int k = 0; k < 4; k++) _mm256_storeu_ps(out + i * size + j * QK + 8 * k, v[k]);
+        }
+    }
+    return 0;
+}
