@@ -152,14 +152,20 @@ async def run(args: argparse.Namespace) -> str:
     requests = {c: args.requests or REQUESTS.get(c, 2 * c) for c in levels}
     files = model_files(args.model)
     results: list[tuple[str, Result]] = []
+    failed: list[str] = []
     started = time.time()
     llama_argv: list[str] = []
     for gguf in files:
         print(f"model {gguf}", flush=True)
         systems = model_systems(args, work, gguf, max(levels))
         llama_argv = next((s.argv for s in systems if s.name == "llama-server"), llama_argv)
-        for r in await measure_model(systems, levels, requests, args.max_tokens):
-            results.append((gguf.name, r))
+        try:
+            measured = await measure_model(systems, levels, requests, args.max_tokens)
+        except RuntimeError as exc:  # a server that does not start on this file: say so, go on
+            print(exc, flush=True)
+            failed.append(f"{gguf.name}: {str(exc).splitlines()[0]}")
+            continue
+        results += [(gguf.name, r) for r in measured]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     minutes = (time.time() - started) / 60
     one = len(files) == 1
@@ -179,6 +185,7 @@ async def run(args: argparse.Namespace) -> str:
         + ".\n\n"
         + table(results, "llama-server")
         + "\n"
+        + "".join(f"\nNot measured: {line}\n" for line in failed)
     )
 
 
