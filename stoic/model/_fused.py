@@ -99,10 +99,8 @@ def _supported(config: Any, base: Any) -> bool:
     if kind in _GEMMA_TYPES:
         if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
             return False
-        # soft-capped or bidirectional attention is not the paged attention's here
-        if getattr(config, "attn_logit_softcapping", None) or getattr(
-            config, "use_bidirectional_attention", False
-        ):
+        # bidirectional attention is not the paged attention's here (soft-capping: below)
+        if getattr(config, "use_bidirectional_attention", False):
             return False
     elif getattr(config, "hidden_act", None) != "silu":
         return False
