@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +135,33 @@ def record_intake_requests(monkeypatch: pytest.MonkeyPatch) -> list[stoic.Reques
 
     monkeypatch.setattr(TokenCodec, "tokenize", spy)
     return seen
+
+
+def greedy_reference(
+    model: Any, prompts: Sequence[Sequence[int]], steps: int
+) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy ``generate`` of each prompt alone, exactly ``steps`` new tokens (no
+    early EOS): the tokens and their logprobs, from the raw logits (before the processors, as
+    ``min_new_tokens`` hides the EOS from the processed ones)."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            got = model.generate(
+                torch.tensor([list(prompt)]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            tokens = got.sequences[0, len(prompt) :].tolist()
+            logprobs = [
+                float(torch.log_softmax(step[0].float(), -1)[t])
+                for step, t in zip(got.logits, tokens, strict=True)
+            ]
+            out.append((tokens, logprobs))
+    return out

@@ -8,7 +8,9 @@ non-streaming response with a 5xx carrying the partial output).
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -23,7 +25,7 @@ from ._metrics import outcome_of
 from ._sse import SSEWriter
 from ._state import AppState, RequestRecord
 
-__all__ = ["Job", "run_generation"]
+__all__ = ["Job", "Run", "StreamErrors", "release_streams", "run_generation", "submit_all"]
 
 _log = get_logger("stoic.http")
 
@@ -60,12 +62,12 @@ async def submit_all(state: AppState, jobs: list[Job], request_id: str) -> list[
                 raise
             streams.append(stream)
     except BaseException:
-        await _finish(state, streams)
+        await release_streams(state, streams)
         raise
     return streams
 
 
-async def _finish(state: AppState, streams: list[RequestStreamLike]) -> None:
+async def release_streams(state: AppState, streams: list[RequestStreamLike]) -> None:
     """Abort the unfinished streams and release their engine request ids (even if cancelled)."""
     try:
         await close_streams(streams)
@@ -84,7 +86,7 @@ def _prompt_tokens(
     return sum(seen.values())
 
 
-class _Run:
+class Run:
     """The output side of one request, streamed or not."""
 
     def __init__(
@@ -147,16 +149,70 @@ class _Run:
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices)
 
-    async def collect(self, headers: dict[str, str]) -> web.Response:
+    async def gather(
+        self,
+        consume: Callable[[Fanin], Awaitable[None]],
+        headers: dict[str, str],
+        *,
+        indexed: bool = True,
+    ) -> web.Response | None:
+        """Run ``consume`` over the streams' output; None when it ran to the end, or the error
+        response carrying the partial output when a choice failed (its ``index`` if
+        ``indexed``)."""
         async with Fanin(self.streams, stop=self.state.stopping) as fanin:
             try:
-                async for position, delta in fanin:
-                    self.take(position, delta)
+                await consume(fanin)
             except ChoiceFailed as failed:
                 error, partial, index = self.failure(failed)
-                response = error_response(error, partial=partial, index=index)
+                response = error_response(error, partial=partial, index=index if indexed else None)
                 response.headers.update(headers)
                 return response
+        return None
+
+    async def stream_with(
+        self,
+        sse: SSEWriter,
+        produce: Callable[[Fanin], Awaitable[None]],
+        errors: StreamErrors,
+        *,
+        marker: bool = True,
+    ) -> web.StreamResponse:
+        """Stream: ``produce`` sends the events of the streams' output; a failure after the
+        stream began ends it with ``errors``' event (a failed choice: its error and partial
+        output; anything else: an internal error, logged), then the end of the stream (and the
+        ``[DONE]`` ``marker``). A client that went away is logged, and the request ``aborted``.
+        """
+        try:
+            async with Fanin(self.streams, stop=self.state.stopping) as fanin:
+                await sse.start()
+                try:
+                    await produce(fanin)
+                except ChoiceFailed as failed:
+                    await errors.failed(*self.failure(failed))
+                except ConnectionResetError:
+                    raise
+                except Exception:
+                    _log.exception("http.stream_failed")
+                    self.record.outcome = "error"
+                    await errors.internal(internal_error_object(self.record.request_id)["error"])
+                try:
+                    await sse.done(marker=marker)
+                finally:
+                    self.record.delivered = sse.finished
+        except ConnectionResetError:
+            if not sse.finished:
+                self.record.outcome = "aborted"
+                _log.info("http.client_disconnected", completion_tokens=self.completion_tokens)
+        return sse.response
+
+    async def collect(self, headers: dict[str, str]) -> web.Response:
+        async def consume(fanin: Fanin) -> None:
+            async for position, delta in fanin:
+                self.take(position, delta)
+
+        failed = await self.gather(consume, headers)
+        if failed is not None:
+            return failed
         body = self.fmt.full(self.choices, self.prompt_tokens, self.cached_tokens)
         return web.json_response(body, headers=headers, dumps=dumps)
 
@@ -165,44 +221,47 @@ class _Run:
     ) -> web.StreamResponse:
         sse = SSEWriter(request, headers)
         fmt = self.fmt
-        try:
-            async with Fanin(self.streams, stop=self.state.stopping) as fanin:
-                await sse.start()
-                try:
-                    for choice in self.choices:
-                        role = fmt.role_chunk_choice(choice.index)
-                        if role is not None:
-                            await sse.send(fmt.chunk([role], include_usage=include_usage))
-                    async for position, delta in fanin:
-                        choice = self.take(position, delta)
-                        if delta.text or delta.logprobs or delta.finish_reason:
-                            out = fmt.chunk_choice(choice, delta)
-                            if out is not None:  # None: held back (a tool call may begin)
-                                await sse.send(fmt.chunk([out], include_usage=include_usage))
-                    if include_usage:
-                        await sse.send(
-                            fmt.usage_chunk(
-                                self.prompt_tokens, self.completion_tokens, self.cached_tokens
-                            )
-                        )
-                except ChoiceFailed as failed:
-                    error, partial, index = self.failure(failed)
-                    await sse.send(error_object(error, partial=partial, index=index))
-                except ConnectionResetError:
-                    raise
-                except Exception:
-                    _log.exception("http.stream_failed")
-                    self.record.outcome = "error"
-                    await sse.send(internal_error_object(self.record.request_id))
-                try:
-                    await sse.done()
-                finally:
-                    self.record.delivered = sse.finished
-        except ConnectionResetError:
-            if not sse.finished:
-                self.record.outcome = "aborted"
-                _log.info("http.client_disconnected", completion_tokens=self.completion_tokens)
-        return sse.response
+
+        async def produce(fanin: Fanin) -> None:
+            for choice in self.choices:
+                role = fmt.role_chunk_choice(choice.index)
+                if role is not None:
+                    await sse.send(fmt.chunk([role], include_usage=include_usage))
+            async for position, delta in fanin:
+                choice = self.take(position, delta)
+                if delta.text or delta.logprobs or delta.finish_reason:
+                    out = fmt.chunk_choice(choice, delta)
+                    if out is not None:  # None: held back (a tool call may begin)
+                        await sse.send(fmt.chunk([out], include_usage=include_usage))
+            if include_usage:
+                await sse.send(
+                    fmt.usage_chunk(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+                )
+
+        return await self.stream_with(sse, produce, _ChatErrors(sse))
+
+
+class StreamErrors(Protocol):
+    """How a stream's failure is told to its client (the stream's last event)."""
+
+    async def failed(self, error: StoicError, partial: PartialOutput, index: int) -> None:
+        """A choice failed: ``error``, with the output it had (``index``: its choice)."""
+
+    async def internal(self, body: dict[str, Any]) -> None:
+        """An unexpected failure: ``body`` is the error object's ``error`` (no details)."""
+
+
+@dataclass(frozen=True)
+class _ChatErrors:
+    """Chat and legacy completions: the OpenAI error object as the last ``data:``."""
+
+    sse: SSEWriter
+
+    async def failed(self, error: StoicError, partial: PartialOutput, index: int) -> None:
+        await self.sse.send(error_object(error, partial=partial, index=index))
+
+    async def internal(self, body: dict[str, Any]) -> None:
+        await self.sse.send({"error": body})
 
 
 async def run_generation(
@@ -221,10 +280,10 @@ async def run_generation(
     """
     streams = await submit_all(state, jobs, record.request_id)
     try:
-        run = _Run(state, record, fmt, jobs, streams)
+        run = Run(state, record, fmt, jobs, streams)
         headers = {"x-request-id": record.request_id}
         if stream:
             return await run.stream(request, headers, include_usage=include_usage)
         return await run.collect(headers)
     finally:
-        await _finish(state, streams)
+        await release_streams(state, streams)

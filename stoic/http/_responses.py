@@ -21,13 +21,12 @@ from typing import Any
 
 from aiohttp import web
 
-from .._logging import get_logger
 from ..engine import Request
-from ..errors import InvalidRequest, NotFound, StorageFailed
+from ..errors import InvalidRequest, NotFound, PartialOutput, StoicError, StorageFailed
 from ._auth import OWNER, route_access
-from ._errors import dumps, error_response, internal_error_object
-from ._fanin import ChoiceFailed, Fanin
-from ._generate import Job, _finish, _Run, submit_all
+from ._errors import dumps, error_response
+from ._fanin import Fanin
+from ._generate import Job, Run, release_streams, submit_all
 from ._responses_schemas import (
     ResponsesRequest,
     chat_messages,
@@ -44,8 +43,6 @@ from ._store import ResponseStore
 
 __all__ = ["STORE", "add_response_routes"]
 
-_log = get_logger("stoic.http")
-
 STORE = web.AppKey("stoic_responses", ResponseStore)
 #: ``GET .../input_items`` pages: at most this many items
 _MAX_PAGE = 100
@@ -61,7 +58,7 @@ class _Turn:
     items: list[dict[str, Any]]
     stored: bool
 
-    async def save(self, response: dict[str, Any], run: _Run) -> None:
+    async def save(self, response: dict[str, Any], run: Run) -> None:
         """Store ``response`` if asked. :raises StorageFailed: carrying the output."""
         if not self.stored:
             return
@@ -117,17 +114,17 @@ async def _create(
     }
     turn = _Turn(request.app[STORE], _owner(request), items, req.stored)
     try:
-        run = _Run(state, record, chat_format(state, record, model, plan), [job], streams)
+        run = Run(state, record, chat_format(state, record, model, plan), [job], streams)
         headers = {"x-request-id": record.request_id}
         if req.stream:
             return await _stream(request, run, ResponseBuilder(base), turn, headers)
         return await _collect(run, ResponseBuilder(base), turn, headers)
     finally:
-        await _finish(state, streams)
+        await release_streams(state, streams)
 
 
 async def _feed(
-    run: _Run, builder: ResponseBuilder, fanin: Fanin
+    run: Run, builder: ResponseBuilder, fanin: Fanin
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """Feed the builder the choice's chunks; yields the events of each."""
     async for position, delta in fanin:
@@ -138,22 +135,20 @@ async def _feed(
                 yield builder.feed(out)
 
 
-def _usage(run: _Run) -> dict[str, Any]:
+def _usage(run: Run) -> dict[str, Any]:
     return response_usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
 
 
 async def _collect(
-    run: _Run, builder: ResponseBuilder, turn: _Turn, headers: dict[str, str]
+    run: Run, builder: ResponseBuilder, turn: _Turn, headers: dict[str, str]
 ) -> web.Response:
-    async with Fanin(run.streams, stop=run.state.stopping) as fanin:
-        try:
-            async for _ in _feed(run, builder, fanin):
-                pass
-        except ChoiceFailed as failed:
-            error, partial, _ = run.failure(failed)
-            response = error_response(error, partial=partial)
-            response.headers.update(headers)
-            return response
+    async def consume(fanin: Fanin) -> None:
+        async for _ in _feed(run, builder, fanin):
+            pass
+
+    failed = await run.gather(consume, headers, indexed=False)
+    if failed is not None:
+        return failed
     body = builder.snapshot(builder.status, _usage(run))
     try:
         await turn.save(body, run)
@@ -165,55 +160,48 @@ async def _collect(
     return web.json_response(body, headers=headers, dumps=dumps)
 
 
+@dataclass(frozen=True)
+class _Events:
+    """Sends a response's events, and its ``error`` event when the stream fails."""
+
+    sse: SSEWriter
+    builder: ResponseBuilder
+
+    async def send(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            await self.sse.send(event, name=event["type"])
+
+    async def failed(self, error: StoicError, partial: PartialOutput, index: int) -> None:
+        await self.send([self.builder.error(error, partial)])
+
+    async def internal(self, body: dict[str, Any]) -> None:
+        fields = {"code": body["code"], "message": body["message"], "param": body["param"]}
+        await self.send([self.builder.event("error", **fields)])
+
+
 async def _stream(
     request: web.Request,
-    run: _Run,
+    run: Run,
     builder: ResponseBuilder,
     turn: _Turn,
     headers: dict[str, str],
 ) -> web.StreamResponse:
-    sse = SSEWriter(request, headers)
+    events = _Events(SSEWriter(request, headers), builder)
 
-    async def send(events: list[dict[str, Any]]) -> None:
-        for event in events:
-            await sse.send(event, name=event["type"])
+    async def produce(fanin: Fanin) -> None:
+        await events.send(builder.start())
+        async for chunk_events in _feed(run, builder, fanin):
+            await events.send(chunk_events)
+        body = builder.snapshot(builder.status, _usage(run))
+        try:
+            await turn.save(body, run)
+        except StorageFailed as exc:
+            run.record.outcome = "error"
+            await events.failed(exc, exc.partial or run.choices[0].partial(), 0)
+            return
+        await events.send([builder.end(body)])
 
-    try:
-        async with Fanin(run.streams, stop=run.state.stopping) as fanin:
-            await sse.start()
-            try:
-                await send(builder.start())
-                async for events in _feed(run, builder, fanin):
-                    await send(events)
-                body = builder.snapshot(builder.status, _usage(run))
-                await turn.save(body, run)
-                await send([builder.end(body)])
-            except ChoiceFailed as failed:
-                error, partial, _ = run.failure(failed)
-                await send([builder.error(error, partial)])
-            except StorageFailed as exc:
-                run.record.outcome = "error"
-                await send([builder.error(exc, exc.partial or run.choices[0].partial())])
-            except ConnectionResetError:
-                raise
-            except Exception:
-                _log.exception("http.stream_failed")
-                run.record.outcome = "error"
-                body = internal_error_object(run.record.request_id)["error"]
-                await send([builder.event("error", **_error_fields(body))])
-            try:
-                await sse.done(marker=False)
-            finally:
-                run.record.delivered = sse.finished
-    except ConnectionResetError:
-        if not sse.finished:
-            run.record.outcome = "aborted"
-            _log.info("http.client_disconnected", completion_tokens=run.completion_tokens)
-    return sse.response
-
-
-def _error_fields(body: dict[str, Any]) -> dict[str, Any]:
-    return {"code": body["code"], "message": body["message"], "param": body["param"]}
+    return await run.stream_with(events.sse, produce, events, marker=False)
 
 
 async def _stored(request: web.Request) -> Any:

@@ -16,16 +16,16 @@ that stream it.
 
 A non-streamed response is built by the same builder (its events dropped), so the two agree.
 
-A call is sent once its arguments are whole (the next call began, or the output ended): a call
-cut by ``max_output_tokens`` has arguments that are not JSON, and is never sent; the response is
-then ``incomplete`` with ``incomplete_details.reason: "max_output_tokens"``, as is any response
-whose output hit the token limit.
+Each call arrives whole, in one chunk (:class:`~stoic.http._toolparse.ToolCallStream` never
+sends a call's arguments in pieces, nor a call the end of the output cut off); its events are
+sent when the next call begins or the output ends. A response whose output hit the token limit
+(``max_output_tokens``) is ``incomplete``, with ``incomplete_details.reason:
+"max_output_tokens"``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 from ..errors import PartialOutput, StoicError
@@ -45,13 +45,6 @@ def response_usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-def _whole_arguments(arguments: str) -> bool:
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except ValueError:
-        return False
-
-
 class ResponseBuilder:
     """One response's output items and the events that stream them (see the module).
 
@@ -62,15 +55,12 @@ class ResponseBuilder:
     def __init__(self, base: dict[str, Any]) -> None:
         self.base = base
         self.output: list[dict[str, Any]] = []
-        #: calls cut before their arguments were whole (never sent)
-        self.dropped = 0
         self.finish_reason: str | None = None
         self._sequence = 0
         self._message: dict[str, Any] | None = None
         self._text: list[str] = []
-        #: the call being received: ``{"call_id", "name", "arguments"}`` and its chat index
+        #: the last call received, not sent yet: ``{"call_id", "name", "arguments"}``
         self._call: dict[str, Any] | None = None
-        self._call_index = -1
 
     # -- the response object ---------------------------------------------------------------------
     def snapshot(
@@ -214,22 +204,15 @@ class ResponseBuilder:
         ]
 
     def _add_call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        fn = delta.get("function") or {}
-        if delta["index"] != self._call_index:
-            events += self._flush_call()
-            self._call_index = delta["index"]
-            self._call = {"call_id": delta.get("id"), "name": fn.get("name"), "arguments": ""}
-        assert self._call is not None
-        self._call["arguments"] += fn.get("arguments") or ""
+        """Take a whole call (a chat ``tool_calls`` delta); send the one before it."""
+        events = self._flush_call()
+        fn = delta["function"]
+        self._call = {"call_id": delta["id"], "name": fn["name"], "arguments": fn["arguments"]}
         return events
 
     def _flush_call(self) -> list[dict[str, Any]]:
         call, self._call = self._call, None
         if call is None:
-            return []
-        if not _whole_arguments(call["arguments"]):
-            self.dropped += 1
             return []
         events = self._close_message()
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", **call}

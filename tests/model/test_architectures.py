@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from support import greedy_reference
 
 from stoic.errors import ModelUnavailable
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
@@ -82,27 +83,7 @@ def _reference(path: Path) -> list[tuple[list[int], list[float]]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            got = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=STEPS,
-                min_new_tokens=STEPS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            tokens = got.sequences[0, len(prompt) :].tolist()
-            logprobs = [
-                float(torch.log_softmax(step[0].float(), -1)[t])
-                for step, t in zip(got.logits, tokens, strict=True)
-            ]
-            out.append((tokens, logprobs))
-    return out
+    return greedy_reference(model.eval(), PROMPTS, STEPS)
 
 
 class _Sequences:

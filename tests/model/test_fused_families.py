@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from gguf_blocks import BYTE_VOCAB, write_model_gguf
+from support import greedy_reference
 
 import stoic
 from stoic.model import ModelRunner, default_cache_dir, load_model
@@ -110,32 +111,6 @@ def family_model(
     return family, root / "hf", gguf
 
 
-def _reference(model: Any) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers' greedy ``generate`` of every prompt, and the chosen tokens' logprobs."""
-    tokens, logprobs = [], []
-    with torch.inference_mode():
-        for ids in PROMPTS:
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=TOKENS,
-                min_new_tokens=TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            new = out.sequences[0, len(ids) :].tolist()
-            raw = out.logits  # before the processors (min_new_tokens hides the EOS)
-            steps = [
-                torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(raw, new, strict=True)
-            ]
-            tokens.append(new)
-            logprobs.append(steps)
-    assert len({tuple(t) for t in tokens}) == len(PROMPTS)  # outputs depend on the prompt
-    return tokens, logprobs
-
-
 def _never_generic(model: Any) -> None:
     """Make transformers' own decoder stack raise if it is ever called."""
 
@@ -190,7 +165,9 @@ async def test_a_family_runs_fused_and_decodes_like_transformers(
             pytest.skip(f"quantised kernels unavailable here: {e}")
     cache = tmp_path / "cache"
     loaded = load_model(path, dtype="float32", device="cpu", cache_root=cache)
-    want_tokens, want_logprobs = _reference(loaded.model)  # the de-quantised weights for GGUF
+    # transformers' own, on the de-quantised weights for GGUF
+    want_tokens, want_logprobs = zip(*greedy_reference(loaded.model, PROMPTS, TOKENS), strict=True)
+    assert len({tuple(t) for t in want_tokens}) == len(PROMPTS)  # outputs depend on the prompt
     runner = ModelRunner(loaded, quantization=quantization)  # type: ignore[arg-type]
     assert isinstance(runner._fused, FusedLlama)
     if source == "gguf":  # every projection and the output on the file's blocks
