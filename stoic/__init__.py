@@ -2,10 +2,9 @@
 
 from typing import TYPE_CHECKING, Any
 
-from . import errors
-from .config import EngineConfig, FaultSpec
-
 if TYPE_CHECKING:
+    from . import errors
+    from .config import EngineConfig, FaultSpec
     from .engine import (
         CompletionResult,
         Constraint,
@@ -36,21 +35,31 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-#: imported from stoic.engine at first use: importing ``stoic`` (which every ``stoic.*`` module
-#: does, ``stoic.cli`` included) must not import torch, so that ``stoic serve`` handles a Ctrl-C
-#: that arrives while torch is imported (``stoic.cli.main``)
-_ENGINE_NAMES = frozenset(__all__) - {"EngineConfig", "FaultSpec", "errors"}
+#: every public name is imported at first use (PEP 562), from the module that defines it:
+#: ``import stoic`` (which every ``stoic.*`` module does, the command's entry point included)
+#: imports nothing, so that ``stoic`` quiets SIGINT/SIGTERM before any heavy import
+#: (:mod:`stoic._entry`), and torch is imported only by what needs the engine
+_HOMES = {name: "engine" for name in __all__} | {
+    "EngineConfig": "config",
+    "FaultSpec": "config",
+    "errors": "",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ENGINE_NAMES:
-        from . import engine
+    if name not in _HOMES:
+        raise AttributeError(f"module 'stoic' has no attribute {name!r}")
+    import importlib
 
-        value = getattr(engine, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'stoic' has no attribute {name!r}")
+    home = _HOMES[name]
+    value = (
+        importlib.import_module(f"{__name__}.{name}")
+        if not home
+        else getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    )
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _ENGINE_NAMES)
+    return sorted(set(globals()) | set(_HOMES))

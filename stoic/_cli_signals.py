@@ -2,8 +2,9 @@
 
 Three phases, so that a signal at any moment ends the command with status 0 and no traceback:
 
-1. until the event loop runs (Python imports torch, the model's file is checked):
-   :func:`exit_on_signals` exits the process at once, printing nothing. Nothing that needs
+1. until the event loop runs (Python imports the CLI and torch, the model's file is checked):
+   :func:`exit_on_signals` exits the process at once, printing nothing (from the command's first
+   module on, before any heavy import: :mod:`stoic._entry`). Nothing that needs
    stopping has started, and a :class:`KeyboardInterrupt` raised inside an import would end in
    a traceback, or even an :class:`ImportError` (numpy's module cannot be initialised twice);
 2. from the event loop on: :func:`cancel_on_signals` cancels the start-up, so what began is
@@ -15,18 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
+from ._entry import SIGNALS, exit_at_once, quiet_signals
 from ._logging import get_logger
 
 __all__ = ["SIGNALS", "cancel_on_signals", "exit_on_signals"]
 
 _log = get_logger("stoic.cli")
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -34,24 +33,17 @@ def exit_on_signals() -> Iterator[Callable[..., None]]:
     """SIGINT and SIGTERM exit the process at once, status 0, until the event loop handles them
     or the callable this yields restores the previous handlers (of the signals it is given; all
     by default, as leaving does). In the main thread only (elsewhere nothing changes)."""
-    previous: dict[int, Any] = {}
+    previous = quiet_signals()  # Python's own handlers, even if the entry point quieted them
 
     def restore(*signums: int) -> None:
         for signum in signums or SIGNALS:
-            if signum in previous and signal.getsignal(signum) is _exit_at_once:
+            if signum in previous and signal.getsignal(signum) is exit_at_once:
                 signal.signal(signum, previous[signum])
 
-    if threading.current_thread() is threading.main_thread():
-        previous = {signum: signal.signal(signum, _exit_at_once) for signum in SIGNALS}
     try:
         yield restore
     finally:
         restore()
-
-
-def _exit_at_once(signum: int, frame: object) -> None:
-    # nothing else: a log line could re-enter the stream the main thread is writing
-    os._exit(0)
 
 
 def cancel_on_signals() -> asyncio.Event:

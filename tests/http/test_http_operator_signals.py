@@ -188,6 +188,7 @@ async def test_each_expected_failure_is_one_line_without_a_traceback(
     ("signum", "moment"),
     [
         (signal.SIGINT, "importing"),
+        (signal.SIGINT, "importing torch"),
         (signal.SIGTERM, "starting"),
         (signal.SIGINT, "loading"),
         (signal.SIGINT, "spares"),
@@ -199,13 +200,14 @@ async def test_a_signal_at_any_moment_stops_everything_without_a_traceback(
     tiny_model_dir: Path, signum: signal.Signals, moment: str
 ) -> None:
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) or SIGTERM to the server:
-    while Python imports torch, while the port is bound, while the model loads, while a spare
-    and the pre-started interpreter start, or while serving, the server exits 0 (``stoic
-    serve``'s documented status for a signal), no process prints a traceback, and every worker
-    is gone."""
+    while Python imports the command's modules or torch, while the port is bound, while the
+    model loads, while a spare and the pre-started interpreter start, or while serving, the
+    server exits 0 (``stoic serve``'s documented status for a signal), no process prints a
+    traceback, and every worker is gone."""
     async with _serve(tiny_model_dir, "--executor-spares", "1") as server:
-        if moment == "importing":
-            await asyncio.sleep(0.3)
+        if moment.startswith("importing"):  # the moment a library is loaded, however slowly
+            library = "libtorch" if moment == "importing torch" else "_pydantic_core"
+            await asyncio.to_thread(_until_mapped, server.proc.pid, library, 120.0)
         elif moment == "starting":  # the event loop runs, the port is being bound
             await server.until("stoic.starting")
         elif moment == "loading":
@@ -230,6 +232,16 @@ async def test_a_signal_at_any_moment_stops_everything_without_a_traceback(
         assert "KeyboardInterrupt" not in server.text, server.text
     # a worker the server did not stop dies with it (its parent-death signal): give it a moment
     assert await asyncio.to_thread(_still_running, workers, 5.0) == []
+
+
+def _until_mapped(pid: int, library: str, within: float) -> None:
+    """Wait until process ``pid`` has loaded a shared library whose name has ``library``
+    (an import of the Python package that ships it is under way)."""
+    deadline = time.monotonic() + within
+    maps = Path(f"/proc/{pid}/maps")
+    while library not in maps.read_text():
+        assert time.monotonic() < deadline, f"{library} never loaded"
+        time.sleep(0.002)
 
 
 def _still_running(pids: list[int], within: float) -> list[int]:
