@@ -46,21 +46,7 @@ __all__ = [
 
 # public names report their public module (as anyio and httpcore do), so reprs, docs and
 # tracebacks show ``stoic.engine.Delta`` rather than a private module
-for _name in (
-    "Activity",
-    "CompletionResult",
-    "Constraint",
-    "Delta",
-    "Detokenizer",
-    "Engine",
-    "EngineStats",
-    "Health",
-    "Incident",
-    "Request",
-    "RequestStream",
-    "SamplingParams",
-    "TokenCodec",
-    "TokenLogprob",
-):
-    globals()[_name].__module__ = __name__
+for _name in __all__:
+    if isinstance(globals()[_name], type):  # the classes (not the constants and Literals)
+        globals()[_name].__module__ = __name__
 del _name

@@ -35,7 +35,7 @@ from ._responses_schemas import (
     new_id,
 )
 from ._responses_stream import ResponseBuilder, response_usage
-from ._routes import _generation, _parse, _read_json, _served_name, chat_format, chat_inputs
+from ._routes import _generation, _parse, _served_name, chat_format, chat_inputs, read_body
 from ._schemas import ChatCompletionRequest
 from ._sse import SSEWriter
 from ._state import AppState, RequestRecord
@@ -58,14 +58,20 @@ class _Turn:
     items: list[dict[str, Any]]
     stored: bool
 
-    async def save(self, response: dict[str, Any], run: Run) -> None:
-        """Store ``response`` if asked. :raises StorageFailed: carrying the output."""
-        if not self.stored:
-            return
-        try:
-            await self.store.put(self.owner, response, self.items)
-        except StorageFailed as exc:
-            raise StorageFailed(exc.message, partial=run.choices[0].partial()) from None
+    async def finish(self, run: Run, builder: ResponseBuilder) -> dict[str, Any]:
+        """The final response object, stored if asked.
+
+        :raises StorageFailed: carrying the output (the request's outcome is ``error``).
+        """
+        usage = response_usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
+        response = builder.snapshot(builder.status, usage)
+        if self.stored:
+            try:
+                await self.store.put(self.owner, response, self.items)
+            except StorageFailed as exc:
+                run.record.outcome = "error"
+                raise StorageFailed(exc.message, partial=run.choices[0].partial()) from None
+        return response
 
 
 def _owner(request: web.Request) -> str:
@@ -92,7 +98,7 @@ async def _conversation(request: web.Request, req: ResponsesRequest) -> list[dic
 async def _create(
     request: web.Request, state: AppState, record: RequestRecord
 ) -> web.StreamResponse:
-    req = _parse(ResponsesRequest, await _read_json(request))
+    req = await read_body(request, ResponsesRequest)
     req.check_supported()
     model = _served_name(state.engine, req.model or "default")
     items = await _conversation(request, req)
@@ -135,10 +141,6 @@ async def _feed(
                 yield builder.feed(out)
 
 
-def _usage(run: Run) -> dict[str, Any]:
-    return response_usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
-
-
 async def _collect(
     run: Run, builder: ResponseBuilder, turn: _Turn, headers: dict[str, str]
 ) -> web.Response:
@@ -149,11 +151,9 @@ async def _collect(
     failed = await run.gather(consume, headers, indexed=False)
     if failed is not None:
         return failed
-    body = builder.snapshot(builder.status, _usage(run))
     try:
-        await turn.save(body, run)
+        body = await turn.finish(run, builder)
     except StorageFailed as exc:
-        run.record.outcome = "error"
         response = error_response(exc)
         response.headers.update(headers)
         return response
@@ -192,11 +192,9 @@ async def _stream(
         await events.send(builder.start())
         async for chunk_events in _feed(run, builder, fanin):
             await events.send(chunk_events)
-        body = builder.snapshot(builder.status, _usage(run))
         try:
-            await turn.save(body, run)
+            body = await turn.finish(run, builder)
         except StorageFailed as exc:
-            run.record.outcome = "error"
             await events.failed(exc, exc.partial or run.choices[0].partial(), 0)
             return
         await events.send([builder.end(body)])

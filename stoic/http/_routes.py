@@ -32,7 +32,7 @@ from ._toolconv import render_conversation
 from ._tools import ToolPlan, tool_syntax
 from ._util_schemas import DetokenizeRequest, FaultRequest, TokenizeRequest
 
-__all__ = ["add_routes", "chat_format", "chat_inputs"]
+__all__ = ["add_routes", "chat_format", "chat_inputs", "read_body"]
 
 _log = get_logger("stoic.http")
 _M = TypeVar("_M", bound=BaseModel)
@@ -66,6 +66,14 @@ def _parse(model: type[_M], body: Any) -> _M:
         return model.model_validate(body)
     except ValidationError as exc:
         raise invalid_from_validation(exc) from None
+
+
+async def read_body(request: web.Request, model: type[_M]) -> _M:
+    """The request body, read (:func:`_read_json`) and validated as ``model``.
+
+    :raises InvalidRequest: not JSON, or not a valid ``model`` (naming the field).
+    """
+    return _parse(model, await _read_json(request))
 
 
 def _served_name(engine: EngineLike, requested: str) -> str:
@@ -134,7 +142,7 @@ def chat_format(
 
 
 async def _chat(request: web.Request, state: AppState, record: RequestRecord) -> web.StreamResponse:
-    req = _parse(ChatCompletionRequest, await _read_json(request))
+    req = await read_body(request, ChatCompletionRequest)
     model = _served_name(state.engine, req.model)
     messages, kwargs, plan, params = chat_inputs(state, req)
     jobs = [
@@ -156,7 +164,7 @@ async def _chat(request: web.Request, state: AppState, record: RequestRecord) ->
 async def _completions(
     request: web.Request, state: AppState, record: RequestRecord
 ) -> web.StreamResponse:
-    req = _parse(CompletionRequest, await _read_json(request))
+    req = await read_body(request, CompletionRequest)
     req.check_supported()
     model = _served_name(state.engine, req.model)
     params = req.sampling_params()
@@ -202,7 +210,7 @@ async def _get_model(request: web.Request) -> web.Response:
 async def _tokenize(request: web.Request) -> web.Response:
     """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens"}``."""
     engine = request.app[STATE].engine
-    req = _parse(TokenizeRequest, await _read_json(request))
+    req = await read_body(request, TokenizeRequest)
     if req.model is not None:
         _served_name(engine, req.model)
     messages, kwargs = req.engine_messages(), req.chat_template_kwargs
@@ -231,7 +239,7 @@ async def _tokenize(request: web.Request) -> web.Response:
 async def _detokenize(request: web.Request) -> web.Response:
     """vLLM's ``/detokenize``: ``{"prompt"}``."""
     engine = request.app[STATE].engine
-    req = _parse(DetokenizeRequest, await _read_json(request))
+    req = await read_body(request, DetokenizeRequest)
     if req.model is not None:
         _served_name(engine, req.model)
     return web.json_response({"prompt": engine.detokenize(req.tokens)})
@@ -264,7 +272,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _inject_fault(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = _parse(FaultRequest, await _read_json(request))
+    body = await read_body(request, FaultRequest)
     spec = FaultSpec(**body.model_dump())
     await state.engine.inject_fault(spec)
     _log.warning("http.fault_injected", **body.model_dump())
