@@ -7,11 +7,12 @@ Split from :mod:`stoic.http._schemas` (the generation bodies), whose base model 
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, get_type_hints
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, create_model
 
-from ..config import FaultKind
+from ..config import FaultSpec
 from ._schemas import ChatMessage, _Model
 
 __all__ = ["DetokenizeRequest", "FaultRequest", "TokenizeRequest"]
@@ -44,14 +45,34 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
-class FaultRequest(_Model):
-    """Body of ``POST /admin/faults``: the fields of :class:`~stoic.FaultSpec`."""
-
+class _FaultBody(_Model):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    kind: FaultKind
-    after_steps: int | None = None
-    probability: float | None = None
-    seed: int | None = None
-    match: str | None = None
-    seconds: float = 30.0
+
+def _fault_request() -> type[_FaultBody]:
+    """The body of ``POST /admin/faults``: a model of :class:`~stoic.FaultSpec`'s fields (their
+    types and defaults read from it, so the two never differ); ``FaultSpec(**body.model_dump())``
+    checks what the types do not."""
+    hints = get_type_hints(FaultSpec)
+    fields: dict[str, Any] = {
+        f.name: (hints[f.name], _default(f)) for f in dataclasses.fields(FaultSpec)
+    }
+    return create_model(
+        "FaultRequest",
+        __base__=_FaultBody,
+        __doc__="Body of ``POST /admin/faults``: the fields of :class:`~stoic.FaultSpec`.",
+        __module__=__name__,
+        **fields,
+    )
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    """A dataclass field's default as pydantic takes it (``...``: required)."""
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return Field(default_factory=field.default_factory)
+    return ...
+
+
+FaultRequest = _fault_request()
