@@ -127,10 +127,16 @@ def install(pin: str, pip: list[str], python: list[str]) -> int:
         return status
     after = probe(python)
     if after is None or int(str(after.get("devices") or 0)) == 0:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = (
+            f"CUDA_VISIBLE_DEVICES={hidden!r} hides them"
+            if hidden is not None
+            else f"check the driver (nvidia-smi) supports the {variant} build, or set TORCH_CUDA "
+            "to a variant it supports"
+        )
         print(
             f"install_torch: nvidia-smi lists {len(gpus)} GPU(s) but {describe(after)} cannot "
-            f"see any: check the driver (nvidia-smi) supports the {variant} build, or set "
-            "TORCH_CUDA to a variant it supports",
+            f"see any: {why}",
             file=sys.stderr,
         )
         return 1

@@ -163,6 +163,17 @@ def test_a_torch_that_still_cannot_see_the_gpu_fails_with_one_line(machine: Mach
 @pytest.mark.skipif(
     shutil.which("nvidia-smi") is not None, reason="this machine has a GPU: its torch may see it"
 )
+def test_hidden_gpus_are_named_as_the_reason(machine: Machine) -> None:
+    """A CUDA build that cannot see the GPU because CUDA_VISIBLE_DEVICES hides it: the one
+    line says so rather than blaming the driver."""
+    machine.gpu()
+    machine.torch({**CUDA_TORCH, "devices": 0})
+    status, _out, err = machine.run(CUDA_VISIBLE_DEVICES="")
+    assert status == 1
+    (line,) = err.strip().splitlines()
+    assert line.endswith("cannot see any: CUDA_VISIBLE_DEVICES='' hides them")
+
+
 def test_the_real_cpu_torch_here_is_replaced_and_then_refused(machine: Machine) -> None:
     """With this machine's own python (torch 2.13.0+cpu, really imported) and a GPU on PATH:
     the CUDA build is asked for, and since nothing was really installed, the check after fails."""
