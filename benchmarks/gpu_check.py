@@ -36,10 +36,18 @@ from harness.report import fmt_s, markdown
 from harness.workload import mixed_prompts, quiet_logs, stoic_mixed, tag_prompts, wait_idle
 
 import stoic
-from stoic.errors import ExecutorFailed
+from stoic.errors import ExecutorFailed, StoicError
 
 GREEDY = stoic.SamplingParams(max_tokens=16, temperature=0)
 PROMPT = "The capital of France is"
+
+
+async def served(engine: stoic.Engine) -> str:
+    """The greedy answer to :data:`PROMPT`, or what failed it (a check then fails, not the run)."""
+    try:
+        return (await engine.complete(PROMPT, GREEDY)).text
+    except StoicError as exc:
+        return f"<{type(exc).__name__}: {exc}>"
 
 
 def cuda_missing() -> str | None:
@@ -91,7 +99,7 @@ async def check_oom(args: argparse.Namespace) -> tuple[bool, str]:
                     break
                 await asyncio.sleep(0.05)
             after_budget = engine.stats().token_budget
-            text = (await engine.complete(PROMPT, GREEDY)).text
+            text = await served(engine)
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         stats = await wait_idle(engine)
@@ -126,7 +134,7 @@ async def check_device_assert(kv_blocks: int) -> tuple[bool, str]:
         except ExecutorFailed as exc:
             error = exc
         started = time.perf_counter()
-        text = (await engine.complete(PROMPT, GREEDY)).text
+        text = await served(engine)
         seconds = time.perf_counter() - started
         new_pid = engine.stats().executor_pid
         passed = (
