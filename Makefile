@@ -24,17 +24,16 @@ ARGS ?=
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch first: on a machine without an NVIDIA GPU take the CPU build (torch==2.13.0, which pip
-# finds on this machine's disk), so the unpinned requirement in pyproject.toml never pulls a
-# multi-GB CUDA build. With a GPU, pip's default (CUDA) build is what we want.
+# torch first (scripts/install_torch.py decides; tests/test_install_torch.py tests it). Without an
+# NVIDIA GPU: a torch that imports is kept, else the CPU build torch==$(TORCH_VERSION), which pip
+# finds on this machine's disk, so the unpinned requirement in pyproject.toml never pulls a
+# multi-GB CUDA build. Where `nvidia-smi -L` answers: the same version's CUDA build from PyTorch's
+# index, https://download.pytorch.org/whl/cu128 (cu130 where the driver reports CUDA 13;
+# TORCH_CUDA=cu126 chooses another), replacing a CPU build that imports but cannot see the GPU;
+# a torch that still cannot see it then stops the install with one line.
+TORCH_VERSION := 2.13.0
 define INSTALL_TORCH
-	@if $(PY) -c "import torch" 2>/dev/null; then \
-		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
-	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PIP) install torch; \
-	else \
-		$(PIP) install torch==2.13.0; \
-	fi
+	$(PY) scripts/install_torch.py --pin $(TORCH_VERSION) --pip "$(PIP)" --python "$(PY)"
 endef
 
 # The serve set: stoic's run-time dependencies (pyproject.toml's `dependencies`) and the default
@@ -82,8 +81,8 @@ serve: $(SERVE_STAMP)
 	$(VENV)/bin/stoic serve --host $(HOST) --port $(PORT) $(ARGS)
 
 lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check stoic tests examples $(wildcard benchmarks)
-	$(VENV)/bin/ruff format --check stoic tests examples $(wildcard benchmarks)
+	$(VENV)/bin/ruff check stoic tests examples scripts $(wildcard benchmarks)
+	$(VENV)/bin/ruff format --check stoic tests examples scripts $(wildcard benchmarks)
 	# the layer contract in pyproject.toml: http -> engine -> actors -> runtime | model
 	$(VENV)/bin/lint-imports
 

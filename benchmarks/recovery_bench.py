@@ -17,11 +17,8 @@ Modes (the first argument):
   20 prompts, ``max_tokens`` 32, every step failing with ``--probability`` (split over
   ``--kinds``, distinct seeds). ``max_resumes`` 50 and 10,000 restarts in 1 s windows keep the
   budgets out of the way: the run counts requests that did not end with their fault-free text.
-* ``gpu`` (a CUDA device, the process executor): a real CUDA out-of-memory error (the worker's
-  allocator capped by ``STOIC_WORKER_CUDA_MEMORY_LIMIT_MIB``, a prefill that cannot fit: kind
-  ``oom``, not retryable, the same worker) and a real device-side assert (kind ``fatal``, the
-  worker replaced), each followed by the next request served with the same greedy text. Exits 1
-  if a check fails; without CUDA it says so and exits 0.
+The GPU checks (a real CUDA out-of-memory error, a real device-side assert) are
+``benchmarks/gpu_check.py``.
 
 On a shared, loaded machine set ``OMP_NUM_THREADS=1``: with other processes on the cores, torch's
 OpenMP threads stop spin-waiting and a decode step took 4 s instead of 0.15 s.
@@ -32,7 +29,6 @@ Usage::
     python benchmarks/recovery_bench.py restart --executor process --failure kill --rounds 10
     python benchmarks/recovery_bench.py stall --executor process --spares 1 --kind crash
     python benchmarks/recovery_bench.py chaos --executor process --spares 1 --kinds error,oom,crash
-    python benchmarks/recovery_bench.py gpu [--memory-limit-mib 640]
 """
 
 from __future__ import annotations
@@ -232,65 +228,6 @@ async def chaos(engine: stoic.Engine, args: argparse.Namespace) -> None:
     print(markdown(("measure", "value"), table))
 
 
-async def _served_again(engine: stoic.Engine, params: stoic.SamplingParams) -> tuple[str, float]:
-    started = time.perf_counter()
-    # submitted at once: a request that arrives during the restart waits for it
-    result = await engine.complete("The capital of France is", params)
-    return result.text, time.perf_counter() - started
-
-
-async def gpu(args: argparse.Namespace) -> int:
-    os.environ["STOIC_WORKER_CUDA_MEMORY_LIMIT_MIB"] = str(args.memory_limit_mib)
-    config = stoic.EngineConfig(
-        model=args.model,
-        device="cuda",
-        executor="process",
-        enable_fault_injection=True,
-        num_kv_blocks=args.kv_blocks,
-        max_num_batched_tokens=args.prefill_tokens,
-        max_num_seqs=64,
-    )
-    greedy = stoic.SamplingParams(max_tokens=16, temperature=0)
-    rows: list[tuple[str, str, float]] = []
-    ok = True
-    async with stoic.Engine.start(config) as engine:
-        before, _ = await _served_again(engine, greedy)
-        pid = engine.stats().executor_pid
-
-        # 1. a real CUDA OOM: one prefill step far beyond the capped allocator
-        long_prompt = list(range(100, 100 + args.prefill_tokens - 1))
-        try:
-            await engine.complete(long_prompt, stoic.SamplingParams(max_tokens=1))
-            rows.append(("cuda oom", "NOT RAISED", 0.0))
-            ok = False
-        except ExecutorFailed as exc:
-            text, seconds = await _served_again(engine, greedy)
-            same = engine.stats().executor_pid == pid
-            good = exc.kind == "oom" and not exc.retryable and text == before and same
-            ok &= good
-            outcome = f"kind={exc.kind} retryable={exc.retryable} same pid={same}"
-            rows.append(("cuda oom", outcome, seconds))
-
-        # 2. a real device-side assert: the worker's context is poisoned and must be replaced
-        pid = engine.stats().executor_pid
-        await engine.inject_fault(stoic.FaultSpec(kind="device_assert", after_steps=1))
-        try:
-            await engine.complete("Hello", greedy)
-            rows.append(("device-side assert", "NOT RAISED", 0.0))
-            ok = False
-        except ExecutorFailed as exc:
-            text, seconds = await _served_again(engine, greedy)
-            new_pid = engine.stats().executor_pid
-            good = exc.kind == "fatal" and new_pid != pid and text == before
-            ok &= good
-            outcome = f"kind={exc.kind} new pid={new_pid != pid}"
-            rows.append(("device-side assert", outcome, seconds))
-    table = [(name, outcome, f"{seconds:.2f}") for name, outcome, seconds in rows]
-    print(markdown(("check", "outcome", "error -> served again (s)"), table, align="llr"))
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
-
-
 async def restart(args: argparse.Namespace) -> None:
     # as `stoic serve` does: one line per event, plain tracebacks (rich ones take ~0.1 s to render)
     structlog.configure(
@@ -355,9 +292,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "mode", nargs="?", choices=["restart", "stall", "chaos", "gpu"], default="restart"
-    )
+    parser.add_argument("mode", nargs="?", choices=["restart", "stall", "chaos"], default="restart")
     parser.add_argument("--executor", choices=["thread", "process"], default="thread")
     parser.add_argument("--spares", type=int, default=0, help="--executor-spares (process only)")
     parser.add_argument("--dtype", help="default: restart auto, stall and chaos float32")
@@ -381,28 +316,11 @@ def main() -> int:
     resume_.add_argument("--seed", type=int, default=1)
     resume_.add_argument("--max-resumes", type=int, default=50)
     resume_.add_argument("--request-timeout", type=float, default=600.0)
-    gpu_ = parser.add_argument_group("gpu")
-    gpu_.add_argument("--model", default="default")
-    gpu_.add_argument(
-        "--memory-limit-mib",
-        type=int,
-        default=640,
-        help="the worker's CUDA allocator cap: the weights and KV fit, a long prefill does not",
-    )
-    gpu_.add_argument("--kv-blocks", type=int, default=512)
-    gpu_.add_argument("--prefill-tokens", type=int, default=8192)
     args = parser.parse_args()
     if args.rounds is None:
         args.rounds = 50 if args.mode == "restart" else 5
     if args.tokens is None:
         args.tokens = 64 if args.mode == "stall" else 32
-    if args.mode == "gpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("no CUDA device: nothing checked")
-            return 0
-        return asyncio.run(gpu(args))
     asyncio.run(restart(args) if args.mode == "restart" else resume(args))
     return 0
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["non_negative_float", "non_negative_int", "port", "positive_float", "positive_int"]
+__all__ = [
+    "auto_or_non_negative_float",
+    "non_negative_float",
+    "non_negative_int",
+    "port",
+    "positive_float",
+    "positive_int",
+]
 
 
 def positive_int(text: str) -> int:
@@ -33,6 +40,11 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def auto_or_non_negative_float(text: str) -> float | str:
+    """``"auto"``, or a number >= 0."""
+    return "auto" if text == "auto" else non_negative_float(text)
 
 
 def port(text: str) -> int:

@@ -11,7 +11,16 @@ from .errors import InvalidRequest
 __all__ = ["FAULT_KINDS", "PROCESS_ONLY_FAULTS", "EngineConfig", "FaultKind", "FaultSpec"]
 
 FaultKind = Literal[
-    "oom", "error", "hang", "slow", "fatal", "device_assert", "crash", "segfault", "abort"
+    "oom",
+    "alloc_failed",
+    "error",
+    "hang",
+    "slow",
+    "fatal",
+    "device_assert",
+    "crash",
+    "segfault",
+    "abort",
 ]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 #: faults that end the process that runs the model: only the process executor survives them
@@ -22,8 +31,9 @@ PROCESS_ONLY_FAULTS = frozenset({"crash", "segfault", "abort"})
 class FaultSpec:
     """A fault to inject into executor steps (for tests and failure rehearsals).
 
-    Kinds: ``oom`` (out of memory), ``error`` (an exception), ``fatal`` (exactly the error a
-    poisoned CUDA context raises), ``device_assert`` (a real out-of-range index on the GPU, which
+    Kinds: ``oom`` (out of memory), ``alloc_failed`` (exactly the RuntimeError torch raises when
+    cuBLAS cannot allocate on a full GPU: an out-of-memory failure too), ``error`` (an
+    exception), ``fatal`` (exactly the error a poisoned CUDA context raises), ``device_assert`` (a real out-of-range index on the GPU, which
     poisons the context; a plain error on a CPU), ``hang`` (the step spins on a CPU for
     ``seconds`` without progress, then runs: past ``step_timeout`` it is a hung step), ``slow``
     (each progress tick of the step, one per decoder layer and one at its start and end, waits

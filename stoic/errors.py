@@ -27,8 +27,10 @@ __all__ = [
     "StorageFailed",
 ]
 
-#: How an executor failure is classified: ``"oom"`` (out of device memory), ``"fatal"`` (the
-#: device context is poisoned: an illegal memory access, a device-side assert), ``"hang"`` (a
+#: How an executor failure is classified: ``"oom"`` (an allocation failed, whatever raised it:
+#: torch's OutOfMemoryError, cuBLAS/cuDNN ``*_ALLOC_FAILED``, the CPU allocator), ``"fatal"`` (the
+#: device context is poisoned: an illegal memory access or instruction, an ECC error, a
+#: device-side assert, any other ``torch.AcceleratorError``), ``"hang"`` (a
 #: step outlived the step timeout), ``"crash"`` (the executor's worker process died: killed,
 #: segfault, abort), ``"error"`` (any other exception in the step).
 FailureKind = Literal["error", "oom", "fatal", "hang", "crash"]

@@ -20,13 +20,24 @@ import torch
 from ..config import PROCESS_ONLY_FAULTS, FaultSpec
 from ..model import StepProgress
 
-__all__ = ["FATAL_CUDA_MESSAGE", "FaultInjector", "InjectedFault", "enact_fault"]
+__all__ = [
+    "ALLOC_FAILED_MESSAGE",
+    "FATAL_CUDA_MESSAGE",
+    "FaultInjector",
+    "InjectedFault",
+    "enact_fault",
+]
 
 #: exactly what PyTorch raises once a kernel poisoned the CUDA context
 FATAL_CUDA_MESSAGE = (
     "CUDA error: an illegal memory access was encountered\n"
     "CUDA kernel errors might be asynchronously reported at some other API call"
 )
+#: cudaErrorIllegalAddress: the ``error_code`` torch gives the AcceleratorError it raises
+_ILLEGAL_ADDRESS = 700
+#: exactly what PyTorch raises (a plain RuntimeError, not its OutOfMemoryError) when cuBLAS cannot
+#: allocate its handle's memory on a full GPU
+ALLOC_FAILED_MESSAGE = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 
 
 class InjectedFault(RuntimeError):
@@ -36,7 +47,9 @@ class InjectedFault(RuntimeError):
 def enact_fault(spec: FaultSpec, progress: StepProgress | None = None) -> None:
     """Make the step fail the way ``spec`` says, where the model runs, just before the step.
 
-    ``oom``, ``error`` and ``fatal`` raise; ``device_assert`` indexes a CUDA tensor out of range
+    ``oom``, ``alloc_failed``, ``error`` and ``fatal`` raise (``fatal``: the
+    :class:`torch.AcceleratorError` torch 2.8 and later raise for a poisoned context, a plain
+    RuntimeError on an older torch); ``device_assert`` indexes a CUDA tensor out of range
     (a real device-side assert); ``hang`` spins on the CPU for ``spec.seconds`` without a
     progress tick (then the step runs); ``slow`` throttles the step: each tick of ``progress``
     waits ``spec.seconds`` (without a counter, the step waits ``spec.seconds`` once); ``crash``
@@ -48,8 +61,10 @@ def enact_fault(spec: FaultSpec, progress: StepProgress | None = None) -> None:
             raise torch.OutOfMemoryError("injected fault: CUDA out of memory (simulated)")
         case "error":
             raise InjectedFault("injected fault: executor error")
+        case "alloc_failed":
+            raise RuntimeError(ALLOC_FAILED_MESSAGE)
         case "fatal":
-            raise RuntimeError(FATAL_CUDA_MESSAGE)
+            raise _poisoned_context()
         case "hang":
             _spin(spec.seconds)
         case "slow":
@@ -65,6 +80,16 @@ def enact_fault(spec: FaultSpec, progress: StepProgress | None = None) -> None:
             os.abort()
         case "device_assert":
             _device_assert()
+
+
+def _poisoned_context() -> RuntimeError:
+    """What torch raises after a kernel's illegal memory access, with its type and error code."""
+    accelerator_error: type[RuntimeError] | None = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is None:
+        return RuntimeError(FATAL_CUDA_MESSAGE)
+    error = accelerator_error(FATAL_CUDA_MESSAGE)
+    error.error_code = _ILLEGAL_ADDRESS  # type: ignore[attr-defined]  # as torch sets it
+    return error
 
 
 def _spin(seconds: float) -> None:

@@ -13,7 +13,7 @@ from typing import get_args
 
 from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
 from ..errors import FailureKind
-from ..model import Constraint, Detokenizer, Request, SamplingParams, TokenCodec
+from ..model import Constraint, Detokenizer, Request, SamplingParams, TokenCodec, cuda_devices
 from ._engine import Engine
 from ._incidents import Activity, Incident, SequenceView
 from ._stats import EngineStats
@@ -42,6 +42,7 @@ __all__ = [
     "State",
     "TokenCodec",
     "TokenLogprob",
+    "cuda_devices",
 ]
 
 # public names report their public module (as anyio and httpcore do), so reprs, docs and

@@ -1,4 +1,27 @@
-"""How an executor failure is classified (see :data:`stoic.errors.FailureKind`)."""
+"""How an executor failure is classified (see :data:`stoic.errors.FailureKind`).
+
+The forms come from torch's sources and the errors operators report:
+
+* **out of memory** (``"oom"``: the step budget backs off, the worker is kept): every allocation
+  failure, whatever raised it. :class:`torch.OutOfMemoryError` (the caching allocator: "CUDA out
+  of memory. Tried to allocate ...", "HIP out of memory", "XPU out of memory", and on recent
+  torch "MPS backend out of memory"); a :class:`torch.AcceleratorError` or ``RuntimeError`` for
+  ``cudaErrorMemoryAllocation`` ("CUDA error: out of memory", a ``cudaMalloc`` outside the
+  allocator); the math libraries' own allocation failures, which torch raises as a plain
+  ``RuntimeError`` ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+  cuBLASLt's workspace, "cuDNN error: CUDNN_STATUS_ALLOC_FAILED", cuSOLVER, cuSPARSE, cuFFT,
+  cuRAND, hipBLAS, MIOpen); the CPU allocator's ("DefaultCPUAllocator: can't allocate memory" /
+  "not enough memory") and Python's :class:`MemoryError`.
+* **a poisoned device** (``"fatal"``: the process's CUDA context cannot be used again, so the
+  thread executor fails the engine and the process executor replaces its worker): the sticky
+  CUDA errors (an illegal memory access or instruction, a misaligned address, an invalid
+  program counter, an unspecified launch failure, a launch time-out, a device-side assert, a
+  hardware stack error, an uncorrectable ECC or NVLink error, and a cuBLAS execution failure,
+  which such a fault leaves behind), and every other :class:`torch.AcceleratorError`: since
+  torch 2.8 each failed CUDA runtime call raises one, and after any of them the context is not
+  trusted.
+* anything else is ``"error"``: the step failed, the device is fine.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +33,35 @@ from ..errors import FailureKind
 
 __all__ = ["ExecutorFault", "classify_failure"]
 
-# errors after which the CUDA context cannot be trusted: recovery in the same process is impossible
-_FATAL_MARKERS = (
-    "illegal memory access",
-    "device-side assert",
-    "unspecified launch failure",
-    "cuda error: misaligned",
+#: lower-case parts of the messages of every allocation failure torch and its libraries raise
+_OOM_MARKERS = (
+    "out of memory",  # CUDA/HIP/XPU/MPS allocators, cudaErrorMemoryAllocation
+    "_alloc_failed",  # CUBLAS_/CUDNN_/CUSOLVER_/CUSPARSE_/HIPBLAS_STATUS_ALLOC_FAILED, CUFFT_
+    "allocation_failed",  # CURAND_STATUS_ALLOCATION_FAILED
+    "statusallocfailed",  # miopenStatusAllocFailed
+    "hiperroroutofmemory",
+    "can't allocate memory",  # DefaultCPUAllocator (POSIX)
+    "defaultcpuallocator: not enough memory",  # DefaultCPUAllocator (Windows)
 )
+
+#: lower-case parts of the messages of the errors after which the CUDA context cannot be
+#: trusted: recovery in the same process is impossible
+_FATAL_MARKERS = (
+    "illegal memory access",  # cudaErrorIllegalAddress
+    "illegal instruction",  # cudaErrorIllegalInstruction
+    "misaligned address",  # cudaErrorMisalignedAddress
+    "invalid program counter",  # cudaErrorInvalidPc
+    "unspecified launch failure",  # cudaErrorLaunchFailure
+    "launch timed out",  # cudaErrorLaunchTimeout
+    "device-side assert triggered",  # cudaErrorAssert
+    "hardware stack error",  # cudaErrorHardwareStackError
+    "uncorrectable ecc error",  # cudaErrorECCUncorrectable
+    "uncorrectable nvlink error",  # cudaErrorNvlinkUncorrectable
+    "cublas_status_execution_failed",  # a kernel the context's fault took down
+)
+
+#: ``torch.AcceleratorError`` where this torch has it (2.8 and later)
+_ACCELERATOR_ERROR: type[BaseException] | None = getattr(torch, "AcceleratorError", None)
 
 
 class ExecutorFault(RuntimeError):
@@ -55,13 +100,17 @@ class ExecutorFault(RuntimeError):
 
 
 def classify_failure(error: BaseException) -> FailureKind:
-    """``"oom"``, ``"fatal"`` (poisoned device context), ``"crash"`` / ``"hang"`` (the worker
-    process died or was killed for hanging), or ``"error"``."""
+    """``"oom"`` (any allocation failure), ``"fatal"`` (a poisoned device context), ``"crash"`` /
+    ``"hang"`` (the worker process died or was killed for hanging), or ``"error"``."""
     if isinstance(error, ExecutorFault):
         return error.kind
-    if isinstance(error, torch.OutOfMemoryError):
-        return "oom"
     text = str(error).lower()
+    if isinstance(error, torch.OutOfMemoryError | MemoryError) or any(
+        marker in text for marker in _OOM_MARKERS
+    ):
+        return "oom"
     if any(marker in text for marker in _FATAL_MARKERS):
+        return "fatal"
+    if _ACCELERATOR_ERROR is not None and isinstance(error, _ACCELERATOR_ERROR):
         return "fatal"
     return "error"

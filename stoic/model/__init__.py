@@ -10,6 +10,7 @@ from ._llguidance import LLGuidanceBackend
 from ._loader import (
     DEFAULT_MODEL_NAME,
     LoadedModel,
+    cuda_devices,
     default_gguf_path,
     load_model,
     resolve_device,
@@ -52,6 +53,7 @@ __all__ = [
     "apply_chat_template",
     "check_model_source",
     "cpu_budget",
+    "cuda_devices",
     "default_cache_dir",
     "default_gguf_path",
     "empty_device_cache",

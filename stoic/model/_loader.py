@@ -115,6 +115,16 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def cuda_devices() -> tuple[int, str]:
+    """The CUDA devices this process's torch can use (0 with a CPU build, without a GPU, or
+    with every GPU hidden), and a description of the torch build for a message. Creates no CUDA
+    context."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = torch.version.cuda
+    build = f"torch {torch.__version__} " + (f"(CUDA {cuda})" if cuda else "(a CPU-only build)")
+    return count, build
+
+
 #: seconds between two ``model.converting`` heartbeat events
 CONVERT_HEARTBEAT_S = 5.0
 _TODO_GGUF = "check the file, or pass a model directory or another .gguf file"

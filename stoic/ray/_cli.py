@@ -8,7 +8,12 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .._argtypes import non_negative_float, non_negative_int, positive_int
+from .._argtypes import (
+    auto_or_non_negative_float,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from .._logging import get_logger
 from ..config import EngineConfig
 from ..errors import StoicError
@@ -49,10 +54,12 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--replica-gpus",
-        type=non_negative_float,
-        default=0.0,
+        type=auto_or_non_negative_float,
+        default="auto",
         metavar="G",
-        help="GPUs per replica, e.g. 1 with --device cuda (default %(default)s)",
+        help="GPUs Ray reserves per replica; a replica asked for GPUs that sees none fails at "
+        "start instead of serving on the CPU (default %(default)s: 1 where the Ray cluster has "
+        "GPUs and --device is not cpu, else 0)",
     )
     g.add_argument(
         "--max-ongoing-requests",

@@ -9,7 +9,7 @@ import dataclasses
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .._logging import get_logger
 from ..config import EngineConfig
@@ -40,7 +40,9 @@ class ReplicaOptions:
         routes each to the first replica with room); default the engine's ``max_num_seqs``, so
         a replica's batch is full and nothing queues inside one engine while another idles.
     :param num_cpus: CPUs Ray reserves per replica; ``threads``: its torch threads.
-    :param num_gpus: GPUs per replica (``device="cuda"``).
+    :param num_gpus: GPUs per replica; ``"auto"`` (the default): 1 where the Ray cluster has
+        GPUs and the engine's device is not the CPU, else 0 (:meth:`resolve_gpus`, which the
+        launcher and :func:`~stoic.ray.build_app` call once Ray is up).
     :param health_check_period_s: how often Serve asks a replica's engine if it is failed.
     :param health_check_timeout_s: how long a health check may take before it counts failed.
     :param max_migrations: times one request may move to another replica.
@@ -53,7 +55,7 @@ class ReplicaOptions:
     max_ongoing_requests: int | None = None
     num_cpus: float | None = None
     threads: int | None = None
-    num_gpus: float = 0.0
+    num_gpus: float | Literal["auto"] = "auto"
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
     max_migrations: int = 3
@@ -65,6 +67,19 @@ class ReplicaOptions:
             self.replicas, self.min_replicas or 0
         ):
             raise ValueError("max_replicas must be at least replicas and min_replicas")
+        if self.num_gpus != "auto" and not (
+            isinstance(self.num_gpus, int | float) and self.num_gpus >= 0
+        ):
+            raise ValueError(f"num_gpus must be 'auto' or a number >= 0, got {self.num_gpus!r}")
+
+    def resolve_gpus(self, cluster_gpus: float, device: str) -> ReplicaOptions:
+        """These options with ``num_gpus="auto"`` made a number: one GPU per replica where the
+        cluster has any (``cluster_gpus``: Ray's ``cluster_resources()["GPU"]``) and the engine's
+        ``device`` may be a GPU (``auto`` or ``cuda...``), else none. A number stays."""
+        if self.num_gpus != "auto":
+            return self
+        wants_gpu = device == "auto" or device.startswith("cuda")
+        return dataclasses.replace(self, num_gpus=1.0 if cluster_gpus >= 1 and wants_gpu else 0.0)
 
     def split_machine(self, cpus: int | None = None) -> ReplicaOptions:
         """These options with this machine's cores split between the replicas (for a local
@@ -78,12 +93,22 @@ class ReplicaOptions:
             threads=self.threads if self.threads is not None else max(1, int(share)),
         )
 
+    @property
+    def gpus(self) -> float:
+        """``num_gpus`` once resolved.
+
+        :raises ValueError: it is still ``"auto"`` (:meth:`resolve_gpus` first).
+        """
+        if self.num_gpus == "auto":
+            raise ValueError("num_gpus='auto' is resolved against the Ray cluster first")
+        return float(self.num_gpus)
+
     def serve_options(self, config: EngineConfig) -> dict[str, Any]:
-        """The ``serve.deployment`` options of the engine replicas."""
+        """The ``serve.deployment`` options of the engine replicas (``num_gpus`` resolved)."""
         ongoing = self.max_ongoing_requests or config.max_num_seqs
         actor: dict[str, Any] = {"num_cpus": self.num_cpus if self.num_cpus is not None else 1}
-        if self.num_gpus:
-            actor["num_gpus"] = self.num_gpus
+        if self.gpus:
+            actor["num_gpus"] = self.gpus
         options: dict[str, Any] = {
             "ray_actor_options": actor,
             "max_ongoing_requests": ongoing,
@@ -113,11 +138,23 @@ def engine_deployment(
     config: EngineConfig, options: ReplicaOptions, board: str | None, name: str = "EngineReplica"
 ) -> Any:
     """The engine replicas as a bound Serve application (``serve.run`` it, or bind it into an
-    application of your own)."""
+    application of your own); ``num_gpus="auto"`` is resolved against the Ray cluster this
+    process joined (none joined: no GPUs)."""
     from ray import serve
 
+    options = options.resolve_gpus(cluster_gpus(), config.device)
     deployment = serve.deployment(name=name, **options.serve_options(config))(EngineReplica)
-    return deployment.bind(config, options.threads, board)
+    return deployment.bind(config, options.threads, board, options.gpus)
+
+
+def cluster_gpus() -> float:
+    """The GPUs of the Ray cluster this process joined (0 when it joined none)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0.0
+    resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    return float(resources.get("GPU", 0.0))
 
 
 def make_board(name: str) -> Any:
@@ -192,6 +229,7 @@ async def run_replicas(
             options = options.split_machine()
             started_ray = True
         ray.init(address=address, **(ray_init or {}))
+    options = options.resolve_gpus(cluster_gpus(), config.device)
     board_name = f"{app_name}-board"
     board = make_board(board_name)
     try:

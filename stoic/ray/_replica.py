@@ -18,12 +18,12 @@ from typing import Any
 
 from .._logging import get_logger
 from ..config import EngineConfig, FaultSpec
-from ..engine import Delta, Engine, Health, Request
+from ..engine import Delta, Engine, Health, Request, cuda_devices
 from ..errors import StoicError
 from ._board import BOARD_NAMESPACE
 from ._wire import Admitted, Failure, pack_error
 
-__all__ = ["EngineReplica", "ReplicaInfo", "check_engine_health"]
+__all__ = ["EngineReplica", "ReplicaInfo", "check_engine_health", "check_replica_device"]
 
 _log = get_logger("stoic.ray")
 
@@ -52,6 +52,27 @@ def check_engine_health(health: Health) -> None:
         raise RuntimeError(f"the engine is failed: {health.reason}")
 
 
+def check_replica_device(device: str, gpus: float, visible: int, build: str) -> None:
+    """Refuse a replica that landed without the device it was asked for, rather than let it
+    serve on the CPU.
+
+    :param device: the engine's ``device`` (``--device``).
+    :param gpus: the GPUs Ray reserved for this replica (``--replica-gpus``).
+    :param visible: the CUDA devices this replica's torch sees; ``build``: its description.
+    :raises RuntimeError: (one line) GPUs were reserved, or ``device`` is ``cuda...``, and torch
+        sees no CUDA device.
+    """
+    if visible > 0 or not (gpus > 0 or device.startswith("cuda")):
+        return
+    asked = f"{gpus:g} GPU(s) from Ray" if gpus > 0 else f"--device {device}"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if hidden is None else repr(hidden)
+    raise RuntimeError(
+        f"this replica was given {asked} but {build} sees no CUDA device "
+        f"(CUDA_VISIBLE_DEVICES={shown}): refusing to serve on the CPU"
+    )
+
+
 def _replica_id() -> str:
     """Serve's id of this replica (a fresh one outside Serve, e.g. in a test)."""
     try:
@@ -69,16 +90,27 @@ class EngineReplica:
         between its replicas), unless ``config.threads`` is set; ``None``: the engine's CPU
         budget.
     :param board: the name of the :class:`~stoic.ray._board.StatsBoard` actor to post to.
+    :param gpus: the GPUs Ray reserved for this replica: with any, a replica whose torch sees
+        no CUDA device fails at start (:func:`check_replica_device`).
     """
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async __init__
-        self, config: EngineConfig, threads: int | None = None, board: str | None = None
+        self,
+        config: EngineConfig,
+        threads: int | None = None,
+        board: str | None = None,
+        gpus: float = 0.0,
     ) -> None:
         if threads is not None and config.threads is None:
             # the replica's share of the machine is its compute budget (workers included);
             # its threads still shrink while a neighbour takes CPUs (``adapt_threads``)
             config = replace(config, threads=threads)
         self.replica = _replica_id()
+        try:
+            check_replica_device(config.device, gpus, *cuda_devices())
+        except RuntimeError as exc:
+            _log.error("ray.replica_device_missing", replica=self.replica, error=str(exc))
+            raise
         self._stack = contextlib.AsyncExitStack()
         self.engine: Engine = await self._stack.enter_async_context(Engine.start(config))
         self._board: Any = None

@@ -412,6 +412,7 @@ class Supervisor:
             child=child.spec.name,
             restarts=restarts,
         )
+        escalation.__cause__ = error  # the hook below sees it, as the supervisor's parent does
         self._cell.log.error(
             "supervisor.escalated",
             child=child.spec.name,

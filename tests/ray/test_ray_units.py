@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import types
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from stoic.ray import ReplicaOptions, check_engine_health
 from stoic.ray._app import app_options
 from stoic.ray._cli import replica_options
 from stoic.ray._redecode import Continuation
+from stoic.ray._replica import EngineReplica, check_replica_device
 from stoic.ray._stats import sum_stats
 from stoic.ray._wire import pack_error, unpack_error
 
@@ -211,12 +214,14 @@ def test_replica_options_size_serve_for_continuous_batching() -> None:
     up to --max-waiting more; Serve's graceful shutdown outlasts the engine's drain;
     autoscaling targets half a batch per replica."""
     config = EngineConfig(max_num_seqs=32, drain_timeout=10.0, max_waiting=100)
-    fixed = ReplicaOptions(replicas=3).serve_options(config)
+    fixed = ReplicaOptions(replicas=3, num_gpus=0).serve_options(config)
     assert fixed["num_replicas"] == 3
     assert fixed["max_ongoing_requests"] == 32
     assert fixed["max_queued_requests"] == 100
     assert fixed["graceful_shutdown_timeout_s"] > config.drain_timeout
-    scaled = ReplicaOptions(replicas=2, max_replicas=4, min_replicas=1).serve_options(config)
+    scaled = ReplicaOptions(replicas=2, max_replicas=4, min_replicas=1, num_gpus=0).serve_options(
+        config
+    )
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {
         "min_replicas": 1,
@@ -283,7 +288,7 @@ def test_the_documented_config_file_describes_a_valid_application() -> None:
     config, options, host, port = app_options(app["args"])
     assert (config.model, config.executor, config.max_num_seqs) == ("default", "process", 32)
     assert (host, port) == ("0.0.0.0", 8000)
-    scaling = options.serve_options(config)["autoscaling_config"]
+    scaling = options.resolve_gpus(0, config.device).serve_options(config)["autoscaling_config"]
     assert scaling == {
         "min_replicas": 1,
         "initial_replicas": 2,
@@ -333,3 +338,83 @@ def test_the_guarded_http_site_serves_on_uvloop() -> None:
             await runner.cleanup()
 
     assert uvloop.run(main()) == "ok"
+
+
+def test_replicas_get_one_gpu_each_where_the_cluster_has_gpus() -> None:
+    """``num_gpus="auto"`` (the default, and ``--replica-gpus``'s): one GPU per replica where
+    Ray's cluster reports GPUs and the engine may use one; none on a CPU-only cluster or with
+    ``--device cpu``; a number given stays; unresolved it cannot size a deployment."""
+    config = EngineConfig()
+    auto = ReplicaOptions(replicas=2)
+    assert auto.num_gpus == "auto"
+    with pytest.raises(ValueError, match="auto"):
+        auto.serve_options(config)
+    on_gpus = auto.resolve_gpus(8.0, "auto")
+    assert on_gpus.serve_options(config)["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1.0}
+    assert auto.resolve_gpus(2.0, "cuda").gpus == 1.0
+    assert auto.resolve_gpus(0.0, "auto").serve_options(config)["ray_actor_options"] == {
+        "num_cpus": 1
+    }
+    assert auto.resolve_gpus(8.0, "cpu").gpus == 0.0
+    assert ReplicaOptions(num_gpus=0.5).resolve_gpus(8.0, "auto").gpus == 0.5
+    assert ReplicaOptions(num_gpus=0).resolve_gpus(8.0, "auto").gpus == 0.0
+    with pytest.raises(ValueError, match="num_gpus"):
+        ReplicaOptions(num_gpus=-1)
+
+
+def test_replica_gpus_flag_is_auto_or_a_number() -> None:
+    parser = build_parser()
+    assert replica_options(parser.parse_args(["serve", "--replicas", "2"])).num_gpus == "auto"
+    args = parser.parse_args(["serve", "--replicas", "2", "--replica-gpus", "0.5"])
+    assert replica_options(args).num_gpus == 0.5
+    for bad in ("-1", "one"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--replicas", "2", "--replica-gpus", bad])
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus", "visible", "refused"),
+    [
+        ("auto", 1.0, 0, True),  # Ray reserved a GPU, torch sees none (a CPU build, or hidden)
+        ("cuda", 0.0, 0, True),  # --device cuda without CUDA
+        ("cuda:0", 0.5, 0, True),
+        ("auto", 1.0, 1, False),
+        ("cuda", 1.0, 1, False),
+        ("auto", 0.0, 0, False),  # no GPU asked: the CPU is what was asked for
+        ("cpu", 0.0, 0, False),
+    ],
+)
+def test_a_replica_without_the_device_it_was_asked_for_is_refused(
+    device: str, gpus: float, visible: int, refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    build = "torch 2.13.0+cpu (a CPU-only build)"
+    if not refused:
+        check_replica_device(device, gpus, visible, build)
+        return
+    with pytest.raises(RuntimeError) as caught:
+        check_replica_device(device, gpus, visible, build)
+    message = str(caught.value)
+    assert "\n" not in message  # one line
+    assert build in message and "CUDA_VISIBLE_DEVICES=''" in message
+    assert "refusing to serve on the CPU" in message
+
+
+@pytest.mark.asyncio
+async def test_a_replica_given_a_gpu_it_cannot_see_fails_before_loading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replica checks its device first: given a GPU while its torch sees none (injected: a
+    CPU build), it raises that one line, never starts an engine (a model that does not exist
+    would otherwise fail differently), and never serves on the CPU."""
+    monkeypatch.setattr(
+        "stoic.ray._replica.cuda_devices", lambda: (0, "torch 2.13.0+cpu (a CPU-only build)")
+    )
+    # __init__ run on a bare namespace: a real EngineReplica's async __del__ is Serve's to await
+    replica = types.SimpleNamespace()
+    config = EngineConfig(model="/nonexistent/model")
+    with pytest.raises(
+        RuntimeError, match=re.escape("given 1 GPU(s) from Ray but torch 2.13.0+cpu")
+    ):
+        await EngineReplica.__init__(replica, config, None, None, 1.0)  # type: ignore[arg-type]
+    assert not hasattr(replica, "engine")
