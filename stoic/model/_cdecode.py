@@ -170,9 +170,7 @@ def block_tables(
     its position + 1 (it attends causally, as a decode token at its position would)."""
     groups = step.decodes
     chunks = step.prefills if prefills else ()
-    widest = max(
-        [g.max_blocks for g in groups] + [int(c.gather_index.shape[1]) for c in chunks]
-    )
+    widest = max([g.max_blocks for g in groups] + [int(c.gather_index.shape[1]) for c in chunks])
     kv_heads = step.cache.spec.num_kv_heads
     tables = torch.zeros(tokens, kv_heads, widest, dtype=torch.int64)
     lens = torch.zeros(tokens, dtype=torch.int64)

@@ -155,7 +155,9 @@ class ModelRunner:
             if fused and not whole
             else None
         )
-        why = refusal(self._fused, getattr(self._base, "rotary_emb", None)) if deterministic else None
+        why = (
+            refusal(self._fused, getattr(self._base, "rotary_emb", None)) if deterministic else None
+        )
         if why is None and deterministic and self._head.product is None:
             why = "the output layer has no quantised blocks the kernels compute on"
         if why is not None:
