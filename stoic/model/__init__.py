@@ -17,6 +17,7 @@ from ._loader import (
 )
 from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache, free_device_memory
 from ._params import SamplingParams
+from ._deterministic import require_deterministic
 from ._quant import require_quantized
 from ._request import Request
 from ._runner import ModelRunner
@@ -57,6 +58,7 @@ __all__ = [
     "empty_device_cache",
     "free_device_memory",
     "load_model",
+    "require_deterministic",
     "require_quantized",
     "resolve_device",
     "resolve_dtype",

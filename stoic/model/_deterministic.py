@@ -34,11 +34,15 @@ rows.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["ROTARY_PIECE", "RotaryTable", "refusal"]
+from ..config import Quantization
+from ..errors import ModelUnavailable
+
+__all__ = ["ROTARY_PIECE", "RotaryTable", "refusal", "refuse", "require_deterministic"]
 
 #: positions the rotary table is computed for at a time (one call each, cached)
 ROTARY_PIECE = 256
@@ -80,6 +84,40 @@ class RotaryTable:
             self._sin = torch.cat([p[1] for p in prior] + sin)
         assert self._cos is not None and self._sin is not None
         return self._cos.index_select(0, flat)[None], self._sin.index_select(0, flat)[None]
+
+
+def refuse(why: str) -> ModelUnavailable:
+    """The start-up error for a model that cannot run deterministically, ``why``."""
+    return ModelUnavailable(f"--deterministic cannot be used: {why}")
+
+
+def require_deterministic(
+    gguf: Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: Quantization,
+    cache_root: Path,
+) -> None:
+    """Check, before any worker process starts, what can be known without the weights: a
+    ``.gguf`` file of the C layers' architectures, kernels that run here, float32 activations
+    (the runner checks the rest: :func:`refusal`).
+
+    :raises ModelUnavailable: if the model cannot run deterministically (one line: why).
+    """
+    from ._precision import C_LAYER_FILES, decodes_on_blocks
+
+    if quantization == "none":
+        raise refuse("--quantization none keeps no quantised blocks to compute on")
+    if gguf is None or not decodes_on_blocks(gguf, device, cache_root):
+        files = ", ".join(C_LAYER_FILES)
+        raise refuse(
+            f"the model is not a .gguf file of the {files} architectures whose C layers run "
+            "here (x86-64 with AVX2 and a C compiler); other models run transformers' or "
+            "oneDNN's products, whose order of sums depends on the batch"
+        )
+    if dtype != torch.float32:
+        name = str(dtype).removeprefix("torch.")
+        raise refuse(f"the C layers compute in float32, not {name} (--dtype auto or float32)")
 
 
 def refusal(fused: Any, rotary: Any) -> str | None:

@@ -20,7 +20,7 @@ from ._batch import SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._compute import ComputePath, matrix_types
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
-from ._deterministic import refusal
+from ._deterministic import refusal, refuse
 from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
 from ._loader import LoadedModel
@@ -161,7 +161,7 @@ class ModelRunner:
         if why is None and deterministic and self._head.product is None:
             why = "the output layer has no quantised blocks the kernels compute on"
         if why is not None:
-            raise ModelUnavailable(f"--deterministic cannot be used: {why}")
+            raise refuse(why)
         if self._fused is None:
             _tick_per_layer(self._base)
         if whole:

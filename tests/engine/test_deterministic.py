@@ -17,6 +17,7 @@ import pytest_asyncio
 from support import engine_config, wait_idle
 
 import stoic
+from stoic.errors import ModelUnavailable
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
 
@@ -160,3 +161,25 @@ class _Reader:
             self._ids += delta.token_ids
             self._logprobs += [t.logprob for t in delta.logprobs or ()]
         return tuple(self._ids), tuple(self._logprobs)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({"dtype": "bfloat16"}, "compute in float32, not bfloat16"),
+        ({"quantization": "none"}, "--quantization none keeps no quantised blocks"),
+        ({"executor": "process", "model": "tiny"}, "is not a .gguf file"),
+    ],
+)
+async def test_a_model_off_the_c_layers_is_refused_at_start_saying_why(
+    tiny_model_dir: Path, overrides: dict[str, Any], why: str
+) -> None:
+    """A model that cannot run deterministically (bfloat16 activations, no quantised blocks, a
+    model directory) is refused at start with one line naming why, before any worker process
+    starts."""
+    if overrides.get("model") == "tiny":
+        overrides = {**overrides, "model": str(tiny_model_dir)}
+    with pytest.raises(ModelUnavailable, match="^--deterministic cannot be used: ") as caught:
+        async with stoic.Engine.start(_config(**overrides)):
+            pass
+    assert why in str(caught.value) and "\n" not in str(caught.value)

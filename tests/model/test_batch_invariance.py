@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from gguf_blocks import random_blocks
 
-from stoic.model._qkernels import GGML_TYPES, Kernels
+from stoic.model._qkernels import GGML_TYPES, Kernels, load_kernels
 
 #: batch sizes, on and off the kernels' 4- and 8-row tiles and the 16-lane routine's limit
 SIZES = (2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 48, 64)
@@ -29,12 +29,26 @@ def _alone_equals_batched(product: object, cols: int) -> list[int]:
     return [n for n in SIZES if not torch.equal(product(x[:n].contiguous())[:1], alone)]  # type: ignore[operator]
 
 
+@pytest.fixture(scope="module")
+def avx2_kernels(tmp_path_factory: pytest.TempPathFactory, kernels: Kernels) -> Kernels:
+    """The kernels built without AVX-512 (8-lane products at every size, as on an AVX2 CPU)."""
+    from stoic.model import _qkernels
+
+    flags = _qkernels._cpu_flags() - {"avx512f"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+        return load_kernels(tmp_path_factory.mktemp("avx2-kernels"))
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("kind", sorted(GGML_TYPES))
 def test_fixed_order_product_of_a_row_is_bitwise_the_same_in_any_batch(
-    kernels: Kernels, kind: str
+    request: pytest.FixtureRequest, build: str, kind: str
 ) -> None:
     """A row multiplied alone equals that row multiplied in batches of 2..64 (every block type,
-    with a bias), and every row of a batch equals its product alone."""
+    with a bias; the machine's build and the AVX2 one), and every row of a batch equals its
+    product alone."""
+    kernels: Kernels = request.getfixturevalue("kernels" if build == "native" else "avx2_kernels")
     cols = 512
     blocks = random_blocks(kind, 40, cols, seed=3)
     bias = torch.randn(40)
