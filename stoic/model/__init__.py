@@ -5,6 +5,7 @@ from ._cache import default_cache_dir
 from ._chat import apply_chat_template
 from ._compute import ComputePath
 from ._cpu import CpuBudget, cpu_budget
+from ._deterministic import require_deterministic
 from ._grammar import Constraint, ConstraintKind, GrammarBackend, GrammarVocab
 from ._llguidance import LLGuidanceBackend
 from ._loader import (
@@ -17,7 +18,6 @@ from ._loader import (
 )
 from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache, free_device_memory
 from ._params import SamplingParams
-from ._deterministic import require_deterministic
 from ._quant import require_quantized
 from ._request import Request
 from ._runner import ModelRunner

@@ -179,7 +179,7 @@ async def test_a_model_off_the_c_layers_is_refused_at_start_saying_why(
     starts."""
     if overrides.get("model") == "tiny":
         overrides = {**overrides, "model": str(tiny_model_dir)}
-    with pytest.raises(ModelUnavailable, match="^--deterministic cannot be used: ") as caught:
+    with pytest.raises(ModelUnavailable, match=r"^--deterministic cannot be used: ") as caught:
         async with stoic.Engine.start(_config(**overrides)):
             pass
     assert why in str(caught.value) and "\n" not in str(caught.value)
