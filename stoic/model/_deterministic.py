@@ -111,9 +111,9 @@ def require_deterministic(
     if gguf is None or not decodes_on_blocks(gguf, device, cache_root):
         files = ", ".join(C_LAYER_FILES)
         raise refuse(
-            f"the model is not a .gguf file of the {files} architectures whose C layers run "
-            "here (x86-64 with AVX2 and a C compiler); other models run transformers' or "
-            "oneDNN's products, whose order of sums depends on the batch"
+            f"the model does not run on the C layers here (a .gguf file of the {files} "
+            "architectures, on an x86-64 CPU with AVX2 and a C compiler); other models run "
+            "torch's products, whose order of sums depends on the batch"
         )
     if dtype != torch.float32:
         name = str(dtype).removeprefix("torch.")

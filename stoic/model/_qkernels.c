@@ -227,8 +227,10 @@ static void block_sums(const float *x, int64_t nb, float *sx) {
             int64_t r = 0;                                                                    \
             for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
             for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
-            for (; r < M; r++)                                                                \
-                (fixed ? NAME##_1f : NAME##_1)(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            for (; r < M; r++) {                                                              \
+                if (fixed) NAME##_1f(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);        \
+                else NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);               \
+            }                                                                                 \
         }                                                                                     \
     }
 

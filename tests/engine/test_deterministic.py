@@ -168,7 +168,7 @@ class _Reader:
     [
         ({"dtype": "bfloat16"}, "compute in float32, not bfloat16"),
         ({"quantization": "none"}, "--quantization none keeps no quantised blocks"),
-        ({"executor": "process", "model": "tiny"}, "is not a .gguf file"),
+        ({"executor": "process", "model": "tiny"}, "does not run on the C layers here"),
     ],
 )
 async def test_a_model_off_the_c_layers_is_refused_at_start_saying_why(
