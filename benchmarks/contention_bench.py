@@ -14,11 +14,15 @@ to the neighbour on 2 cores, 50% the ideal), TTFT and inter-token latency, and f
 compute-thread changes its log reports. Systems: ``stoic`` (``stoic serve`` defaults: the
 process executor, threads sized to the CPU budget and following contention), ``stoic-before``
 (``--threads <CPU count> --no-adapt-threads``: every step on all the machine's CPUs whatever the
-quota or the neighbours, as stoic ran before), and llama.cpp's
-server with ``--llama-server PATH`` (built by ``benchmarks/build_llama_server.sh``; ``--threads``
-= the CPU count, as its users run it).
+quota or the neighbours, as stoic ran before), ``stoic-deterministic`` (``--deterministic``:
+docs/operations.md, "Deterministic mode"; its "vs stoic" column is the mode's cost), and
+llama.cpp's server with ``--llama-server PATH`` (built by ``benchmarks/build_llama_server.sh``;
+``--threads`` = the CPU count, as its users run it). ``--concurrency`` takes several client
+counts, each measured in turn.
 
     python benchmarks/contention_bench.py --llama-server "$(benchmarks/build_llama_server.sh)"
+    python benchmarks/contention_bench.py --systems stoic stoic-deterministic \
+        --conditions quiet neighbour --concurrency 1 32
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ def thread_changes(log: Path, since: int) -> tuple[int, str]:
 
 
 async def measure(
-    system: System, condition: str, args: argparse.Namespace, group: Path | None
+    system: System, condition: str, args: argparse.Namespace, group: Path | None, clients: int
 ) -> Result | None:
     if condition == "quota":
         if group is None:
@@ -146,10 +150,10 @@ async def measure(
             records, seconds = await run_load(
                 url,
                 bodies(system, args.requests, args.max_tokens),
-                args.concurrency,
+                clients,
                 budget=args.budget,
             )
-        result = Result(system.name, args.concurrency, args.requests, records, seconds)
+        result = Result(system.name, clients, args.requests, records, seconds)
         if system.name.startswith("stoic"):
             changes, last = thread_changes(system.log, mark)
             result.note = f"{changes} thread changes, last {last}"
@@ -158,60 +162,81 @@ async def measure(
         system.stop()
 
 
-def table(results: dict[tuple[str, str], Result]) -> str:
+def _ratio(r: Result, other: Result | None) -> str:
+    return f"{r.tokens_per_s / other.tokens_per_s:.0%}" if other and other.tokens_per_s else "-"
+
+
+def table(results: dict[tuple[str, str, int], Result]) -> str:
     rows = []
-    for (name, condition), r in results.items():
-        quiet = results.get((name, "quiet"))
-        share = (
-            f"{r.tokens_per_s / quiet.tokens_per_s:.0%}" if quiet and quiet.tokens_per_s else "-"
-        )
+    for (name, condition, clients), r in results.items():
+        share = _ratio(r, results.get((name, "quiet", clients)))
+        # the same load on stoic's defaults (what --deterministic costs)
+        against = _ratio(r, results.get(("stoic", condition, clients)))
         ttft = f"{r.ttft(0.5) or 0:.2f} / {r.ttft(0.99) or 0:.2f}"
         itl = f"{1000 * (r.itl(0.5) or 0):.0f} / {1000 * (r.itl(0.99) or 0):.0f}"
-        rows.append(
-            (name, condition, f"{r.tokens_per_s:.1f}", share, ttft, itl, r.errors, r.note or "-")
-        )
-    head = ("system", "condition", "tokens/s", "vs quiet", "TTFT p50 / p99 s", "ITL p50 / p99 ms")
-    return markdown((*head, "errors", "threads"), rows, align="l" * 8)
+        tokens = f"{r.tokens_per_s:.1f}"
+        note = r.note or "-"
+        rows.append((name, condition, clients, tokens, share, against, ttft, itl, r.errors, note))
+    head = ("system", "condition", "clients", "tokens/s", "vs quiet", "vs stoic")
+    head += ("TTFT p50 / p99 s", "ITL p50 / p99 ms", "errors", "threads")
+    return markdown(head, rows, align="l" * len(head))
+
+
+#: stoic's flags for each stoic system
+STOIC_FLAGS = {
+    "stoic": [],
+    "stoic-before": ["--threads", str(os.cpu_count() or 1), "--no-adapt-threads"],
+    "stoic-deterministic": ["--deterministic"],
+}
+
+
+def make_system(work: Path, name: str, label: str, args: argparse.Namespace) -> System | None:
+    """System ``name`` (None: llama-server without ``--llama-server``)."""
+    if name in STOIC_FLAGS:
+        return stoic_server(work, label, STOIC_FLAGS[name], log_level="info")
+    if name == "llama-server" and args.llama_server:
+        return llama_system(work, args.llama_server, default_gguf_path(), 16)
+    return None
 
 
 async def main(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="stoic-contention-"))
     group = quota_cgroup(args.quota) if "quota" in args.conditions else None
-    results: dict[tuple[str, str], Result] = {}
-    for name in args.systems:
-        for condition in args.conditions:
-            if name == "stoic":
-                system = stoic_server(work, f"{name}-{condition}", log_level="info")
-            elif name == "stoic-before":
-                flags = ["--threads", str(os.cpu_count() or 1), "--no-adapt-threads"]
-                system = stoic_server(work, f"{name}-{condition}", flags, log_level="info")
-            elif name == "llama-server" and args.llama_server:
-                system = llama_system(work, args.llama_server, default_gguf_path(), 16)
-            else:
-                continue
-            print(f"{name}: {condition} ...", file=sys.stderr, flush=True)
-            result = await measure(system, condition, args, group)
-            if result is not None:
-                results[(name, condition)] = result
-                print(f"  {result.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+    results: dict[tuple[str, str, int], Result] = {}
+    for clients in args.concurrency:
+        for name in args.systems:
+            for condition in args.conditions:
+                system = make_system(work, name, f"{name}-{condition}-{clients}", args)
+                if system is None:
+                    continue
+                print(f"{name}: {condition}, {clients} clients ...", file=sys.stderr, flush=True)
+                result = await measure(system, condition, args, group, clients)
+                if result is not None:
+                    results[(name, condition, clients)] = result
+                    print(f"  {result.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
     if group is not None:
         with contextlib.suppress(OSError):
             group.rmdir()
     cpu = cpu_model()
     print(
         f"\n{os.cpu_count()} CPUs ({cpu}); {args.requests} requests x {args.max_tokens} tokens at "
-        f"{args.concurrency} clients; quota {args.quota} CPU\n"
+        f"{', '.join(map(str, args.concurrency))} clients; quota {args.quota} CPU\n"
     )
     print(table(results))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--systems", nargs="+", default=["stoic", "stoic-before", "llama-server"])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["stoic", "stoic-before", "llama-server"],
+        choices=[*STOIC_FLAGS, "llama-server"],
+    )
     parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
     parser.add_argument("--llama-server", help="path of a llama-server binary")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16], help="client counts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--quota", type=float, default=1.0, help="CPUs of the quota condition")
     parser.add_argument(

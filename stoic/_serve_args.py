@@ -70,6 +70,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     g.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=d.deterministic,
+        help="every token's logits computed independently of its batch, of how its prompt was "
+        "chunked and of whether its context came from the prefix cache or a re-prefill: the "
+        "same greedy (or seeded) text alone or in any batch, and --recovery resume exact, in the "
+        "dtype auto picks. Every step runs the C layers on the GGUF file's blocks in a fixed "
+        "order (prefill slower); a model off that path is refused at start (default off)",
+    )
+    g.add_argument(
         "--max-model-len",
         type=positive_int,
         help="context length, prompt plus generated tokens (default: the model's)",
@@ -266,6 +276,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        deterministic=args.deterministic,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,

@@ -99,6 +99,12 @@ class EngineConfig:
     #: where the CPU (AVX2) and a C compiler allow, ``"gguf"`` required, ``"none"`` never. The
     #: numbers are the de-quantised weights' own (docs/operations.md, "Quantised weights")
     quantization: Quantization = "auto"
+    #: every token's logits computed independently of the batch it is in, of how its prompt was
+    #: chunked and of whether its context came from the prefix cache or a re-prefill: the same
+    #: greedy (or seeded) text alone or in any batch, and ``recovery="resume"`` exact, in the
+    #: dtype ``"auto"`` picks. A GGUF model of the C layers' families only (others are refused
+    #: at start); prefill is slower (docs/operations.md, "Deterministic mode")
+    deterministic: bool = False
     #: tokens per KV block
     block_size: int = 16
     #: KV blocks; ``None`` sizes the cache from ``kv_cache_memory_gib`` (CPU) or

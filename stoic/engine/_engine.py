@@ -31,6 +31,7 @@ from ..model import (
     TokenCodec,
     default_cache_dir,
     load_model,
+    require_deterministic,
     require_quantized,
 )
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
@@ -84,7 +85,7 @@ class Engine:
         running end with :class:`~stoic.errors.EngineStopped`), but still leaves no actor running.
 
         :raises ModelUnavailable: if the model cannot be found or loaded locally, or
-            ``quantization="gguf"`` cannot be honoured.
+            ``quantization="gguf"`` or ``deterministic`` cannot be honoured.
         :raises EngineFailed: if the first executor worker process dies or does not get ready
             (``executor="process"``).
         """
@@ -115,6 +116,15 @@ class Engine:
                     require_quantized,
                     loaded.gguf,
                     loaded.device,
+                    cfg.cache_dir or default_cache_dir(),
+                )
+            if cfg.deterministic:  # the same: a model that cannot is refused before a worker
+                await anyio.to_thread.run_sync(
+                    require_deterministic,
+                    loaded.gguf,
+                    loaded.dtype,
+                    loaded.device,
+                    cfg.quantization,
                     cfg.cache_dir or default_cache_dir(),
                 )
             spec = kv_cache_spec(cfg, loaded)

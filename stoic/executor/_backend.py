@@ -186,7 +186,12 @@ class ThreadBackend(StepBackend):
         governor = ThreadGovernor(threads, adapt=config.adapt_threads)
         self._runner = await self._worker.run(
             functools.partial(
-                ModelRunner, loaded, grammar, quantization=config.quantization, threads=governor
+                ModelRunner,
+                loaded,
+                grammar,
+                quantization=config.quantization,
+                threads=governor,
+                deterministic=config.deterministic,
             )
         )
 
@@ -279,6 +284,7 @@ class ProcessBackend(StepBackend):
             grammar=vocab,
             gguf=loaded.gguf,
             quantization=config.quantization,
+            deterministic=config.deterministic,
             dense_dtype=(
                 str(loaded.dense_dtype).removeprefix("torch.") if loaded.dense_dtype else None
             ),

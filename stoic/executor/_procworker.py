@@ -74,6 +74,8 @@ class WorkerSpec:
     #: the GGUF file ``model`` was converted from (its quantised blocks), and ``--quantization``
     gguf: Path | None = None
     quantization: Quantization = "none"
+    #: ``--deterministic`` (:mod:`stoic.model._deterministic`)
+    deterministic: bool = False
     #: the dense products' dtype the server resolved (``LoadedModel.dense_dtype``; None: ``dtype``)
     dense_dtype: str | None = None
 
@@ -175,6 +177,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         loaded,
         LLGuidanceBackend(spec.grammar) if spec.grammar else None,
         quantization=spec.quantization,
+        deterministic=spec.deterministic,
         progress=progress,
         threads=governor,
     )

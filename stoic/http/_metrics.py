@@ -143,7 +143,8 @@ class _EngineCollector:
                 "stoic_model_info",
                 "1, labelled with how the model computes: activation and dense-product dtypes, "
                 "projections on the GGUF file's quantised blocks, the LM head's block type, "
-                "whether decode steps run the C layers, and the most rows a step runs on blocks.",
+                "whether decode steps run the C layers, the most rows a step runs on blocks, and "
+                "whether every step is batch-invariant (--deterministic).",
                 labels=[
                     "dtype",
                     "dense_dtype",
@@ -151,6 +152,7 @@ class _EngineCollector:
                     "head",
                     "c_layers",
                     "kernel_rows",
+                    "deterministic",
                 ],
             )
             info.add_metric(
@@ -161,6 +163,7 @@ class _EngineCollector:
                     compute.head or "none",
                     "true" if compute.c_layers else "false",
                     str(compute.kernel_rows),
+                    "true" if compute.deterministic else "false",
                 ],
                 1.0,
             )

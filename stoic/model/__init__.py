@@ -5,6 +5,7 @@ from ._cache import default_cache_dir
 from ._chat import apply_chat_template
 from ._compute import ComputePath
 from ._cpu import CpuBudget, cpu_budget
+from ._deterministic import require_deterministic
 from ._grammar import Constraint, ConstraintKind, GrammarBackend, GrammarVocab
 from ._llguidance import LLGuidanceBackend
 from ._loader import (
@@ -59,6 +60,7 @@ __all__ = [
     "empty_device_cache",
     "free_device_memory",
     "load_model",
+    "require_deterministic",
     "require_quantized",
     "resolve_device",
     "resolve_dtype",

@@ -63,10 +63,15 @@ class CDecoder:
         eps: float,
         *,
         max_tokens: int = MAX_KERNEL_ROWS,
+        every_step: bool = False,
     ) -> None:
         self._k = kernels
         #: decode steps of more tokens take the torch path
         self.max_tokens = max_tokens
+        #: every step runs here, prefill chunks too (``--deterministic``: each token's
+        #: attention is its own row of the C attention, over its sequence's first ``position +
+        #: 1`` keys, so a token computes the same in a decode step or a prefill chunk)
+        self.every_step = every_step
         self._layers = layers
         self._heads, self._kv_heads, self._dim = heads, kv_heads, head_dim
         self._eps = eps
@@ -82,7 +87,10 @@ class CDecoder:
         )
 
     def accepts(self, step: StepMetadata, tokens: int) -> bool:
-        """Whether this step is one :meth:`forward` runs (decode only, few tokens)."""
+        """Whether this step is one :meth:`forward` runs (decode only, few tokens; any with
+        :attr:`every_step`)."""
+        if self.every_step:
+            return tokens > 0
         return not step.prefills and bool(step.decodes) and 0 < tokens <= self.max_tokens
 
     def forward(
@@ -102,7 +110,7 @@ class CDecoder:
         k = torch.empty(m, kvh, dim)
         v = torch.empty(m, kvh, dim)
         out = torch.empty(m, h, dim)
-        tables, lens = block_tables(step, m)
+        tables, lens = block_tables(step, m, prefills=self.every_step)
         write = step.write_index.contiguous()
         cache = step.cache
         threads = torch.get_num_threads()
@@ -153,18 +161,25 @@ def _recorded(name: str, fn: Callable[..., int]) -> Callable[..., int]:
     return call
 
 
-def block_tables(step: StepMetadata, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_tables(
+    step: StepMetadata, tokens: int, *, prefills: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's pool rows ``[M, kv_heads, max_blocks]`` and context length ``[M]``, in the
     step's token order, from its decode groups (each padded to its own longest); a token of no
-    decode group (a prefill chunk's) gets zeros."""
+    decode group (a prefill chunk's) gets zeros, or with ``prefills`` its sequence's blocks and
+    its position + 1 (it attends causally, as a decode token at its position would)."""
     groups = step.decodes
-    widest = max(g.max_blocks for g in groups)
-    kv_heads = groups[0].gather_index.shape[1]
+    chunks = step.prefills if prefills else ()
+    widest = max([g.max_blocks for g in groups] + [int(c.gather_index.shape[1]) for c in chunks])
+    kv_heads = step.cache.spec.num_kv_heads
     tables = torch.zeros(tokens, kv_heads, widest, dtype=torch.int64)
     lens = torch.zeros(tokens, dtype=torch.int64)
     for g in groups:
         tables[g.q_index, :, : g.max_blocks] = g.gather_index
         lens[g.q_index] = g.context_lens.to(torch.int64)
+    for c in chunks:
+        tables[c.start : c.end, :, : c.gather_index.shape[1]] = c.gather_index
+        lens[c.start : c.end] = torch.arange(c.start_pos + 1, c.start_pos + 1 + c.end - c.start)
     return tables, lens
 
 

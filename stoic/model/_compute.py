@@ -78,6 +78,9 @@ class ComputePath:
     matrix_types: dict[str, str] | None = field(default=None, hash=False)
     #: the block types the kernels multiply by
     kernel_types: tuple[str, ...] = ()
+    #: ``--deterministic``: every step on the blocks in the fixed order, through the C layers
+    #: (each token's logits independent of its batch, chunking and cache)
+    deterministic: bool = False
 
     def card(self) -> dict[str, Any]:
         """Every field, as JSON-ready values (what ``/v1/models`` shows as ``compute``)."""
@@ -110,4 +113,5 @@ class ComputePath:
             whole_forward_reason=summary["whole_forward_reason"],
             matrix_types=summary["matrix_types"],
             kernel_types=tuple(summary["kernel_types"]),
+            deterministic=bool(summary.get("deterministic", False)),
         )

@@ -37,9 +37,10 @@ import torch.nn.functional as F
 from ._cattention import DecodeAttention
 from ._cdecode import CDecoder, layer_weights
 from ._cops import PrefillOps
+from ._deterministic import RotaryTable
 from ._paged import StepMetadata, paged_attention
 from ._qkernels import Kernels
-from ._quant import MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
+from ._quant import EVERY_ROW, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from ._stepprogress import tick
 
 __all__ = ["FUSED_TYPES", "FusedLlama", "fuse_llama"]
@@ -153,6 +154,7 @@ def fuse_llama(
     *,
     kernel_rows: int = MAX_KERNEL_ROWS,
     dense_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> FusedLlama | None:
     """The lean forward of ``model`` (a transformers causal LM), or None when its architecture is
     not one this module implements (the caller then keeps transformers' forward).
@@ -160,7 +162,8 @@ def fuse_llama(
     With ``quantized`` blocks (:func:`._quant.read_llama_blocks`) and ``kernels``, a projection
     whose blocks all match the model's weights runs steps of at most ``kernel_rows`` tokens on
     them (:class:`QLinear`); bigger ones multiply by weights in ``dense_dtype`` (None: the
-    model's).
+    model's). ``deterministic``: every step on the blocks in the fixed order and through the C
+    layers (:mod:`._deterministic`; ``kernel_rows`` and ``dense_dtype`` are then not used).
 
     Mutates ``model``: its q/k/v and gate/up weights become views of the fused tensors (same
     values, same outputs).
@@ -169,7 +172,13 @@ def fuse_llama(
     if not _supported(config, base):
         return None
     return FusedLlama(
-        base, config, quantized or {}, kernels, kernel_rows=kernel_rows, dense_dtype=dense_dtype
+        base,
+        config,
+        quantized or {},
+        kernels,
+        kernel_rows=kernel_rows,
+        dense_dtype=dense_dtype,
+        deterministic=deterministic,
     )
 
 
@@ -189,7 +198,12 @@ class FusedLlama:
         *,
         kernel_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
+        deterministic: bool = False,
     ) -> None:
+        if deterministic:  # every step on the blocks, no dense copy (:mod:`._deterministic`)
+            kernel_rows, dense_dtype = EVERY_ROW, None
+        #: each position's rotary values computed once (deterministic mode; None: per step)
+        self._fixed_rotary = RotaryTable(base.rotary_emb) if deterministic else None
         #: Gemma's embedding module scales by sqrt(hidden) itself
         self._embed = base.embed_tokens
         self._rotary = base.rotary_emb
@@ -223,6 +237,7 @@ class FusedLlama:
                 max_rows=kernel_rows,
                 dense_dtype=dense_dtype,
                 pack_parts=parts,
+                fixed=deterministic,
             )
 
         for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
@@ -259,6 +274,8 @@ class FusedLlama:
         #: steps with a position this far in or further run every layer on the torch path (the
         #: C attention has no window; below it, a window hides nothing)
         self._window = min(windows) if windows else None
+        #: whether some layer has a sliding window (deterministic mode refuses such a model)
+        self.has_window = bool(windows)
 
         #: decode-only steps' layers in C (:mod:`._cdecode`), when every projection runs on
         #: quantised blocks and the shapes allow; None: the torch path for every step
@@ -294,6 +311,7 @@ class FusedLlama:
                 self._head_dim,
                 self._eps,
                 max_tokens=kernel_rows,
+                every_step=deterministic,
             )
 
     @property
@@ -322,6 +340,10 @@ class FusedLlama:
     ) -> torch.Tensor:
         """Hidden states ``[1, N, hidden]`` after the final norm, for ``input_ids`` ``[1, N]``."""
         hidden = self._embed(input_ids)
+        if self._fixed_rotary is not None and self.c_decoder is not None:
+            cos, sin = self._fixed_rotary(hidden, positions)
+            hidden = self.c_decoder.forward(hidden, cos, sin, step)
+            return F.rms_norm(hidden, (hidden.shape[-1],), self._final_norm, self._eps)
         tables = {rope: self._table(hidden, positions, rope) for rope in self._ropes}
         cos, sin = tables[self._ropes[0]]  # the C decoder's (a model of one table)
         windowed = self._window is not None and int(positions.max()) >= self._window

@@ -336,7 +336,7 @@ static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uin
                      int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % (layout == Z5 || layout == U5 ? QK : QK_K) != 0) return -1;
 #ifdef HAVE_AVX512
-    if (M <= MAX_ROWS_16) switch (layout) {
+    if (M <= MAX_ROWS_16 || fixed_order) switch (layout) { /* fixed_order: _qkernels.c */
     case K4: return mm16_k4(x, M, K, w, N, bias, y, ldy, threads);
     case K5: return mm16_k5(x, M, K, w, N, bias, y, ldy, threads);
     case K6: return mm16_k6(x, M, K, w, N, bias, y, ldy, threads);

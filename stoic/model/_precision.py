@@ -11,7 +11,7 @@ Two types are chosen, not one:
 is bfloat16 (float16 where the GPU lacks it). On a CPU it measures (:mod:`._dtype_probe`):
 float32 or bfloat16, whichever multiplies faster here, cached per CPU model and torch version.
 For a GGUF model whose decode steps run on the file's quantised blocks in the C layers (a
-``llama``, ``qwen2`` or ``phi3`` file: :data:`_C_LAYER_FILES`)
+``llama``, ``qwen2`` or ``phi3`` file: :data:`C_LAYER_FILES`)
 (:mod:`._quant`, ``--quantization`` not ``none``, the kernels buildable here), ``auto`` keeps
 the activations and the KV cache in float32, because the kernels and the C decode layers
 compute in float32, and uses the probe's choice only as the dense dtype. On a CPU with AMX
@@ -35,12 +35,20 @@ import torch
 from ..config import Quantization
 from ._dtype_probe import probe_cpu_dtype
 
-__all__ = ["DTYPE_NAMES", "Precision", "parse_dtype", "resolve_dtype", "resolve_precision"]
+__all__ = [
+    "C_LAYER_FILES",
+    "DTYPE_NAMES",
+    "Precision",
+    "decodes_on_blocks",
+    "parse_dtype",
+    "resolve_dtype",
+    "resolve_precision",
+]
 
 #: the GGUF architectures whose decode steps run in the C layers (:mod:`._cdecode`: Llama and
 #: Mistral, Qwen2, Phi-3); Qwen3's and Gemma 3's run torch layers on the blocks, where float32
 #: activations were not measured to pay
-_C_LAYER_FILES = ("llama", "qwen2", "phi3")
+C_LAYER_FILES = ("llama", "qwen2", "phi3")
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -90,16 +98,16 @@ def resolve_dtype(
     return probe_cpu_dtype(cache_root)
 
 
-def _decodes_on_blocks(gguf: Path, device: torch.device, cache_root: Path) -> bool:
+def decodes_on_blocks(gguf: Path, device: torch.device, cache_root: Path) -> bool:
     """Whether a model loaded from ``gguf`` on ``device`` can decode on its quantised blocks
-    with the C layers: a file of :data:`_C_LAYER_FILES`, and the kernels built (or buildable)
+    with the C layers: a file of :data:`C_LAYER_FILES`, and the kernels built (or buildable)
     here."""
     from ._gguf import GgufError, read_gguf_header
     from ._qkernels import Kernels
     from ._quant import kernels_for
 
     try:
-        if read_gguf_header(gguf).architecture not in _C_LAYER_FILES:
+        if read_gguf_header(gguf).architecture not in C_LAYER_FILES:
             return False
     except (OSError, GgufError):
         return False
@@ -121,6 +129,6 @@ def resolve_precision(
     chosen = resolve_dtype(dtype, device, cache_root)
     if dtype not in (None, "auto") or device.type != "cpu" or chosen == torch.float32:
         return Precision(chosen)
-    if gguf is None or quantization == "none" or not _decodes_on_blocks(gguf, device, cache_root):
+    if gguf is None or quantization == "none" or not decodes_on_blocks(gguf, device, cache_root):
         return Precision(chosen)
     return Precision(torch.float32, chosen)

@@ -106,9 +106,19 @@ static inline void dequant_z4(const uint8_t *wr, int64_t i, __m256 w[4]) {
 
 /* ROWS rows of x times one row of blocks `wr`: each block is de-quantised once for all the rows.
  * ROWS is a constant, so the accumulators stay in registers; per block and row the four partial
- * products are summed before they meet the accumulator, and one row alternates two
- * accumulators, so no chain of dependent additions bounds the loop. */
-#define DEFINE_TILE(NAME, DEQUANT, ROWS)                                                       \
+ * products are summed before they meet the accumulator, and with ALT (the one-row tile) one row
+ * alternates two accumulators, so no chain of dependent additions bounds the loop. Without ALT
+ * every row is summed in the same order whatever ROWS is (the fixed order: below). */
+
+/* The fixed order (--deterministic): a layout or'ed with FIXED_ORDER computes every row of y
+ * in one order whatever M is, so a row's result is bitwise the same alone or in any batch: the
+ * tiles only (no one-row factored routine, no alternating accumulators), and where AVX-512 is
+ * built its 16-lane tiles for every M (not the 8-lane ones above MAX_ROWS_16). The flag reaches
+ * the products (and _kquants.c's) through `fixed_order`, set by qmm_into for the calling thread
+ * and read by each product before its parallel region. */
+#define FIXED_ORDER 0x10000
+static _Thread_local int fixed_order;
+#define DEFINE_TILE(NAME, DEQUANT, ROWS, ALT)                                                  \
     static inline void NAME(const float *x, int64_t K, const uint8_t *wr, int64_t nb,         \
                             float *out, int64_t stride, float add) {                          \
         __m256 acc[ROWS][2];                                                                  \
@@ -122,8 +132,8 @@ static inline void dequant_z4(const uint8_t *wr, int64_t i, __m256 w[4]) {
                                            _mm256_mul_ps(w[1], _mm256_loadu_ps(xr + 8)));     \
                 __m256 q = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16),                    \
                                            _mm256_mul_ps(w[3], _mm256_loadu_ps(xr + 24)));    \
-                acc[t][ROWS == 1 ? (b & 1) : 0] =                                             \
-                    _mm256_add_ps(acc[t][ROWS == 1 ? (b & 1) : 0], _mm256_add_ps(p, q));      \
+                acc[t][ALT ? (b & 1) : 0] =                                                   \
+                    _mm256_add_ps(acc[t][ALT ? (b & 1) : 0], _mm256_add_ps(p, q));            \
             }                                                                                 \
         }                                                                                     \
         for (int t = 0; t < ROWS; t++)                                                        \
@@ -194,13 +204,15 @@ static void block_sums(const float *x, int64_t nb, float *sx) {
  * path above, more rows are taken in tiles of 8 rows, then 4, then 1 (measured over the default model's matrices on 2 AVX2 cores: 8-row tiles
  * were 9-23% faster than 4-row ones from 8 rows on, 4-row ones 2-10% faster below). */
 #define DEFINE_MM(NAME, BYTES_256, DEQUANT, ROW)                                               \
-    DEFINE_TILE(NAME##_1, DEQUANT, 1)                                                         \
-    DEFINE_TILE(NAME##_4, DEQUANT, 4)                                                         \
-    DEFINE_TILE(NAME##_8, DEQUANT, 8)                                                         \
+    DEFINE_TILE(NAME##_1, DEQUANT, 1, 1)                                                      \
+    DEFINE_TILE(NAME##_1f, DEQUANT, 1, 0)                                                     \
+    DEFINE_TILE(NAME##_4, DEQUANT, 4, 0)                                                      \
+    DEFINE_TILE(NAME##_8, DEQUANT, 8, 0)                                                      \
     static void NAME(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,       \
                      const float *bias, float *y, int64_t ldy, int threads) {                 \
         const int64_t nb = K / QK, row_bytes = nb * (BYTES_256) / 8;                          \
-        if (M == 1 && nb <= MAX_ROW_BLOCKS) {                                                 \
+        const int fixed = fixed_order;                                                        \
+        if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed) {                                       \
             float sx[MAX_ROW_BLOCKS];                                                         \
             block_sums(x, nb, sx);                                                            \
             _Pragma("omp parallel for schedule(static) num_threads(threads)")                 \
@@ -215,7 +227,10 @@ static void block_sums(const float *x, int64_t nb, float *sx) {
             int64_t r = 0;                                                                    \
             for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
             for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
-            for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);     \
+            for (; r < M; r++) {                                                              \
+                if (fixed) NAME##_1f(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);        \
+                else NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);               \
+            }                                                                                 \
         }                                                                                     \
     }
 
@@ -357,7 +372,7 @@ static inline void dequant16_s8(const uint8_t *wr, int64_t i, __m512 w[2]) {
             permute_x(x0, M, K, xp);                                                          \
             x = xp;                                                                           \
         }                                                                                     \
-        if (M == 1 && nb <= MAX_ROW_BLOCKS) {                                                 \
+        if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed_order) {                                 \
             float sx[MAX_ROW_BLOCKS];                                                         \
             block_sums(x0, nb, sx);                                                           \
             _Pragma("omp parallel for schedule(static) num_threads(threads)")                 \
@@ -476,13 +491,26 @@ static int qmm_mixed(const float *x, int64_t M, int64_t K, const int64_t *desc, 
     return row == N ? 0 : -1;
 }
 
+static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                        int64_t N, const float *bias, float *y, int64_t ldy, int threads);
+
+/* the product, in the fixed order for this thread while a FIXED_ORDER layout runs */
 static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads) {
+    const int before = fixed_order;
+    fixed_order = before || (type & FIXED_ORDER);
+    const int rc = qmm_dispatch(type & ~FIXED_ORDER, x, M, K, w, N, bias, y, ldy, threads);
+    fixed_order = before;
+    return rc;
+}
+
+static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                        int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
     if (type == MIXED) return qmm_mixed(x, M, K, (const int64_t *)w, N, bias, y, ldy, threads);
     if (IS_KLAYOUT(type)) return kquant_mm(type, x, M, K, w, N, bias, y, ldy, threads);
 #ifdef HAVE_AVX512
-    if (M <= MAX_ROWS_16) switch (type) {
+    if (M <= MAX_ROWS_16 || fixed_order) switch (type) {
     case S8: return mm16_s8(x, M, K, w, N, bias, y, ldy, threads);
     case U4: return mm16_u4(x, M, K, w, N, bias, y, ldy, threads);
     case Z4: return mm16_z4(x, M, K, w, N, bias, y, ldy, threads);
@@ -497,7 +525,8 @@ static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_
     }
 }
 
-/* y = x @ W^T (+ bias) for W repacked as `type` (S8, U4, Z4, a K layout or MIXED). Returns 0,
+/* y = x @ W^T (+ bias) for W repacked as `type` (S8, U4, Z4, a K layout or MIXED; or'ed with
+ * FIXED_ORDER: in the fixed order). Returns 0,
  * -1 for another type or K not a multiple of the blocks' width, -2 if a scratch buffer could not
  * be allocated. */
 int stoic_qmm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,

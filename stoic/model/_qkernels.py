@@ -68,6 +68,9 @@ _LAYOUTS = {
 }  # fmt: skip
 #: the layout of a matrix stacked from parts of different layouts (``MIXED`` in ``_qkernels.c``)
 _MIXED = 110
+#: or'ed with a layout: the product sums every row in one order whatever the number of rows
+#: (``FIXED_ORDER`` in ``_qkernels.c``; ``--deterministic``)
+_FIXED_ORDER = 0x10000
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);
@@ -91,9 +94,11 @@ class Product:
     """``x @ W.T (+ bias)`` by a matrix repacked for the kernels (:meth:`Kernels.bind`): a call
     costs a ctypes call and an output allocation. ``kind`` is the GGML type, or the parts'
     types joined by ``+`` for a stacked matrix (layout ``MIXED``: ``packed`` is its descriptor,
-    ``parts`` the products whose repacked rows it points to)."""
+    ``parts`` the products whose repacked rows it points to). With ``fixed`` each row of the
+    result is computed in one order whatever the number of rows: bitwise the same alone or in
+    any batch (``--deterministic``; the layer kernels take the flag with the layout)."""
 
-    __slots__ = ("_bias", "_packed", "_qmm", "cols", "kind", "layout", "parts", "rows")
+    __slots__ = ("_bias", "_packed", "_qmm", "cols", "fixed", "kind", "layout", "parts", "rows")
 
     def __init__(
         self,
@@ -103,10 +108,13 @@ class Product:
         cols: int,
         bias: torch.Tensor | None,
         parts: tuple[Product, ...] = (),
+        *,
+        fixed: bool = False,
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
-        self.layout = _MIXED if parts else _LAYOUTS[kind]
+        self.fixed = fixed
+        self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if fixed else 0)
         self.rows: int = sum(p.rows for p in parts) if parts else int(packed.shape[0])
         self.cols = cols
 
@@ -192,10 +200,13 @@ class Kernels:
         """
         return self.bind(kind, blocks, bias)(x)
 
-    def bind(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None) -> Product:
+    def bind(
+        self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None, *, fixed: bool = False
+    ) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
         products' layout once (float32 scales; Q4_0/Q4_1 nibbles reordered: 0.625-1.125 bytes a
-        weight; the K-quants keep theirs: 1.01-1.06x the file's bytes).
+        weight; the K-quants keep theirs: 1.01-1.06x the file's bytes). ``fixed``: in the fixed
+        order (:class:`Product`).
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
@@ -214,10 +225,16 @@ class Kernels:
         )
         if self._repack(ggml.type_id, blocks.data_ptr(), n, cols, packed.data_ptr()) != 0:
             raise ValueError(f"cannot repack {kind} blocks {tuple(blocks.shape)}")
-        return Product(self._qmm, kind, packed, cols, None if bias is None else bias.contiguous())
+        return Product(
+            self._qmm, kind, packed, cols, None if bias is None else bias.contiguous(), fixed=fixed
+        )
 
     def bind_stack(
-        self, parts: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None
+        self,
+        parts: list[tuple[str, torch.Tensor]],
+        bias: torch.Tensor | None,
+        *,
+        fixed: bool = False,
     ) -> Product:
         """:meth:`bind` for the matrix made of ``parts`` (``(kind, blocks)``, one below the
         other, of one width) whose types differ: one product, each part multiplied by its own
@@ -242,6 +259,7 @@ class Kernels:
             products[0].cols,
             None if bias is None else bias.contiguous(),
             products,
+            fixed=fixed,
         )
 
     def dequantize(self, kind: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:

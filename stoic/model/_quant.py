@@ -34,6 +34,7 @@ from ._qkernels import GGML_TYPES, Kernels, Product
 
 __all__ = [
     "DENSE_KERNEL_ROWS",
+    "EVERY_ROW",
     "MAX_KERNEL_ROWS",
     "MixedMatrix",
     "QLinear",
@@ -55,6 +56,9 @@ MAX_KERNEL_ROWS = 32
 #: at 6, 32.8 vs 31.8 at 8, 45.8 vs 37.0 at 12, 57.4 vs 40.4 at 16 (with unpacked bfloat16
 #: products the crossover was 16: 27.3 vs 29.6 ms at 8, 47.8 vs 49.2 at 16)
 DENSE_KERNEL_ROWS = 8
+#: ``--deterministic``: every step, whatever its number of tokens, on the blocks (in the fixed
+#: order: :class:`._qkernels.Product`), never on a dense copy
+EVERY_ROW = 2**31 - 1
 _LLAMA_TENSORS = {
     "q": "attn_q",
     "k": "attn_k",
@@ -95,9 +99,10 @@ class QuantizedMatrix:
             return MixedMatrix(tuple(found))
         return QuantizedMatrix(found[0].kind, torch.cat([p.blocks for p in found]), found[0].cols)
 
-    def bind(self, kernels: Kernels, bias: torch.Tensor | None) -> Product:
-        """The product by these blocks (and a float32 ``bias``), repacked once."""
-        return kernels.bind(self.kind, self.blocks, bias)
+    def bind(self, kernels: Kernels, bias: torch.Tensor | None, *, fixed: bool = False) -> Product:
+        """The product by these blocks (and a float32 ``bias``), repacked once; ``fixed``: in
+        the fixed order (:class:`._qkernels.Product`)."""
+        return kernels.bind(self.kind, self.blocks, bias, fixed=fixed)
 
     def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
         """Whether these blocks hold ``weight`` (the de-quantised copy), judged on a sample of
@@ -134,8 +139,8 @@ class MixedMatrix:
     def cols(self) -> int:
         return self.parts[0].cols
 
-    def bind(self, kernels: Kernels, bias: torch.Tensor | None) -> Product:
-        return kernels.bind_stack([(p.kind, p.blocks) for p in self.parts], bias)
+    def bind(self, kernels: Kernels, bias: torch.Tensor | None, *, fixed: bool = False) -> Product:
+        return kernels.bind_stack([(p.kind, p.blocks) for p in self.parts], bias, fixed=fixed)
 
     def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
         """Whether each part holds its rows of ``weight`` (:meth:`QuantizedMatrix.matches`)."""
@@ -154,6 +159,9 @@ class QLinear:
     bfloat16 tiles for prefill on a CPU with AMX (:mod:`._precision`). The copy costs its bytes
     (2 a weight for bfloat16) on top of the float weights; a bfloat16 copy is held packed for
     oneDNN (:mod:`._packed`), cut into ``pack_parts`` row slices (the gated MLP's gate and up).
+
+    ``fixed``: the blocks' product sums each row in one order whatever the number of rows
+    (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`).
     """
 
     __slots__ = (
@@ -177,6 +185,7 @@ class QLinear:
         max_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
         pack_parts: int = 1,
+        fixed: bool = False,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -185,7 +194,7 @@ class QLinear:
         self._product: Product | None = None
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
-            self._product = self.quantized.bind(kernels, bias32)
+            self._product = self.quantized.bind(kernels, bias32, fixed=fixed)
         #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
         #: (None once packed: :attr:`_packed` holds the same numbers)
         self.dense_weight: torch.Tensor | None = weight
@@ -211,12 +220,13 @@ class QLinear:
         max_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
         pack_parts: int = 1,
+        fixed: bool = False,
     ) -> QLinear:
         """A :class:`QLinear` that uses ``quantized`` only if the blocks hold ``weight``
         (:meth:`QuantizedMatrix.matches`); otherwise the float path alone."""
         if quantized is not None and (kernels is None or not quantized.matches(kernels, weight)):
             quantized = None
-        return cls(weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts)
+        return cls(weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts, fixed)
 
     @property
     def product(self) -> Product | None:

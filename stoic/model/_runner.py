@@ -20,6 +20,7 @@ from ._batch import SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._compute import ComputePath, matrix_types
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
+from ._deterministic import refusal, refuse
 from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
 from ._loader import LoadedModel
@@ -35,7 +36,7 @@ from ._paged import (
     register_paged_attention,
 )
 from ._params import SamplingParams
-from ._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, prepare_quantized
+from ._quant import DENSE_KERNEL_ROWS, EVERY_ROW, MAX_KERNEL_ROWS, QLinear, prepare_quantized
 from ._sampling import sample
 from ._source import one_line
 from ._stepprogress import StepProgress, tick
@@ -64,12 +65,15 @@ class ModelRunner:
     GGUF file multiplies steps of few tokens by the file's quantised blocks where this machine
     can; ``"gguf"`` requires it; ``"none"`` keeps the de-quantised weights only.
 
+    ``deterministic`` (``--deterministic``, :mod:`._deterministic`): every token's logits
+    independent of its batch, chunking and cache; a model that cannot is refused.
+
     ``progress`` (:attr:`progress`, private by default) counts each step's progress: a tick at
     its start and end and one per decoder layer, for the watchdog that tells a slow step from a
     hung one.
 
     :raises ModelUnavailable: with ``quantization="gguf"``, if the quantised kernels cannot be
-        used for this model here.
+        used for this model here; with ``deterministic``, if the model cannot run so (why).
     """
 
     def __init__(
@@ -81,8 +85,10 @@ class ModelRunner:
         quantization: Quantization = "auto",
         progress: StepProgress | None = None,
         threads: ThreadGovernor | None = None,
+        deterministic: bool = False,
     ) -> None:
         register_paged_attention()
+        self.deterministic = deterministic
         #: sizes the compute threads before each step (None: torch's count, untouched)
         self.threads = threads
         #: ticked while a step runs (read by the step watchdog)
@@ -113,10 +119,14 @@ class ModelRunner:
             quantization,
             loaded.cache_root or default_cache_dir(),
         )
-        dense = loaded.dense_dtype
+        dense = None if deterministic else loaded.dense_dtype
         #: steps of at most this many tokens run on the quantised blocks (if any)
         self.kernel_rows = (
-            DENSE_KERNEL_ROWS if dense is not None and dense != torch.float32 else MAX_KERNEL_ROWS
+            EVERY_ROW
+            if deterministic
+            else DENSE_KERNEL_ROWS
+            if dense is not None and dense != torch.float32
+            else MAX_KERNEL_ROWS
         )
         self._head = QLinear.checked(
             head.weight,
@@ -125,6 +135,7 @@ class ModelRunner:
             kernels,
             max_rows=self.kernel_rows,
             dense_dtype=dense,
+            fixed=deterministic,
         )
         #: the model's own forward from stoic's hidden states to logits (:mod:`._logits`)
         self._logits = OutputLayer(model, self)
@@ -133,11 +144,24 @@ class ModelRunner:
         whole = self._logits.whole_forward
         self._fused: FusedLlama | None = (
             fuse_llama(
-                model, config, blocks, kernels, kernel_rows=self.kernel_rows, dense_dtype=dense
+                model,
+                config,
+                blocks,
+                kernels,
+                kernel_rows=self.kernel_rows,
+                dense_dtype=dense,
+                deterministic=deterministic,
             )
             if fused and not whole
             else None
         )
+        why = (
+            refusal(self._fused, getattr(self._base, "rotary_emb", None)) if deterministic else None
+        )
+        if why is None and deterministic and self._head.product is None:
+            why = "the output layer has no quantised blocks the kernels compute on"
+        if why is not None:
+            raise refuse(why)
         if self._fused is None:
             _tick_per_layer(self._base)
         if whole:
@@ -198,8 +222,12 @@ class ModelRunner:
             "head": head.kind if head is not None else None,
             "c_layers": self._fused is not None and self._fused.c_decoder is not None,
             "kernel_rows": self.kernel_rows,
+            "deterministic": self.deterministic,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
-            "dense_dtype": str(self.loaded.dense_dtype or self.loaded.dtype).removeprefix("torch."),
+            # deterministic: no dense copy, every product on the blocks
+            "dense_dtype": str(
+                (None if self.deterministic else self.loaded.dense_dtype) or self.loaded.dtype
+            ).removeprefix("torch."),
         }
         if done or head is not None:
             _log.info("model.quantized", seconds=round(seconds, 2), **summary)

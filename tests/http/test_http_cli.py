@@ -35,6 +35,7 @@ def test_cli_arguments_map_to_config() -> None:
             "--quantization", "none",
             "--threads", "3",
             "--no-adapt-threads",
+            "--deterministic",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -44,7 +45,7 @@ def test_cli_arguments_map_to_config() -> None:
     assert (config.max_restarts, config.restart_window, config.step_timeout) == (2, 10.0, 5.0)
     assert config.enable_fault_injection and config.drain_timeout == 3.0
     assert (config.recovery, config.max_resumes) == ("resume", 5)
-    assert config.quantization == "none"
+    assert config.quantization == "none" and config.deterministic
     assert (config.threads, config.adapt_threads) == (3, False)
     assert config.faults == (
         FaultSpec(kind="error", after_steps=2),

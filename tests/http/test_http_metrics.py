@@ -89,6 +89,7 @@ async def test_metrics_parse_and_count(
     info = [labels for (name, labels), v in after.items() if name == "stoic_model_info" and v == 1]
     assert info == [
         f"c_layers={str(compute.c_layers).lower()},dense_dtype={compute.dense_dtype},"
+        "deterministic=false,"
         f"dtype=float32,head={compute.head or 'none'},kernel_rows={compute.kernel_rows},"
         f"quantized_projections={compute.quantized_projections}/{compute.projections}"
     ]
