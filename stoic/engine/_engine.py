@@ -37,7 +37,7 @@ from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, Superv
 from ._incidents import Activity, IncidentLog, RecordingHealth
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
-from ._wiring import EngineParts, kv_cache_spec, wire
+from ._wiring import EngineParts, wire
 
 __all__ = ["Engine"]
 
@@ -117,13 +117,12 @@ class Engine:
                     loaded.device,
                     cfg.cache_dir or default_cache_dir(),
                 )
-            spec = kv_cache_spec(cfg, loaded)
             incidents = IncidentLog()
             health = RecordingHealth(incidents)
             faults = FaultInjector(cfg.faults)
             system = await stack.enter_async_context(_actor_system())
             try:
-                parts = await wire(system, cfg, loaded, spec, health, faults, backend, incidents)
+                parts = await wire(system, cfg, loaded, health, faults, backend, incidents)
             except ExecutorFault as exc:  # the first worker process died or hung while loading
                 raise EngineFailed(f"the model executor could not start: {exc}") from exc
             engine = cls(cfg, loaded, parts, health, faults, incidents)

@@ -15,7 +15,8 @@ from ._loader import (
     resolve_device,
     resolve_dtype,
 )
-from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache, free_device_memory
+from ._memory import CacheBudget, CacheSizing, DeviceMemory, device_memory, size_kv_cache
+from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache
 from ._params import SamplingParams
 from ._quant import require_quantized
 from ._request import Request
@@ -27,11 +28,14 @@ from ._threads import ThreadGovernor
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "CacheBudget",
+    "CacheSizing",
     "ComputePath",
     "Constraint",
     "ConstraintKind",
     "CpuBudget",
     "Detokenizer",
+    "DeviceMemory",
     "GrammarBackend",
     "GrammarVocab",
     "KVCacheSpec",
@@ -54,11 +58,12 @@ __all__ = [
     "cpu_budget",
     "default_cache_dir",
     "default_gguf_path",
+    "device_memory",
     "empty_device_cache",
-    "free_device_memory",
     "load_model",
     "require_quantized",
     "resolve_device",
     "resolve_dtype",
+    "size_kv_cache",
     "vocab_size",
 ]
