@@ -108,7 +108,15 @@ def test_too_little_memory_names_the_figures() -> None:
             device="cuda:0",
         )
     message = caught.value.message
-    for figure in ("24.00 GiB", "21.60 GiB", "20.50 GiB", "0.10 GiB", "1.00 GiB", "2048 tokens", "128 blocks"):
+    for figure in (
+        "24.00 GiB",
+        "21.60 GiB",
+        "20.50 GiB",
+        "0.10 GiB",
+        "1.00 GiB",
+        "2048 tokens",
+        "128 blocks",
+    ):
         assert figure in message
     assert "--gpu-memory-utilization 0.9" in message
 
