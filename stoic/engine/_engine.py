@@ -25,6 +25,7 @@ from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
 from ..executor import ExecutorFault, make_backend
 from ..model import (
+    CacheSizing,
     LoadedModel,
     Request,
     SamplingParams,
@@ -87,6 +88,8 @@ class Engine:
             ``quantization="gguf"`` cannot be honoured.
         :raises EngineFailed: if the first executor worker process dies or does not get ready
             (``executor="process"``).
+        :raises InsufficientMemory: the device's memory holds no KV cache after the weights
+            and a step's activations, or warm spares on a GPU have no memory given for them.
         """
         cfg = config or EngineConfig()
         async with contextlib.AsyncExitStack() as stack:
@@ -162,6 +165,12 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.loaded.name
+
+    @property
+    def kv_sizing(self) -> CacheSizing:
+        """How the process that runs the model sized the KV cache (blocks; the device's memory,
+        the weights and a step's activations peak when it measured them)."""
+        return self._parts.kv_sizing
 
     @property
     def max_model_len(self) -> int:

@@ -281,7 +281,12 @@ class ProcessBackend(StepBackend):
         worker_spec = WorkerSpec(
             model=str(loaded.path),
             device=str(loaded.device),
-            dtype=str(loaded.dtype).removeprefix("torch."),
+            # on a GPU "auto" is the worker's to resolve: this process never asks the device
+            dtype=(
+                config.dtype
+                if loaded.device.type == "cuda"
+                else str(loaded.dtype).removeprefix("torch.")
+            ),
             cache_dir=config.cache_dir,
             budget=CacheBudget.of(config, loaded.device.type),
             eos_token_ids=loaded.eos_token_ids,

@@ -160,7 +160,7 @@ async def test_the_worker_profiles_the_largest_step_and_the_scheduler_gets_its_b
             assert device.resets == 2
             blocks = (200 - 150 - 30) * MIB // per_block
             assert engine.stats().kv_blocks_total == blocks
-            assert engine._parts.kv_sizing.num_blocks == blocks
+            assert engine.kv_sizing.num_blocks == blocks
             assert (await engine.complete("Hello", PARAMS)).text
     [event] = [e for e in logs if e["event"] == "engine.kv_sizing"]
     assert event["kv_blocks"] == blocks
@@ -201,7 +201,7 @@ async def test_the_worker_process_sizes_from_ram_and_reports_its_blocks(
     and its figure reaches the scheduler over the worker's reply channel."""
     config = _config(tiny_model_dir, executor="process", kv_cache_memory_gib=0.01)
     async with stoic.Engine.start(config) as engine:
-        sizing = engine._parts.kv_sizing
+        sizing = engine.kv_sizing
         assert sizing.profiled and sizing.weights > 0 and sizing.total > sizing.weights
         assert sizing.num_blocks == int(0.01 * GIB) // sizing.bytes_per_block
         assert engine.stats().kv_blocks_total == sizing.num_blocks
@@ -281,10 +281,12 @@ async def test_the_server_process_never_initialises_cuda(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     real_spec = backend_module.WorkerSpec
     monkeypatch.setattr(backend_module, "WorkerSpec", functools.partial(_on_cpu, real_spec))
-    config = _config(tiny_model_dir, executor="process", device="cuda", kv_cache_memory_gib=0.01)
+    config = _config(
+        tiny_model_dir, executor="process", device="cuda", dtype="auto", kv_cache_memory_gib=0.01
+    )
     async with stoic.Engine.start(config) as engine:
         assert engine.loaded.device.type == "cuda"
-        assert engine._parts.kv_sizing.profiled
+        assert engine.kv_sizing.profiled
         assert (await engine.complete("Hello", PARAMS)).text
     assert reached == []
     assert not torch.cuda.is_initialized()
