@@ -227,11 +227,14 @@ class WorkerProcess:
         assert message[0] == "ready", message
         self.ready = True
         summary = message[2]
-        self.sizing = message[3]
+        self.sizing = sizing = message[3]
         _log.info(
             "executor.worker_ready",
             pid=self.pid,
             seconds=round(time.monotonic() - self.started, 2),
+            # a replacement or a spare gets the first worker's blocks, unprofiled
+            kv_blocks=sizing.num_blocks,
+            profiled=sizing.profiled,
             # the worker's own model.quantized line is not relayed (it logs warnings only)
             quantized=summary,
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
-from support import engine_config
+from support import engine_config, wait_replaced
 
 import stoic
 from stoic.cli import build_parser, config_from_args
@@ -206,6 +208,26 @@ async def test_the_worker_process_sizes_from_ram_and_reports_its_blocks(
         assert sizing.num_blocks == int(0.01 * GIB) // sizing.bytes_per_block
         assert engine.stats().kv_blocks_total == sizing.num_blocks
         assert (await engine.complete("Hello", PARAMS)).text
+
+
+@pytest.mark.asyncio
+async def test_a_replacement_worker_gets_the_first_workers_blocks_unprofiled(
+    tiny_model_dir: Path,
+) -> None:
+    """kill -9 of the sized worker: its replacement is not profiled again and gets the same
+    blocks (the allocator's ids stay valid; a restart after an OOM must not grow the cache)."""
+    config = _config(tiny_model_dir, executor="process", kv_cache_memory_gib=0.01)
+    with structlog.testing.capture_logs() as logs:
+        async with stoic.Engine.start(config) as engine:
+            pid = engine.stats().executor_pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await wait_replaced(engine, pid, restarts=1)
+            assert engine.stats().kv_blocks_total == engine.kv_sizing.num_blocks
+            assert (await engine.complete("Hello", PARAMS)).text
+    ready = [(e["kv_blocks"], e["profiled"]) for e in logs if e["event"] == "executor.worker_ready"]
+    blocks = engine.kv_sizing.num_blocks
+    assert ready == [(blocks, True), (blocks, False)]
 
 
 def test_ram_is_bounded_by_the_cgroups_memory_limit(tmp_path: Path) -> None:
