@@ -8,8 +8,10 @@ sizes its own cache, after loading the weights (vLLM's procedure):
    shapes (one sequence of ``max_num_batched_tokens`` tokens, and the same tokens spread over
    ``max_num_seqs`` sequences), over a throw-away cache of just the blocks those need;
 3. the cache gets ``total * gpu_memory_utilization - weights - activations`` (the fraction is of
-   the device's *total* memory, for everything this instance holds), and never more than is free
-   now less the activations (another process on the device), nor more than an explicit cap
+   the device's *total* memory, for everything this instance holds), less what a decode step
+   over a full cache holds transiently (its attention copies one layer's blocks out of the
+   pools: ``1 / num_layers`` of the cache), and never more than is free now less the
+   activations (another process on the device), nor more than an explicit cap
    (``kv_cache_memory_gib``; on a CPU 1 GiB unless given: the machine's RAM is everyone's).
 
 What the device is asked goes through :class:`DeviceMemory` (:func:`device_memory` picks
@@ -267,30 +269,33 @@ def plan_cache(
     available: int,
     weights: int,
     activations: int,
+    gather_per_block: int = 0,
     device: str = "the device",
 ) -> CacheSizing:
-    """The blocks the measured figures leave room for (the arithmetic of :func:`size_kv_cache`).
+    """The blocks the measured figures leave room for (the arithmetic of :func:`size_kv_cache`):
+    each block costs ``bytes_per_block``, and ``gather_per_block`` more held transiently by a
+    step over a full cache (what the profiling forward, on an empty cache, cannot see).
 
     :raises InsufficientMemory: fewer than :attr:`CacheBudget.min_blocks` fit; the message names
         the figures.
     """
     allowed = int(total * budget.utilization)
-    cache = min(allowed - weights - activations, available - activations)
+    room = min(allowed - weights - activations, available - activations)
+    blocks = max(0, room) // (bytes_per_block + gather_per_block)
     if budget.cap_bytes is not None:
-        cache = min(cache, budget.cap_bytes)
-    blocks = max(0, cache) // bytes_per_block
+        blocks = min(blocks, budget.cap_bytes // bytes_per_block)
     if blocks < budget.min_blocks:
 
         def gib(n: int) -> str:
             return f"{n / _GIB:.2f} GiB"
 
-        need = budget.min_blocks * bytes_per_block
+        need = budget.min_blocks * (bytes_per_block + gather_per_block)
         raise InsufficientMemory(
             f"no room for the KV cache on {device}: it has {gib(total)}, "
             f"--gpu-memory-utilization {budget.utilization:g} allows {gib(allowed)}, "
             f"{gib(available)} is free; the weights take {gib(weights)} and a step of "
             f"{budget.step_tokens} tokens peaks at {gib(activations)} of activations, leaving "
-            f"{gib(max(0, cache))} where at least {gib(need)} ({budget.min_blocks} blocks of "
+            f"{gib(max(0, room))} where at least {gib(need)} ({budget.min_blocks} blocks of "
             f"{budget.block_size} tokens) is needed: raise --gpu-memory-utilization, lower "
             "--max-num-batched-tokens / --max-num-seqs, or use a smaller model or dtype"
         )
@@ -327,7 +332,8 @@ def size_kv_cache(runner: ModelRunner, budget: CacheBudget) -> CacheSizing:
 
     :raises InsufficientMemory: not even a cache of one step's tokens fits.
     """
-    per_block = runner.kv_spec(1, budget.block_size).bytes_per_block
+    one = runner.kv_spec(1, budget.block_size)
+    per_block = one.bytes_per_block
     if budget.num_blocks is not None:
         return CacheSizing(budget.num_blocks, per_block)
     device = runner.loaded.device
@@ -353,5 +359,8 @@ def size_kv_cache(runner: ModelRunner, budget: CacheBudget) -> CacheSizing:
         available=memory.available(),
         weights=weights,
         activations=activations,
+        # a decode step copies one layer's blocks of its sequences out of the pools at a time
+        # (_paged.py, decode attention): over a full cache, a layer's worth of it
+        gather_per_block=per_block // one.num_layers,
         device=str(device),
     )
