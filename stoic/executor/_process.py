@@ -358,9 +358,10 @@ class WorkerPool:
         :raises InsufficientMemory: no KV cache fits.
         """
         worker = self._start()
+        _log.info("executor.worker_starting", pid=worker.pid, source="cold")
         try:
             await worker.wait_ready(self._ready_timeout)
-        except BaseException:
+        except BaseException:  # died, timed out, or we were cancelled (a stop): never orphaned
             worker.kill()
             raise
         assert worker.sizing is not None
@@ -414,13 +415,13 @@ class WorkerPool:
         self.current = None
         spares = [w for w in self._spares if w.alive]
         sized, self._first = self._first, None
-        if sized is not None and sized.alive:
-            worker, source = sized, "first"
+        if sized is not None and sized.alive:  # started, and its start logged, by start()
+            worker = sized
         else:
             source = "spare" if spares else "cold"
             worker = spares.pop(0) if spares else self._start()
+            _log.info("executor.worker_starting", pid=worker.pid, source=source)
         self._spares = spares
-        _log.info("executor.worker_starting", pid=worker.pid, source=source)
         try:
             await worker.wait_ready(self._ready_timeout)
         except BaseException:  # died, timed out, or we were cancelled (a stop): never orphaned
