@@ -8,8 +8,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
-from support import engine_config, wait_replaced
+from support import engine_config, free_port, wait_replaced
 
 import stoic
 from stoic.cli import build_parser, config_from_args
@@ -197,6 +200,23 @@ async def test_a_worker_process_that_cannot_fit_a_cache_fails_the_start_once(
     assert time.monotonic() - started < 120
 
 
+def test_stoic_serve_with_too_little_memory_exits_2_with_one_line(tiny_model_dir: Path) -> None:
+    """The command line: one ``stoic.start_failed`` line naming the figures, status 2 (a
+    configuration error), no traceback, no second worker."""
+    argv = ["serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port"]
+    argv += [str(free_port()), "--gpu-memory-utilization", "0.001", "--log-format", "json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "stoic", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    [failed] = [line for line in done.stderr.splitlines() if "stoic.start_failed" in line]
+    event = json.loads(failed)
+    assert event["error"] == "InsufficientMemory"
+    assert "no room for the KV cache on cpu" in event["message"]
+    assert done.stderr.count("executor.worker_starting") == 1
+
+
 @pytest.mark.asyncio
 async def test_the_worker_process_sizes_from_ram_and_reports_its_blocks(
     tiny_model_dir: Path,
@@ -278,8 +298,6 @@ async def test_spares_are_refused_before_any_worker_starts(tiny_model_dir: Path)
 
 def _cuda_entry_points() -> list[Any]:
     """Every torch.cuda module whose functions initialise CUDA through ``_lazy_init``."""
-    import sys
-
     return [
         m
         for name, m in sys.modules.items()
