@@ -272,6 +272,18 @@ def test_ram_is_bounded_by_the_cgroups_memory_limit(tmp_path: Path) -> None:
     assert (memory.total(), memory.available()) == (16 * GIB, 12 * GIB)
 
 
+def test_ram_peak_sees_a_steps_allocation_after_a_reset() -> None:
+    """The CPU path's activations: the resident high-water mark, reset before the step."""
+    memory = HostMemory()
+    before = memory.in_use()
+    memory.reset_peak()
+    held = torch.ones(50_000_000)  # 200 MB, touched
+    peak = memory.peak()
+    del held
+    assert peak - before >= 150 * MIB
+    assert before <= memory.total() and memory.available() <= memory.total()
+
+
 def test_spares_on_a_gpu_need_memory_given_for_them() -> None:
     base = {"executor": "process", "executor_spares": 1}
     with pytest.raises(
