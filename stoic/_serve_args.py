@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ._argtypes import non_negative_float, non_negative_int, port, positive_int
+from ._argtypes import non_negative_float, non_negative_int, port, positive_float, positive_int
 from ._http_args import add_http_args, add_responses_args
 from .config import EngineConfig, FaultSpec
 from .errors import StoicError
@@ -149,19 +149,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument(
         "--num-kv-blocks",
         type=positive_int,
-        help="KV cache size in blocks (default: sized by --kv-cache-memory on a CPU, "
-        "--gpu-memory-utilization on a GPU)",
+        help="KV cache size in blocks (default: the worker sizes it after loading the weights, "
+        "from what --gpu-memory-utilization leaves once a profiling step ran)",
     )
     kv.add_argument(
         "--kv-cache-memory",
-        type=non_negative_float,
+        type=positive_float,
         metavar="GIB",
-        help=f"KV cache size in GiB on CPU (default {d.kv_cache_memory_gib})",
+        help="a cap on the KV cache in GiB (default: 1 on a CPU, whose RAM is the machine's; "
+        "none on a GPU)",
     )
     g.add_argument(
         "--gpu-memory-utilization",
         type=non_negative_float,
-        help=f"fraction of free GPU memory for the KV cache (default {d.gpu_memory_utilization})",
+        metavar="FRACTION",
+        help="fraction of the device's TOTAL memory this instance may use: weights, a step's "
+        "activations and the KV cache together (vLLM's meaning; on a CPU, of RAM); each warm "
+        "spare worker uses as much again, so with --executor-spares N on a GPU it must be "
+        f"at most 1/(N+1) (default {d.gpu_memory_utilization})",
     )
     g.add_argument(
         "--threads",

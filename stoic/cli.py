@@ -26,7 +26,7 @@ from ._http_args import http_options
 from ._logging import PROCESSORS, get_logger
 from ._serve_args import add_serve_args, config_from_args
 from ._version import installed_version
-from .errors import ModelUnavailable, StoicError
+from .errors import InsufficientMemory, ModelUnavailable, StoicError
 
 __all__ = ["build_parser", "config_from_args", "configure_logging", "main"]
 
@@ -191,7 +191,8 @@ async def _serve_until_stopped(
         )
     except StoicError as exc:
         _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)
-        return 2 if isinstance(exc, ModelUnavailable) else 1  # a bad --model is a config error
+        # a bad --model, or memory the configuration cannot fit, is a configuration error
+        return 2 if isinstance(exc, ModelUnavailable | InsufficientMemory) else 1
     except OSError as exc:  # e.g. the port is taken
         _log.error("stoic.start_failed", error=type(exc).__name__, message=str(exc))
         return 1

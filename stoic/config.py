@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from .errors import InvalidRequest
+from .errors import InsufficientMemory, InvalidRequest
 
 __all__ = ["FAULT_KINDS", "PROCESS_ONLY_FAULTS", "EngineConfig", "FaultKind", "FaultSpec"]
 
@@ -107,11 +108,15 @@ class EngineConfig:
     deterministic: bool = False
     #: tokens per KV block
     block_size: int = 16
-    #: KV blocks; ``None`` sizes the cache from ``kv_cache_memory_gib`` (CPU) or
-    #: ``gpu_memory_utilization`` (CUDA)
+    #: KV blocks; ``None``: the process that runs the model sizes the cache after loading the
+    #: weights, from what ``gpu_memory_utilization`` leaves (:mod:`stoic.model._memory`)
     num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 1.0
-    gpu_memory_utilization: float = 0.8
+    #: a cap on the KV cache in GiB; ``None``: 1 GiB on a CPU (the RAM is the machine's), none on
+    #: a GPU
+    kv_cache_memory_gib: float | None = None
+    #: the fraction of the device's *total* memory this instance may hold: weights, a step's
+    #: activations and the KV cache together (vLLM's meaning); on a CPU, of RAM
+    gpu_memory_utilization: float = 0.9
     #: sequences decoding at once
     max_num_seqs: int = 64
     #: tokens per step (decode tokens + prefill chunks); ``None``: 256 on a CPU, 2048 on a GPU,
@@ -180,6 +185,12 @@ class EngineConfig:
             raise ValueError("max_resumes must be >= 0")
         if self.executor_spares < 0 or (self.executor_spares and self.executor != "process"):
             raise ValueError("executor_spares must be >= 0 and needs executor='process'")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be > 0")
         if (
             self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.max_num_seqs
@@ -198,6 +209,28 @@ class EngineConfig:
             raise ValueError(
                 f"fault kind {spec.kind!r} ends the process that runs the model: it needs "
                 "the process executor (executor='process', --executor process)"
+            )
+
+    def check_spares(self, device: str) -> None:
+        """Refuse warm spare workers that a GPU ``device`` has no memory for. Each worker (the
+        serving one and every spare) holds its own weights, activations and cache, and sizes
+        them to ``gpu_memory_utilization`` of the device's total memory: side by side they need
+        ``gpu_memory_utilization * (1 + executor_spares) <= 1``, unless ``num_kv_blocks`` sizes
+        each worker's cache explicitly. On a CPU the cache is capped (``kv_cache_memory_gib``,
+        1 GiB by default) and the spares are allowed.
+
+        :raises InsufficientMemory: the spares do not fit.
+        """
+        if not self.executor_spares or not device.startswith("cuda") or self.num_kv_blocks:
+            return
+        workers = 1 + self.executor_spares
+        if self.gpu_memory_utilization * workers > 1.0 + 1e-9:
+            raise InsufficientMemory(
+                f"--executor-spares {self.executor_spares} puts {workers} copies of the model on "
+                f"{device}, each sized to --gpu-memory-utilization "
+                f"{self.gpu_memory_utilization:g} of its memory ({workers} x "
+                f"{self.gpu_memory_utilization:g} > 1): give at most --gpu-memory-utilization "
+                f"{math.floor(100 / workers) / 100:g}, or --num-kv-blocks, or no spares"
             )
 
     def step_token_budget(self, device_type: str) -> int:

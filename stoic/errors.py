@@ -17,6 +17,7 @@ __all__ = [
     "EngineStopped",
     "ExecutorFailed",
     "FailureKind",
+    "InsufficientMemory",
     "InvalidRequest",
     "ModelNotFound",
     "ModelUnavailable",
@@ -119,6 +120,15 @@ class ModelUnavailable(StoicError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="model_unavailable")
+
+
+class InsufficientMemory(StoicError):
+    """The device's memory cannot hold what the configuration asks for: the weights and a step's
+    activations leave no room for the KV cache, or warm spare workers were asked for with no
+    memory given for them. Raised by :meth:`stoic.Engine.start`, never by a request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="insufficient_memory")
 
 
 class Overloaded(StoicError):

@@ -25,6 +25,7 @@ from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
 from ..executor import ExecutorFault, make_backend
 from ..model import (
+    CacheSizing,
     LoadedModel,
     Request,
     SamplingParams,
@@ -38,7 +39,7 @@ from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, Superv
 from ._incidents import Activity, IncidentLog, RecordingHealth
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream
-from ._wiring import EngineParts, kv_cache_spec, wire
+from ._wiring import EngineParts, wire
 
 __all__ = ["Engine"]
 
@@ -88,6 +89,8 @@ class Engine:
             ``quantization="gguf"`` or ``deterministic`` cannot be honoured.
         :raises EngineFailed: if the first executor worker process dies or does not get ready
             (``executor="process"``).
+        :raises InsufficientMemory: the device's memory holds no KV cache after the weights
+            and a step's activations, or warm spares on a GPU have no memory given for them.
         """
         cfg = config or EngineConfig()
         async with contextlib.AsyncExitStack() as stack:
@@ -127,13 +130,12 @@ class Engine:
                     cfg.quantization,
                     cfg.cache_dir or default_cache_dir(),
                 )
-            spec = kv_cache_spec(cfg, loaded)
             incidents = IncidentLog()
             health = RecordingHealth(incidents)
             faults = FaultInjector(cfg.faults)
             system = await stack.enter_async_context(_actor_system())
             try:
-                parts = await wire(system, cfg, loaded, spec, health, faults, backend, incidents)
+                parts = await wire(system, cfg, loaded, health, faults, backend, incidents)
             except ExecutorFault as exc:  # the first worker process died or hung while loading
                 raise EngineFailed(f"the model executor could not start: {exc}") from exc
             engine = cls(cfg, loaded, parts, health, faults, incidents)
@@ -173,6 +175,12 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.loaded.name
+
+    @property
+    def kv_sizing(self) -> CacheSizing:
+        """How the process that runs the model sized the KV cache (blocks; the device's memory,
+        the weights and a step's activations peak when it measured them)."""
+        return self._parts.kv_sizing
 
     @property
     def max_model_len(self) -> int:

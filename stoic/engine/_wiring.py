@@ -21,13 +21,13 @@ from ..actors import (
 from ..config import EngineConfig
 from ..executor import Executor, StepBackend
 from ..model import (
+    CacheSizing,
     GrammarVocab,
     KVCacheSpec,
     LLGuidanceBackend,
     LoadedModel,
     TokenCodec,
     cpu_budget,
-    free_device_memory,
     vocab_size,
 )
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
@@ -50,31 +50,23 @@ class EngineParts:
     cache: ActorRef[CacheMsg]
     scheduler_core: SchedulerCore
     kv_spec: KVCacheSpec
+    #: how the process that runs the model sized the KV cache
+    kv_sizing: CacheSizing
     #: the context length requests are checked against
     max_model_len: int
 
 
-def kv_cache_spec(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
-    """The KV cache's shape: ``num_kv_blocks``, or as many blocks as the memory budget holds (a
-    fraction of free GPU memory, or ``kv_cache_memory_gib`` on a CPU)."""
-
-    def spec(num_blocks: int) -> KVCacheSpec:
-        return KVCacheSpec.for_model(
-            loaded.config,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            dtype=loaded.dtype,
-            device=loaded.device,
-        )
-
-    if config.num_kv_blocks:
-        return spec(config.num_kv_blocks)
-    if loaded.device.type == "cuda":
-        free = free_device_memory(loaded.device)
-        budget = int(free * config.gpu_memory_utilization)
-    else:
-        budget = int(config.kv_cache_memory_gib * 2**30)
-    return spec(max(1, budget // spec(1).bytes_per_block))
+def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, sizing: CacheSizing) -> KVCacheSpec:
+    """The KV cache's shape: the blocks the process that runs the model sized it to (after
+    loading the weights: :func:`stoic.model.size_kv_cache`); logged as ``engine.kv_sizing``."""
+    _log.info("engine.kv_sizing", device=str(loaded.device), **sizing.describe())
+    return KVCacheSpec.for_model(
+        loaded.config,
+        num_blocks=sizing.num_blocks,
+        block_size=config.block_size,
+        dtype=loaded.dtype,
+        device=loaded.device,
+    )
 
 
 def grammar_vocab(loaded: LoadedModel) -> GrammarVocab | None:
@@ -104,16 +96,17 @@ async def wire(
     system: ActorSystem,
     config: EngineConfig,
     loaded: LoadedModel,
-    spec: KVCacheSpec,
     health: EngineHealth,
     faults: FaultInjector,
     backend: StepBackend,
     incidents: IncidentLog | None = None,
 ) -> EngineParts:
-    """Spawn cache, scheduler, the executor's supervisor (which starts the executor), intake and
-    guardian into ``system``; shutdown goes in reverse order. ``backend`` is where the
-    executor's steps run (prepared here); ``incidents`` records the executor's failures.
+    """Prepare ``backend`` (where the executor's steps run: it sizes the KV cache where the
+    weights are), then spawn cache, scheduler, the executor's supervisor (which starts the
+    executor), intake and guardian into ``system``; shutdown goes in reverse order.
+    ``incidents`` records the executor's failures.
 
+    :raises InsufficientMemory: not even a minimal KV cache fits.
     :raises Exception: what an actor's start raised (the system stops what was started).
     """
     max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -121,6 +114,10 @@ async def wire(
     # one backend for the intake (which compiles at admission) and a thread executor: a
     # constraint is compiled once; a process executor's worker builds its own
     grammar = LLGuidanceBackend(vocab_spec) if vocab_spec is not None else None
+    sizing = await backend.prepare(
+        config, loaded, threads=compute_threads(config), vocab=vocab_spec, grammar=grammar
+    )
+    spec = kv_cache_spec(config, loaded, sizing)
     cache = await system.spawn(
         CacheManager(spec, make_cache=backend.make_cache), name="cache", mailbox_size=16
     )
@@ -136,9 +133,6 @@ async def wire(
             max_resumes=config.max_resumes,
         ),
         loaded.tokenizer.backend_tokenizer,
-    )
-    await backend.prepare(
-        config, loaded, spec, threads=compute_threads(config), vocab=vocab_spec, grammar=grammar
     )
 
     def factory() -> Any:
@@ -210,4 +204,4 @@ async def wire(
     await system.spawn(
         Guardian([cache, scheduler, intake], health), name="guardian", mailbox_size=16
     )
-    return EngineParts(intake, scheduler, cache, core, spec, max_len)
+    return EngineParts(intake, scheduler, cache, core, spec, sizing, max_len)

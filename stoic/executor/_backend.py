@@ -19,6 +19,8 @@ import anyio
 from ..actors import FaultInjector, InjectedFault
 from ..config import EngineConfig, FaultSpec
 from ..model import (
+    CacheBudget,
+    CacheSizing,
     ComputePath,
     GrammarVocab,
     KVCacheSpec,
@@ -29,6 +31,7 @@ from ..model import (
     StepBatch,
     StepOutput,
     ThreadGovernor,
+    size_kv_cache,
 )
 from ._failures import ExecutorFault, classify_failure
 from ._process import WorkerPool, WorkerProcess
@@ -56,7 +59,7 @@ class Attached:
 class StepBackend(abc.ABC):
     """Where steps run; one for the engine's life, across executor incarnations.
 
-    Its life: :meth:`load` the model, :meth:`prepare` (once the KV cache's shape is known), then
+    Its life: :meth:`load` the model, :meth:`prepare` (which sizes the KV cache), then
     for each executor incarnation :meth:`attach`, :meth:`run_step` per step, :meth:`detach`;
     :meth:`close` (leaving it as a context manager) when the engine has stopped.
     """
@@ -78,13 +81,18 @@ class StepBackend(abc.ABC):
         self,
         config: EngineConfig,
         loaded: LoadedModel,
-        spec: KVCacheSpec,
         *,
         threads: int,
         vocab: GrammarVocab | None,
         grammar: LLGuidanceBackend | None,
-    ) -> None:
-        """Build what runs the steps (nothing is started yet for a worker process)."""
+    ) -> CacheSizing:
+        """Build what runs the steps and size the KV cache where the weights are (the first
+        worker process is started and loads the model), within ``config``'s memory budget:
+        the number of blocks the scheduler's allocator gets.
+
+        :raises InsufficientMemory: not even a minimal KV cache fits.
+        :raises ExecutorFault: the first worker process died or did not get ready.
+        """
 
     @abc.abstractmethod
     async def attach(
@@ -175,16 +183,15 @@ class ThreadBackend(StepBackend):
         self,
         config: EngineConfig,
         loaded: LoadedModel,
-        spec: KVCacheSpec,
         *,
         threads: int,
         vocab: GrammarVocab | None,
         grammar: LLGuidanceBackend | None,
-    ) -> None:
-        # built on the thread that runs its steps (the blocks' repacking and checks are torch
-        # operators too): one OpenMP pool in the process (Engine.start)
+    ) -> CacheSizing:
+        # built, and the cache sized, on the thread that runs its steps (the blocks' repacking
+        # and checks are torch operators too): one OpenMP pool in the process (Engine.start)
         governor = ThreadGovernor(threads, adapt=config.adapt_threads)
-        self._runner = await self._worker.run(
+        runner = await self._worker.run(
             functools.partial(
                 ModelRunner,
                 loaded,
@@ -194,6 +201,9 @@ class ThreadBackend(StepBackend):
                 deterministic=config.deterministic,
             )
         )
+        self._runner = runner
+        budget = CacheBudget.of(config, loaded.device.type)
+        return await self._worker.run(functools.partial(size_kv_cache, runner, budget))
 
     async def attach(
         self, kv: PagedKVCache | None, on_exit: Callable[[int], None], incarnation: int
@@ -264,20 +274,26 @@ class ProcessBackend(StepBackend):
         self,
         config: EngineConfig,
         loaded: LoadedModel,
-        spec: KVCacheSpec,
         *,
         threads: int,
         vocab: GrammarVocab | None,
         grammar: LLGuidanceBackend | None,
-    ) -> None:
+    ) -> CacheSizing:
+        """Start the first worker: it loads the weights and sizes the cache (this process never
+        touches the device: no CUDA context here)."""
+        config.check_spares(str(loaded.device))  # before a worker takes the device's memory
         # the worker builds its own grammar backend from ``vocab``
         worker_spec = WorkerSpec(
             model=str(loaded.path),
             device=str(loaded.device),
-            dtype=str(loaded.dtype).removeprefix("torch."),
+            # on a GPU "auto" is the worker's to resolve: this process never asks the device
+            dtype=(
+                config.dtype
+                if loaded.device.type == "cuda"
+                else str(loaded.dtype).removeprefix("torch.")
+            ),
             cache_dir=config.cache_dir,
-            num_blocks=spec.num_blocks,
-            block_size=spec.block_size,
+            budget=CacheBudget.of(config, loaded.device.type),
             eos_token_ids=loaded.eos_token_ids,
             threads=threads,
             adapt_threads=config.adapt_threads,
@@ -290,6 +306,7 @@ class ProcessBackend(StepBackend):
             ),
         )
         self._pool = WorkerPool(worker_spec, spares=self._spares)
+        return await self._pool.start()
 
     async def attach(
         self, kv: PagedKVCache | None, on_exit: Callable[[int], None], incarnation: int

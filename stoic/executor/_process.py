@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import pickle
 import signal
@@ -30,7 +31,8 @@ from typing import Any
 from .._logging import get_logger
 from ..actors import ProgressWatch
 from ..config import FaultSpec
-from ..model import ComputePath, StepBatch, StepOutput, StepProgress
+from ..errors import InsufficientMemory
+from ..model import CacheSizing, ComputePath, StepBatch, StepOutput, StepProgress
 from ._failures import ExecutorFault
 from ._procworker import PROGRESS_FD_ENV, WorkerSpec
 
@@ -105,6 +107,8 @@ class WorkerProcess:
         #: how the worker's model computes (from its runner's summary), once ready; None if
         #: it sent none this code can read
         self.compute: ComputePath | None = None
+        #: how the worker sized its KV cache, once ready
+        self.sizing: CacheSizing | None = None
         self.exited: str | None = None
         #: killed (or being killed) by us: never handed out again
         self._doomed = False
@@ -203,7 +207,12 @@ class WorkerProcess:
         return message
 
     async def wait_ready(self, limit: float) -> None:
-        """Wait until the model is loaded. :raises ExecutorFault: if the worker died first."""
+        """Wait until the model is loaded and the KV cache sized.
+
+        :raises ExecutorFault: if the worker died first.
+        :raises InsufficientMemory: the device's memory holds no KV cache after the weights and
+            a step's activations (the worker exits: a configuration error, never retried).
+        """
         if self.ready:
             return
         try:
@@ -213,13 +222,19 @@ class WorkerProcess:
             raise ExecutorFault(
                 f"executor process not ready after {limit:.0f}s", "hang", pid=self.pid
             ) from None
+        if message[0] == "unfit":
+            raise InsufficientMemory(message[1])
         assert message[0] == "ready", message
         self.ready = True
-        summary = message[2] if len(message) > 2 else None
+        summary = message[2]
+        self.sizing = sizing = message[3]
         _log.info(
             "executor.worker_ready",
             pid=self.pid,
             seconds=round(time.monotonic() - self.started, 2),
+            # a replacement or a spare gets the first worker's blocks, unprofiled
+            kv_blocks=sizing.num_blocks,
+            profiled=sizing.profiled,
             # the worker's own model.quantized line is not relayed (it logs warnings only)
             quantized=summary,
         )
@@ -330,6 +345,32 @@ class WorkerPool:
         self._closed = False
         #: a worker has been handed out before (later acquisitions are replacements)
         self._taken_over = False
+        #: the first worker, ready and sized (:meth:`start`), until the first :meth:`acquire`
+        self._first: WorkerProcess | None = None
+
+    async def start(self) -> CacheSizing:
+        """Start the first worker and wait until it has loaded the model and sized the KV cache;
+        every later worker (spares, replacements) gets the same number of blocks: the
+        scheduler's allocator is built from it once, and a replacement after an out-of-memory
+        failure must not grow the cache.
+
+        :raises ExecutorFault: the worker died or did not get ready.
+        :raises InsufficientMemory: no KV cache fits.
+        """
+        worker = self._start()
+        _log.info("executor.worker_starting", pid=worker.pid, source="cold")
+        try:
+            await worker.wait_ready(self._ready_timeout)
+        except BaseException:  # died, timed out, or we were cancelled (a stop): never orphaned
+            worker.kill()
+            raise
+        assert worker.sizing is not None
+        self._spec = dataclasses.replace(
+            self._spec,
+            budget=dataclasses.replace(self._spec.budget, num_blocks=worker.sizing.num_blocks),
+        )
+        self._first = worker
+        return worker.sizing
 
     def _new(self) -> WorkerProcess:
         self._started = [w for w in self._started if w.exited is None]
@@ -373,10 +414,14 @@ class WorkerPool:
             return current, False
         self.current = None
         spares = [w for w in self._spares if w.alive]
-        source = "spare" if spares else "cold"
-        worker = spares.pop(0) if spares else self._start()
+        sized, self._first = self._first, None
+        if sized is not None and sized.alive:  # started, and its start logged, by start()
+            worker = sized
+        else:
+            source = "spare" if spares else "cold"
+            worker = spares.pop(0) if spares else self._start()
+            _log.info("executor.worker_starting", pid=worker.pid, source=source)
         self._spares = spares
-        _log.info("executor.worker_starting", pid=worker.pid, source=source)
         try:
             await worker.wait_ready(self._ready_timeout)
         except BaseException:  # died, timed out, or we were cancelled (a stop): never orphaned
@@ -402,6 +447,7 @@ class WorkerPool:
     def close(self) -> None:
         """Stop every worker started (current, spares, pre-started, any still loading)."""
         self._closed = True
+        self._first = None
         for worker in self._started:
             worker.stop()
         self.current = None

@@ -8,8 +8,11 @@ tensor):
 
 * parent -> child ``("spec", WorkerSpec)`` first: what to load (a worker may be started, and
   import what it needs, before it is told);
-* child -> parent ``("ready", pid, quantized)`` once the model is loaded and the KV pools
-  exist (``quantized``: what runs on quantised blocks, :attr:`ModelRunner.quantized`);
+* child -> parent ``("ready", pid, quantized, sizing)`` once the model is loaded, the KV cache
+  sized (:func:`stoic.model.size_kv_cache`: a profiling forward, then what the memory left
+  holds; ``sizing`` a :class:`~stoic.model.CacheSizing`) and the KV pools exist
+  (``quantized``: what runs on quantised blocks, :attr:`ModelRunner.quantized`); or
+  ``("unfit", message)`` when not even a minimal cache fits, and it exits;
 * parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
   output)`` or ``("error", step_id, kind, type_name, message)``;
 * parent -> child ``("reset",)``: drop and recreate the KV pools; child -> parent ``("reset",)``;
@@ -42,9 +45,10 @@ from typing import TYPE_CHECKING, Any
 from .._proctitle import set_title
 from ..actors import enact_fault
 from ..config import FaultSpec, Quantization
+from ..errors import InsufficientMemory
 
 if TYPE_CHECKING:
-    from ..model import GrammarVocab
+    from ..model import CacheBudget, GrammarVocab
 
 __all__ = ["PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
 
@@ -61,8 +65,8 @@ class WorkerSpec:
     device: str
     dtype: str
     cache_dir: Path | None
-    num_blocks: int
-    block_size: int
+    #: what the KV cache is sized within (a fixed ``num_blocks`` once the first worker sized it)
+    budget: CacheBudget
     #: the token ids that end generation (the server's, from the tokenizer too)
     eos_token_ids: frozenset[int] = frozenset()
     #: compute threads (the server's CPU budget, ``compute_threads``; None: torch's default)
@@ -132,6 +136,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         StepProgress,
         ThreadGovernor,
         load_model,
+        size_kv_cache,
     )
     from ._failures import classify_failure
 
@@ -181,10 +186,15 @@ def worker_main(conn: Connection, parent: int) -> None:
         progress=progress,
         threads=governor,
     )
-    kv_spec = runner.kv_spec(spec.num_blocks, spec.block_size)
+    try:
+        sizing = size_kv_cache(runner, spec.budget)
+    except InsufficientMemory as exc:  # a start-up error of the server's, never retried
+        _send(conn, ("unfit", exc.message))
+        return
+    kv_spec = runner.kv_spec(sizing.num_blocks, spec.budget.block_size)
     kv = PagedKVCache(kv_spec)
     _warm_up(runner, kv)
-    _send(conn, ("ready", os.getpid(), runner.quantized))
+    _send(conn, ("ready", os.getpid(), runner.quantized, sizing))
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())

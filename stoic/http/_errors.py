@@ -18,6 +18,7 @@ from ..errors import (
     EngineStarting,
     EngineStopped,
     ExecutorFailed,
+    InsufficientMemory,
     InvalidRequest,
     ModelNotFound,
     ModelUnavailable,
@@ -52,6 +53,7 @@ _ERROR_STATUS: tuple[tuple[type[StoicError], int, str], ...] = (
     (EngineStopped, 503, "service_unavailable"),
     (EngineStarting, 503, "service_unavailable"),
     (ModelUnavailable, 503, "service_unavailable"),
+    (InsufficientMemory, 503, "service_unavailable"),
     (StorageFailed, 503, "service_unavailable"),
 )
 

@@ -17,7 +17,8 @@ from ._loader import (
     resolve_device,
     resolve_dtype,
 )
-from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache, free_device_memory
+from ._memory import CacheBudget, CacheSizing, DeviceMemory, device_memory, size_kv_cache
+from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache
 from ._params import SamplingParams
 from ._quant import require_quantized
 from ._request import Request
@@ -29,11 +30,14 @@ from ._threads import ThreadGovernor
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "CacheBudget",
+    "CacheSizing",
     "ComputePath",
     "Constraint",
     "ConstraintKind",
     "CpuBudget",
     "Detokenizer",
+    "DeviceMemory",
     "GrammarBackend",
     "GrammarVocab",
     "KVCacheSpec",
@@ -57,12 +61,13 @@ __all__ = [
     "cuda_devices",
     "default_cache_dir",
     "default_gguf_path",
+    "device_memory",
     "empty_device_cache",
-    "free_device_memory",
     "load_model",
     "require_deterministic",
     "require_quantized",
     "resolve_device",
     "resolve_dtype",
+    "size_kv_cache",
     "vocab_size",
 ]

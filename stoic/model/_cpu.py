@@ -71,22 +71,31 @@ def affinity() -> tuple[int, ...]:
 
 def _cgroup_quota(proc: Path, root: Path) -> tuple[float | None, str | None]:
     best: tuple[float | None, str | None] = (None, None)
-    for directory, mount in _cpu_cgroup_dirs(proc, root):
-        # the process's own cgroup and each parent up to the mount point: the tightest binds
-        current = directory
-        while True:
-            quota = _read_quota(current)
-            if quota is not None and (best[0] is None or quota < best[0]):
-                best = (quota, "/" + str(current.relative_to(root)))
-            if current == mount or current.parent == current:
-                break
-            current = current.parent
+    for current in cgroup_chain(proc, root, "cpu"):
+        quota = _read_quota(current)
+        if quota is not None and (best[0] is None or quota < best[0]):
+            best = (quota, "/" + str(current.relative_to(root)))
     return best
 
 
-def _cpu_cgroup_dirs(proc: Path, root: Path) -> list[tuple[Path, Path]]:
+def cgroup_chain(proc: Path, root: Path, controller: str) -> list[Path]:
+    """The directories of this process's cgroup and of each parent up to its mount point, for
+    the v2 hierarchy and the v1 ``controller`` (``"cpu"``, ``"memory"``): where a limit may be
+    set (the tightest binds)."""
+    chain = []
+    for directory, mount in _cgroup_dirs(proc, root, controller):
+        current = directory
+        while True:
+            chain.append(current)
+            if current == mount or current.parent == current:
+                break
+            current = current.parent
+    return chain
+
+
+def _cgroup_dirs(proc: Path, root: Path, controller: str) -> list[tuple[Path, Path]]:
     """``(the process's cgroup directory, its mount point)`` for the v2 hierarchy and the v1
-    ``cpu`` controller, as far as they can be read."""
+    ``controller``, as far as they can be read."""
     try:
         cgroups = (proc / "self" / "cgroup").read_text().splitlines()
         mounts = (proc / "self" / "mountinfo").read_text().splitlines()
@@ -99,7 +108,7 @@ def _cpu_cgroup_dirs(proc: Path, root: Path) -> list[tuple[Path, Path]]:
             continue
         if parts[0] == "0" and parts[1] == "":
             paths["v2"] = parts[2]
-        elif "cpu" in parts[1].split(","):
+        elif controller in parts[1].split(","):
             paths["v1"] = parts[2]
     found = []
     for line in mounts:
@@ -111,7 +120,7 @@ def _cpu_cgroup_dirs(proc: Path, root: Path) -> list[tuple[Path, Path]]:
         mount_root, mount_point, fstype = fields[3], fields[4], tail[0]
         if fstype == "cgroup2":
             version = "v2"
-        elif fstype == "cgroup" and "cpu" in tail[2].split(","):
+        elif fstype == "cgroup" and controller in tail[2].split(","):
             version = "v1"
         else:
             continue

@@ -37,7 +37,7 @@ from .._logging import get_logger
 from ..config import Quantization
 from ..errors import ModelUnavailable
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
-from ._precision import parse_dtype, resolve_dtype, resolve_precision
+from ._precision import Precision, parse_dtype, resolve_dtype, resolve_precision
 from ._progress import heartbeat
 from ._source import (
     HINT,
@@ -255,9 +255,14 @@ def load_model(
 
     dev = resolve_device(device)
     gguf_file = gguf if gguf.is_file() else None
-    precision = resolve_precision(
-        dtype, dev, cache_root or default_cache_dir(), gguf=gguf_file, quantization=quantization
-    )
+    if not weights and dev.type == "cuda" and dtype in (None, "auto"):
+        # the server of a worker process must not ask the GPU (that creates a CUDA context
+        # here): the worker resolves "auto" itself; bfloat16 (float16's size) stands in here
+        precision = Precision(torch.bfloat16)
+    else:
+        precision = resolve_precision(
+            dtype, dev, cache_root or default_cache_dir(), gguf=gguf_file, quantization=quantization
+        )
     dt = precision.dtype
     dense = parse_dtype(dense_dtype) if dense_dtype is not None else precision.dense_dtype
     if dense == dt:

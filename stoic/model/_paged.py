@@ -134,17 +134,6 @@ def empty_device_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def free_device_memory(device: torch.device) -> int:
-    """Bytes free on a CUDA ``device`` now (what the KV cache may be sized from).
-
-    :raises RuntimeError: if ``device`` is not a CUDA device or CUDA cannot answer.
-    """
-    if device.type != "cuda":
-        raise RuntimeError(f"free memory is asked of CUDA devices only, not {device}")
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
-
-
 @dataclass(frozen=True)
 class DecodeGroup:
     """Single-token queries of a step with similar context lengths, attended in one batched call.
