@@ -162,13 +162,6 @@ def worker_main(conn: Connection, parent: int) -> None:
         family=(parent,),  # the server's CPU time is the engine's, not a neighbour's
     )
     governor.before_step()  # the load's own operators run on the budget too
-    limit = os.environ.get(
-        "STOIC_WORKER_CUDA_MEMORY_LIMIT_MIB"
-    )  # a test hook (recovery_bench.py gpu)
-    if limit and spec.device.startswith("cuda"):
-        device = torch.device(spec.device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(int(limit) * 2**20 / total, device)
     loaded = load_model(
         spec.model,
         device=spec.device,
