@@ -94,7 +94,7 @@ def profile_section(bench: Bench) -> str:
         "",
         "Executor categories: *forward* = `ModelRunner.execute` minus the rest (transformers "
         "layers, paged attention, LM head); *sampling* = `stoic/model/_sampling.py:sample`; *step "
-        "inputs* = `_build_inputs` and KV block zeroing; *idle* = blocked on the step queue. Event "
+        "inputs* = `build_inputs` and KV block zeroing; *idle* = blocked on the step queue. Event "
         "loop: each sample goes to the innermost frame it recognises (detokenising: "
         "`Sequence.detokenize` and tokenizer calls; HTTP: `stoic/http`, aiohttp, JSON, pydantic; "
         "scheduling: `stoic/actors/*` except streams and messages; messaging: `stoic/runtime/*`, "

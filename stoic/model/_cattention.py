@@ -10,7 +10,8 @@ length, so :class:`DecodeAttention` hands it the decode tokens of such a step; p
 keep torch's attention. The formulas are the torch path's (float32; results differ by float32
 rounding, as the C layers' do).
 
-Used when the model has the quantised kernels (:mod:`._qkernels`) and a float32 KV cache.
+The step plan of :class:`._attention.CDecodeAttention` (the quantised kernels, :mod:`._qkernels`,
+and a float32 KV cache on the CPU).
 """
 
 from __future__ import annotations
@@ -52,21 +53,33 @@ class DecodeAttention:
         spec = step.cache.spec
         return bool(step.decodes) and spec.dtype == torch.float32 and spec.device.type == "cpu"
 
-    def __call__(
-        self, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def forward(
+        self,
+        attn: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scaling: float | None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """``[1, N, heads, head_dim]`` for ``q`` ``[1, heads, N, head_dim]`` and ``k``/``v``
         ``[1, kv_heads, N, head_dim]`` of layer ``attn``; the step's keys and values are
-        written into the cache.
+        written into the cache (:class:`._attention.StepAttention`). The C kernel has neither
+        window nor soft cap: the backend plans such steps for torch.
 
         :raises torch.OutOfMemoryError: if the kernel could not allocate its scratch.
         """
+        if softcap:
+            raise ValueError("the C decode attention has no soft cap")
+        scaling = attn.scaling if scaling is None else scaling
         step = self._step
         heads, n, dim = q.shape[1], q.shape[2], q.shape[3]
         kv_heads = k.shape[1]
         if self._prefills is not None:  # writes every token's key and value, attends prefills
             out, _ = paged_attention(
-                attn, q, k, v, None, scaling=attn.scaling, stoic_step=self._prefills
+                attn, q, k, v, None, scaling=scaling, stoic_step=self._prefills
             )
             out = out[0]
         else:
@@ -84,7 +97,7 @@ class DecodeAttention:
             cache.keys[layer].data_ptr(), cache.values[layer].data_ptr(),
             self._write.data_ptr(), self._tables.data_ptr(), self._lens.data_ptr(),
             m, heads, kv_heads, dim, cache.spec.block_size, self._tables.shape[2],
-            float(attn.scaling), got.data_ptr(), torch.get_num_threads(),
+            float(scaling), got.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise torch.OutOfMemoryError(f"decode attention kernel failed ({rc})")

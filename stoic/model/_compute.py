@@ -1,5 +1,5 @@
-"""How a runner computes: a typed record of its architecture, decoder path, precision and
-quantised-kernel choices (what ``model.compute_path`` logs and ``/v1/models`` shows)."""
+"""How a runner computes: a typed record of its architecture, decoder path, attention backend,
+precision and quantised-kernel choices (what ``model.compute_path`` logs and ``/v1/models`` shows)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,9 @@ class ComputePath:
     #: ``--deterministic``: every step on the blocks in the fixed order, through the C layers
     #: (each token's logits independent of its batch, chunking and cache)
     deterministic: bool = False
+    #: the attention backend's name (:func:`._attention.choose_attention`: ``torch-paged``,
+    #: ``c-decode``)
+    attention: str = "torch-paged"
 
     def card(self) -> dict[str, Any]:
         """Every field, as JSON-ready values (what ``/v1/models`` shows as ``compute``)."""
@@ -114,4 +117,5 @@ class ComputePath:
             matrix_types=summary["matrix_types"],
             kernel_types=tuple(summary["kernel_types"]),
             deterministic=bool(summary.get("deterministic", False)),
+            attention=str(summary.get("attention", "torch-paged")),
         )

@@ -65,12 +65,14 @@ class RotaryTable:
         self._sin: torch.Tensor | None = None
 
     def __call__(
-        self, hidden: torch.Tensor, positions: torch.Tensor
+        self, hidden: torch.Tensor, positions: torch.Tensor, highest: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[1, N, head_dim]`` for ``positions`` ``[1, N]`` (``hidden``: the
-        step's embeddings, for the dtype and device)."""
+        step's embeddings, for the dtype and device; ``highest``: the largest position, known
+        on the host, else read from ``positions``)."""
         flat = positions.reshape(-1)
-        need = (int(flat.max()) // ROTARY_PIECE + 1) * ROTARY_PIECE if flat.numel() else 0
+        top = int(flat.max()) if highest is None and flat.numel() else (highest or 0)
+        need = (top // ROTARY_PIECE + 1) * ROTARY_PIECE if flat.numel() else 0
         have = 0 if self._cos is None else int(self._cos.shape[0])
         if need > have:
             cos, sin = [], []

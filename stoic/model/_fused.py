@@ -15,7 +15,7 @@ Qwen2.5; Qwen3; Phi-3) :class:`FusedLlama` runs the same arithmetic with:
 * the rotary tables computed once per step by the model's own rotary module (every rope type it
   supports), applied to q and k in the layout the paged attention reads.
 
-Attention itself is :func:`._paged.paged_attention`, as on the transformers path.
+Attention itself is the runner's attention backend's (:mod:`._attention`), planned once a step.
 
 The families differ from Llama only by configuration of the one layer (:class:`_Layer`): biases
 on q, k and v (Qwen2; any projection's bias is its :class:`QLinear`'s), an RMSNorm of each
@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._cattention import DecodeAttention
+from ._attention import AttentionBackend, choose_attention
 from ._cdecode import CDecoder, layer_weights
 from ._cops import PrefillOps
 from ._deterministic import RotaryTable
-from ._paged import StepMetadata, paged_attention
+from ._paged import StepMetadata
 from ._qkernels import Kernels
 from ._quant import EVERY_ROW, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from ._stepprogress import tick
@@ -280,12 +280,14 @@ class FusedLlama:
         #: decode-only steps' layers in C (:mod:`._cdecode`), when every projection runs on
         #: quantised blocks and the shapes allow; None: the torch path for every step
         self.c_decoder: CDecoder | None = None
-        #: kernels for the decode tokens' attention on the torch path (:mod:`._cattention`)
-        self._attn_kernels = (
-            kernels
-            if kernels is not None
-            and CDecoder.supports(torch.float32, self._head_dim, self._heads, self._kv_heads)
-            else None
+        #: the layers' attention on the torch path (:mod:`._attention`)
+        self.attention: AttentionBackend = choose_attention(
+            kernels,
+            heads=self._heads,
+            kv_heads=self._kv_heads,
+            head_dim=self._head_dim,
+            device=self._final_norm.device,
+            dtype=self._final_norm.dtype,
         )
         self._kernel_rows = kernel_rows
         #: the bfloat16 steps' norms, rotary and SiLU x up in C (:mod:`._cops`)
@@ -341,12 +343,12 @@ class FusedLlama:
         """Hidden states ``[1, N, hidden]`` after the final norm, for ``input_ids`` ``[1, N]``."""
         hidden = self._embed(input_ids)
         if self._fixed_rotary is not None and self.c_decoder is not None:
-            cos, sin = self._fixed_rotary(hidden, positions)
+            cos, sin = self._fixed_rotary(hidden, positions, step.max_position)
             hidden = self.c_decoder.forward(hidden, cos, sin, step)
             return F.rms_norm(hidden, (hidden.shape[-1],), self._final_norm, self._eps)
         tables = {rope: self._table(hidden, positions, rope) for rope in self._ropes}
         cos, sin = tables[self._ropes[0]]  # the C decoder's (a model of one table)
-        windowed = self._window is not None and int(positions.max()) >= self._window
+        windowed = self._window is not None and step.max_position >= self._window
         if (
             self.c_decoder is not None
             and not windowed
@@ -378,30 +380,16 @@ class FusedLlama:
             }
         elif cos.dtype != work:
             tables = {r: (c.to(work), s.to(work)) for r, (c, s) in tables.items()}
-        attend = (
-            DecodeAttention(self._attn_kernels, step, hidden.shape[1])
-            if self._attn_kernels is not None and not windowed and DecodeAttention.applies(step)
-            else None
-        )
+        attend = self.attention.plan(step, hidden.shape[1], windowed=windowed)
         for layer in self._layers:
             tick()  # the step watchdog's progress: one a layer
             cos, sin = tables[layer.rope]
             q, k, v = self.attention_inputs(
                 hidden, layer.norm_in, layer.qkv, cos, sin, sizes, self._eps, ops, layer.qk_norm
             )
-            if attend is not None:
-                out = attend(layer.attn, q, k, v)
-            else:
-                out, _ = paged_attention(
-                    layer.attn,
-                    q,
-                    k,
-                    v,
-                    None,
-                    scaling=layer.attn.scaling,
-                    sliding_window=layer.window,
-                    stoic_step=step,
-                )
+            out = attend.forward(
+                layer.attn, q, k, v, scaling=layer.attn.scaling, sliding_window=layer.window
+            )
             hidden = self.mlp_block(
                 hidden,
                 out,

@@ -2,9 +2,9 @@
 
 The cache is a pool of fixed-size blocks per layer (``[num_blocks, block_size, kv_heads,
 head_dim]``); a sequence owns a *block table*, the list of block ids holding its positions in order.
-The model's own transformers implementation runs unchanged: its attention modules are pointed at
-:func:`paged_attention` through transformers' ``AttentionInterface`` under the name
-``"stoic_paged"``. Every step packs all scheduled tokens of all sequences into one row
+:func:`paged_attention` is the torch attention backend's (:mod:`._attention`, which also points
+transformers' ``AttentionInterface`` at the step's planned attention under the name
+``"stoic_paged"``, so a model's own transformers implementation runs unchanged). Every step packs all scheduled tokens of all sequences into one row
 (``[1, total_tokens]``) and passes a :class:`StepMetadata` along as a keyword argument; the
 attention function scatters the new keys and values into their slots, then attends:
 
@@ -34,7 +34,6 @@ __all__ = [
     "empty_device_cache",
     "group_decodes",
     "paged_attention",
-    "register_paged_attention",
 ]
 
 ATTN_IMPLEMENTATION = "stoic_paged"
@@ -275,6 +274,8 @@ class StepMetadata:
     write_index: torch.Tensor
     decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
+    #: the step's highest position (a host number: nothing reads it back from the device)
+    max_position: int
 
 
 def paged_attention(
@@ -464,17 +465,3 @@ def _decode_attention(
     scores.masked_fill_(decode.masked_out(block_size, sliding_window), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(vd.dtype)
     return torch.matmul(probs, vd).reshape(batch, heads, head_dim).to(q.dtype)
-
-
-_registered = False
-
-
-def register_paged_attention() -> None:
-    """Register :func:`paged_attention` with transformers (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    _registered = True

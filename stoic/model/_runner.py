@@ -16,6 +16,7 @@ import torch
 from .._logging import get_logger
 from ..config import Quantization
 from ..errors import ModelUnavailable
+from ._attention import AttentionBackend, TorchPagedAttention, register_attention
 from ._batch import SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._compute import ComputePath, matrix_types
@@ -23,18 +24,10 @@ from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._deterministic import refusal, refuse
 from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
+from ._inputs import build_inputs
 from ._loader import LoadedModel
 from ._logits import OutputLayer
-from ._paged import (
-    ATTN_IMPLEMENTATION,
-    DecodeGroup,
-    KVCacheSpec,
-    PagedKVCache,
-    PrefillChunk,
-    StepMetadata,
-    group_decodes,
-    register_paged_attention,
-)
+from ._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
 from ._params import SamplingParams
 from ._quant import DENSE_KERNEL_ROWS, EVERY_ROW, MAX_KERNEL_ROWS, QLinear, prepare_quantized
 from ._sampling import sample
@@ -87,7 +80,7 @@ class ModelRunner:
         threads: ThreadGovernor | None = None,
         deterministic: bool = False,
     ) -> None:
-        register_paged_attention()
+        register_attention()
         self.deterministic = deterministic
         #: sizes the compute threads before each step (None: torch's count, untouched)
         self.threads = threads
@@ -162,6 +155,12 @@ class ModelRunner:
             why = "the output layer has no quantised blocks the kernels compute on"
         if why is not None:
             raise refuse(why)
+        #: the attention backend (:mod:`._attention`), chosen at load: the fused decoder's (by
+        #: device, dtype and kernels), or torch's for transformers' own layers (soft caps,
+        #: windows, any layout)
+        self.attention: AttentionBackend = (
+            self._fused.attention if self._fused is not None else TorchPagedAttention()
+        )
         if self._fused is None:
             _tick_per_layer(self._base)
         if whole:
@@ -222,6 +221,7 @@ class ModelRunner:
             "head": head.kind if head is not None else None,
             "c_layers": self._fused is not None and self._fused.c_decoder is not None,
             "kernel_rows": self.kernel_rows,
+            "attention": self.attention.name,
             "deterministic": self.deterministic,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             # deterministic: no dense copy, every product on the blocks
@@ -270,8 +270,8 @@ class ModelRunner:
             raise RuntimeError("KV cache was released")
         device = self.loaded.device
         cache.zero_blocks(batch.zero_blocks)
-        meta, input_ids, positions, sample_rows = _build_inputs(batch, cache, device)
-        chunks = [c for _, c in sample_rows]
+        step = build_inputs(batch, cache, device)
+        input_ids, positions, rows, chunks = step.input_ids, step.positions, step.rows, step.sampled
         constrained = [i for i, c in enumerate(chunks) if c.params.constraint is not None]
         masks: concurrent.futures.Future[torch.Tensor] | None = None
         if constrained:
@@ -280,20 +280,21 @@ class ModelRunner:
             masks = self._mask_thread().submit(
                 self.grammar.bitmask, [chunks[i] for i in constrained]
             )
-        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=device)
         logits: torch.Tensor | None = None
         if self._logits.whole_forward:
-            logits = self._logits.whole(input_ids, positions, rows, stoic_step=meta)
+            plan = self.attention.plan(step.meta, batch.num_tokens)
+            logits = self._logits.whole(input_ids, positions, rows, stoic_step=plan)
         else:
             if self._fused is not None:
-                hidden = self._fused.forward(input_ids, positions, meta)
+                hidden = self._fused.forward(input_ids, positions, step.meta)
             else:
+                plan = self.attention.plan(step.meta, batch.num_tokens)
                 hidden = self._base(
-                    input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=meta
+                    input_ids=input_ids, position_ids=positions, use_cache=False, stoic_step=plan
                 ).last_hidden_state
-            logits = self._logits(input_ids, hidden, rows) if sample_rows else None
+            logits = self._logits(input_ids, hidden, rows) if chunks else None
         sampled: dict[int, Any] = {}
-        if sample_rows:
+        if chunks:
             assert logits is not None
             if masks is not None:
                 logits = apply_bitmask(logits, constrained, masks.result())
@@ -319,74 +320,3 @@ def _tick_per_layer(base: Any) -> None:
         if not getattr(layer, "_stoic_ticks", False):
             layer.register_forward_pre_hook(lambda _module, _args: tick())
             layer._stoic_ticks = True
-
-
-def _build_inputs(
-    batch: StepBatch, cache: PagedKVCache, device: torch.device
-) -> tuple[StepMetadata, torch.Tensor, torch.Tensor, list[tuple[int, SeqChunk]]]:
-    block_size = cache.spec.block_size
-    spec = cache.spec
-    # pool row of (head h, block b) is h * num_blocks + b; flat position adds the in-block offset
-    head_rows = torch.arange(spec.num_kv_heads, device=device) * spec.num_blocks
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[tuple[int, SeqChunk]] = []
-    dec_q: list[int] = []
-    dec_tables: list[tuple[int, ...]] = []
-    dec_lens: list[int] = []
-    dec_pos: list[int] = []
-    prefills: list[PrefillChunk] = []
-    for chunk in batch.chunks:
-        start = len(ids)
-        n = len(chunk.token_ids)
-        table = chunk.block_table
-        ids.extend(chunk.token_ids)
-        for p in range(chunk.start_pos, chunk.start_pos + n):
-            pos.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        if chunk.sample:
-            sample_rows.append((start + n - 1, chunk))
-        if n == 1:
-            dec_q.append(start)
-            dec_tables.append(table)
-            dec_lens.append(chunk.start_pos + 1)
-            dec_pos.append(chunk.start_pos)
-        else:
-            used = -(-(chunk.start_pos + n) // block_size)
-            blocks = torch.tensor(table[:used], device=device)
-            prefills.append(
-                PrefillChunk(
-                    start, start + n, chunk.start_pos, head_rows[:, None] + blocks[None, :]
-                )
-            )
-    decodes = []
-    dec_blocks = [-(-n // block_size) for n in dec_lens]
-    for members in group_decodes(dec_blocks, block_size):
-        max_blocks = max(dec_blocks[i] for i in members)
-        padded = [
-            list(dec_tables[i][:max_blocks])
-            + [0] * (max_blocks - min(len(dec_tables[i]), max_blocks))
-            for i in members
-        ]
-        decodes.append(
-            DecodeGroup(
-                q_index=torch.tensor([dec_q[i] for i in members], device=device),
-                gather_index=head_rows[None, :, None]
-                + torch.tensor(padded, device=device)[:, None, :],
-                context_lens=torch.tensor([dec_lens[i] for i in members], device=device),
-                positions=torch.tensor([dec_pos[i] for i in members], device=device),
-                max_blocks=max_blocks,
-            )
-        )
-    meta = StepMetadata(
-        cache=cache,
-        write_index=(
-            head_rows[:, None] * block_size + torch.tensor(slots, device=device)[None, :]
-        ).reshape(-1),
-        decodes=tuple(decodes),
-        prefills=tuple(prefills),
-    )
-    input_ids = torch.tensor([ids], device=device)
-    positions = torch.tensor([pos], device=device)
-    return meta, input_ids, positions, sample_rows

@@ -40,7 +40,7 @@ def sample(
     rejects them).
     """
     logits = logits.float()
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
     raw = logits
     logits = adjust_logits(logits, chunks, eos_token_ids)
@@ -71,17 +71,27 @@ def sample(
         chosen = torch.where(greedy, chosen, drawn)
 
     want_logprobs = [c.params.logprobs for c in chunks]
-    token_ids = chosen.tolist()
     if not any(want_logprobs):
-        return [SampledToken(t) for t in token_ids]
+        return [SampledToken(t) for t in chosen.tolist()]
+    # the step's one read from the device: ids, their log-probabilities and the alternatives in
+    # one float64 table (exact for both: ids below 2**53, float32 log-probabilities)
     logprobs = torch.log_softmax(raw, dim=-1)
-    chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
     k = max(c.params.top_logprobs for c in chunks)
-    top_vals: list[list[float]] = [[] for _ in range(rows)]
-    top_ids: list[list[int]] = [[] for _ in range(rows)]
-    if k > 0:
-        values, indices = logprobs.topk(k, dim=-1)
-        top_vals, top_ids = values.tolist(), indices.tolist()
+    none = chosen[:, None][:, :0]
+    values, indices = logprobs.topk(k, dim=-1) if k > 0 else (none, none)
+    table = torch.cat(
+        [
+            chosen[:, None].double(),
+            logprobs.gather(1, chosen[:, None]).double(),
+            values.double(),
+            indices.double(),
+        ],
+        dim=1,
+    ).tolist()
+    token_ids = [int(row[0]) for row in table]
+    chosen_lp = [row[1] for row in table]
+    top_vals = [row[2 : 2 + k] for row in table]
+    top_ids = [[int(t) for t in row[2 + k :]] for row in table]
     out: list[SampledToken] = []
     for i, chunk in enumerate(chunks):
         if not chunk.params.logprobs:

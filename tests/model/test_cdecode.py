@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model._attention import TorchPagedAttention
 from stoic.model._qkernels import KernelsUnavailable, load_kernels
 from stoic.model.testing import final_hidden_states, scattered_block_tables
 
@@ -93,14 +94,15 @@ def _run_torch_path(runner: ModelRunner, steps: list[StepBatch], c_attention: bo
     """Hidden states and cache with the C layers off, the decode attention in C or in torch."""
     fused = runner._fused
     assert fused is not None
-    saved = fused.c_decoder, fused._attn_kernels
+    saved = fused.c_decoder, fused.attention
+    assert fused.attention.name == "c-decode"
     fused.c_decoder = None
     if not c_attention:
-        fused._attn_kernels = None
+        fused.attention = TorchPagedAttention()
     try:
         return final_hidden_states(runner, steps, num_blocks=40, block_size=4)
     finally:
-        fused.c_decoder, fused._attn_kernels = saved
+        fused.c_decoder, fused.attention = saved
 
 
 def test_decode_attention_in_c_equals_torch_on_mixed_and_decode_steps(runner: ModelRunner) -> None:

@@ -114,8 +114,8 @@ def test_decodes_split_into_groups_attend_like_one_group(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Grouping decodes by context length changes no token and no log-probability."""
+    import stoic.model._inputs as inputs
     import stoic.model._paged as paged
-    import stoic.model._runner as model_runner
 
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
     lengths = [3, 5, 20, 41, 60, 9]
@@ -142,8 +142,8 @@ def test_decodes_split_into_groups_attend_like_one_group(
     results = {}
     split = paged.group_decodes
     for overhead in (10**9, 0):  # one group; then as many groups as distinct lengths
-        monkeypatch.setattr(model_runner, "group_decodes", lambda b, s, o=overhead: split(b, s, o))
-        assert len(model_runner.group_decodes([-(-(n + 1) // 4) for n in lengths], 4)) == (
+        monkeypatch.setattr(inputs, "group_decodes", lambda b, s, o=overhead: split(b, s, o))
+        assert len(inputs.group_decodes([-(-(n + 1) // 4) for n in lengths], 4)) == (
             1 if overhead else 6
         )
         results[overhead] = runner.execute(decode, cache).sampled
