@@ -47,7 +47,7 @@ def classify_executor(frames: Sequence[str]) -> str:
     funcs = [_func(f) for f in frames]
     if "ModelRunner.execute" in funcs:
         files = [_file(f) for f in frames]
-        if "build_inputs" in funcs or "PagedKVCache.zero_blocks" in funcs:
+        if "build_inputs" in funcs or "PagedKVCache.zero_rows" in funcs:
             return "step inputs"
         if any(
             fn == "sample" and fl.endswith("_sampling.py")

@@ -1,4 +1,5 @@
-"""A step's inputs: token ids, positions, the attention's metadata and the rows to sample.
+"""A step's inputs: token ids, positions, the attention's metadata, the rows to sample and the
+fresh blocks' rows to zero.
 
 Everything is computed on the host (Python numbers and CPU tensors), packed into one int64
 buffer and moved to the device in one copy (:func:`._attention.to_device`: pinned and
@@ -32,6 +33,8 @@ class StepInputs:
     rows: torch.Tensor
     #: the chunks that sample a token, in batch order
     sampled: tuple[SeqChunk, ...]
+    #: the pool rows of the batch's fresh blocks, to zero before the forward (None: none)
+    zero_rows: torch.Tensor | None
 
 
 class _Pack:
@@ -90,8 +93,8 @@ def build_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) ->
             dec_lens.append(chunk.start_pos + 1)
         else:
             used = -(-(chunk.start_pos + n) // block_size)
-            pool_rows = head_rows[:, None] + torch.tensor(table[:used], dtype=torch.int64)[None, :]
-            prefills.append((start, start + n, chunk.start_pos, pack.add(pool_rows)))
+            rows = cache.block_rows(table[:used])
+            prefills.append((start, start + n, chunk.start_pos, pack.add(rows)))
     groups: list[tuple[int, int, int, int, int]] = []  # q, rows, lengths, positions, max_blocks
     dec_blocks = [-(-n // block_size) for n in dec_lens]
     for members in group_decodes(dec_blocks, block_size):
@@ -114,6 +117,7 @@ def build_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) ->
     write = pack.add(slot_rows.reshape(-1))
     id_part, pos_part = pack.add([ids]), pack.add([pos])
     rows_part = pack.add(sample_rows)
+    zero = pack.add(cache.block_rows(batch.zero_blocks).view(-1)) if batch.zero_blocks else None
     on_device = pack.move(device)
     meta = StepMetadata(
         cache=cache,
@@ -135,5 +139,10 @@ def build_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) ->
         max_position=max(pos, default=-1),
     )
     return StepInputs(
-        meta, on_device[id_part], on_device[pos_part], on_device[rows_part], tuple(sampled)
+        meta,
+        on_device[id_part],
+        on_device[pos_part],
+        on_device[rows_part],
+        tuple(sampled),
+        None if zero is None else on_device[zero],
     )

@@ -102,17 +102,21 @@ class PagedKVCache:
             torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
         ]
 
-    def zero_blocks(self, blocks: tuple[int, ...]) -> None:
-        """Zero every head of ``blocks`` in every pool (before their first use)."""
-        if not blocks:
-            return
-        device = self.keys[0].device
-        rows = (
-            torch.arange(self.spec.num_kv_heads, device=device)[:, None] * self.spec.num_blocks
-            + torch.tensor(blocks, device=device)[None, :]
-        ).view(-1)
+    def block_rows(self, blocks: tuple[int, ...] | list[int]) -> torch.Tensor:
+        """The pool rows of ``blocks``, ``[kv_heads, len(blocks)]`` (a host tensor): row ``h *
+        num_blocks + b`` holds head ``h`` of block ``b``."""
+        heads = torch.arange(self.spec.num_kv_heads)[:, None] * self.spec.num_blocks
+        return heads + torch.tensor(blocks, dtype=torch.int64)[None, :]
+
+    def zero_rows(self, rows: torch.Tensor) -> None:
+        """Zero pool ``rows`` (on the pools' device; :meth:`block_rows`) in every pool."""
         for pool in (*self.keys, *self.values):
             pool.index_fill_(0, rows, 0)
+
+    def zero_blocks(self, blocks: tuple[int, ...]) -> None:
+        """Zero every head of ``blocks`` in every pool (before their first use)."""
+        if blocks:
+            self.zero_rows(self.block_rows(blocks).view(-1).to(self.keys[0].device))
 
     @property
     def released(self) -> bool:

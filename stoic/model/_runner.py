@@ -269,8 +269,9 @@ class ModelRunner:
         if cache.released:
             raise RuntimeError("KV cache was released")
         device = self.loaded.device
-        cache.zero_blocks(batch.zero_blocks)
         step = build_inputs(batch, cache, device)
+        if step.zero_rows is not None:
+            cache.zero_rows(step.zero_rows)
         input_ids, positions, rows, chunks = step.input_ids, step.positions, step.rows, step.sampled
         constrained = [i for i, c in enumerate(chunks) if c.params.constraint is not None]
         masks: concurrent.futures.Future[torch.Tensor] | None = None

@@ -133,6 +133,17 @@ def test_a_steps_inputs_are_views_of_one_buffer(tiny: ModelRunner) -> None:
     assert meta.max_position == 10 and isinstance(meta.max_position, int)
     assert step.positions.tolist() == [[6, 0, 1, 2, 3, 4, 5, 10]]
     assert step.rows.tolist() == [0, 7]
+    assert step.zero_rows is None
+    # a step that hands out fresh blocks: their pool rows, every head, in the same buffer
+    prefill = build_inputs(_steps()[0], cache, torch.device("cpu"))
+    assert prefill.zero_rows is not None
+    assert prefill.zero_rows.untyped_storage().data_ptr() == (
+        prefill.input_ids.untyped_storage().data_ptr()
+    )
+    heads, blocks = cache.spec.num_kv_heads, cache.spec.num_blocks
+    assert sorted(prefill.zero_rows.tolist()) == sorted(
+        h * blocks + b for h in range(heads) for b in range(32)
+    )
 
 
 def test_to_device_pins_and_copies_without_blocking_on_cuda_only(
