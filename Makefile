@@ -2,7 +2,7 @@
 #   make serve   install what serving needs (stoic, torch, the default model), then serve the
 #                embedded default model on 127.0.0.1:8000
 #   make test    install everything (the dev tools and Ray too), then run lint, types and the
-#                test suite (20-25 minutes on 2 CPU cores; each test file's line shows as it runs)
+#                test suite (25-30 minutes on 2 CPU cores; each test file's line shows as it runs)
 #   make test-fast   lint, types and the tests that load no model (about a minute)
 # Both are idempotent: the virtual environment is reused while pyproject.toml is unchanged, and
 # `make test` in a venv that `make serve` made adds the rest of the set to it.
