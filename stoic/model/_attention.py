@@ -92,18 +92,16 @@ class _TorchStep:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        out, _ = paged_attention(
+        return paged_attention(
             module,
             q,
             k,
             v,
-            None,
+            self.step,
             scaling=scaling,
             sliding_window=sliding_window,
-            stoic_step=self.step,
             softcap=softcap,
         )
-        return out
 
 
 class TorchPagedAttention:

@@ -78,10 +78,7 @@ class DecodeAttention:
         heads, n, dim = q.shape[1], q.shape[2], q.shape[3]
         kv_heads = k.shape[1]
         if self._prefills is not None:  # writes every token's key and value, attends prefills
-            out, _ = paged_attention(
-                attn, q, k, v, None, scaling=scaling, stoic_step=self._prefills
-            )
-            out = out[0]
+            out = paged_attention(attn, q, k, v, self._prefills, scaling=scaling)[0]
         else:
             out = q.new_empty((n, heads, dim))
         idx = self.q_index

@@ -1,12 +1,12 @@
 """The paged KV cache and the attention function that reads and writes it.
 
-The cache is a pool of fixed-size blocks per layer (``[num_blocks, block_size, kv_heads,
+The cache is a pool of fixed-size blocks per layer (head-major: ``[kv_heads * num_blocks, block_size,
 head_dim]``); a sequence owns a *block table*, the list of block ids holding its positions in order.
 :func:`paged_attention` is the torch attention backend's (:mod:`._attention`, which also points
 transformers' ``AttentionInterface`` at the step's planned attention under the name
 ``"stoic_paged"``, so a model's own transformers implementation runs unchanged). Every step packs all scheduled tokens of all sequences into one row
-(``[1, total_tokens]``) and passes a :class:`StepMetadata` along as a keyword argument; the
-attention function scatters the new keys and values into their slots, then attends:
+(``[1, total_tokens]``) and passes the step's planned attention along as a keyword argument;
+for the torch backend that calls :func:`paged_attention` with the step's :class:`StepMetadata`, which scatters the new keys and values into their slots, then attends:
 
 * the decode tokens (one query per sequence) in a few groups of similar context length, each
   group in one batched call over its gathered blocks with a length mask;
@@ -287,24 +287,22 @@ def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    step: StepMetadata,
+    *,
+    scaling: float | None,
     sliding_window: int | None = None,
-    stoic_step: StepMetadata | None = None,
     softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface function over the paged cache.
+) -> torch.Tensor:
+    """The step's attention over the paged cache (the torch backend's, :mod:`._attention`).
 
     ``query`` is ``[1, heads, N, head_dim]``; ``key``/``value`` are ``[1, kv_heads, N, head_dim]``
-    for the N packed new tokens (rotary embedding already applied). Returns ``[1, N, heads,
-    head_dim]``. ``softcap`` (Gemma 2's ``attn_logit_softcapping``) caps the scaled scores at
-    ``softcap * tanh(score / softcap)`` before the mask, as transformers' eager attention does.
+    for the N packed new tokens (rotary embedding already applied), written into the cache of
+    ``module``'s layer first. Returns ``[1, N, heads, head_dim]``. ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``) caps the scaled scores at ``softcap * tanh(score / softcap)``
+    before the mask, as transformers' eager attention does. transformers itself calls
+    :func:`._attention.interface_attention`, never this.
     """
-    if stoic_step is None:
-        raise RuntimeError("stoic_paged attention called without step metadata")
-    meta = stoic_step
+    meta = step
     layer = int(getattr(module, "layer_idx", 0))
     cache = meta.cache
     k_pool, v_pool = cache.keys[layer], cache.values[layer]
@@ -322,7 +320,7 @@ def paged_attention(
         decoded = _decode_attention(
             q, k_pool, v_pool, meta.decodes[0], scaling, sliding_window, softcap
         )
-        return decoded.unsqueeze(0), None
+        return decoded.unsqueeze(0)
     heads, n_tokens, head_dim = q.shape
     out = q.new_empty((n_tokens, heads, head_dim))
     for decode in meta.decodes:
@@ -333,7 +331,7 @@ def paged_attention(
         out[chunk.start : chunk.end] = _prefill_attention(
             q, key, value, k_pool, v_pool, chunk, scaling, sliding_window, softcap
         )
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _prefill_attention(
