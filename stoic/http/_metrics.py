@@ -139,34 +139,17 @@ class _EngineCollector:
         yield state
         compute = stats.compute
         if compute is not None:
+            labels = compute.labels()
             info = GaugeMetricFamily(
                 "stoic_model_info",
-                "1, labelled with how the model computes: activation and dense-product dtypes, "
-                "projections on the GGUF file's quantised blocks, the LM head's block type, "
-                "whether decode steps run the C layers, the most rows a step runs on blocks, and "
-                "whether every step is batch-invariant (--deterministic).",
-                labels=[
-                    "dtype",
-                    "dense_dtype",
-                    "quantized_projections",
-                    "head",
-                    "c_layers",
-                    "kernel_rows",
-                    "deterministic",
-                ],
+                "1, labelled with how the model computes (ComputePath: /v1/models' compute): "
+                "activation and dense-product dtypes, projections on the GGUF file's quantised "
+                "blocks, the LM head's block type, whether decode steps run the C layers, the "
+                "most rows a step runs on blocks, the architecture, decoder, logits path and "
+                "attention backend, and whether every step is batch-invariant (--deterministic).",
+                labels=list(labels),
             )
-            info.add_metric(
-                [
-                    compute.dtype,
-                    compute.dense_dtype,
-                    f"{compute.quantized_projections}/{compute.projections}",
-                    compute.head or "none",
-                    "true" if compute.c_layers else "false",
-                    str(compute.kernel_rows),
-                    "true" if compute.deterministic else "false",
-                ],
-                1.0,
-            )
+            info.add_metric(list(labels.values()), 1.0)
             yield info
 
 

@@ -43,6 +43,10 @@ def _type_name(ggml_type: int) -> str:
         return f"type{ggml_type}"
 
 
+#: fields too long or too structured for a metric label
+_NOT_LABELS = frozenset({"matrix_types", "kernel_types", "whole_forward_reason"})
+
+
 @dataclass(frozen=True)
 class ComputePath:
     """What an executor's model runner multiplies with, as decided at its load.
@@ -90,6 +94,21 @@ class ComputePath:
         card = asdict(self)
         card["kernel_types"] = list(self.kernel_types)
         return card
+
+    def labels(self) -> dict[str, str]:
+        """The one-word fields as metric labels (``stoic_model_info``): every field but the
+        per-role matrix and kernel type lists and the reason text, booleans as ``true``/``false``,
+        ``quantized_projections`` as ``done/total``, no LM-head block type as ``none``."""
+        labels: dict[str, str] = {}
+        for name, value in asdict(self).items():
+            if name in _NOT_LABELS or name == "projections":
+                continue
+            if name == "quantized_projections":
+                value = f"{self.quantized_projections}/{self.projections}"
+            elif isinstance(value, bool):
+                value = "true" if value else "false"
+            labels[name] = "none" if value is None else str(value)
+        return labels
 
     @property
     def kernels(self) -> bool:

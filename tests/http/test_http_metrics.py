@@ -87,12 +87,22 @@ async def test_metrics_parse_and_count(
     compute = stats.compute
     assert compute is not None and compute.dtype == "float32"
     info = [labels for (name, labels), v in after.items() if name == "stoic_model_info" and v == 1]
-    assert info == [
-        f"c_layers={str(compute.c_layers).lower()},dense_dtype={compute.dense_dtype},"
-        "deterministic=false,"
-        f"dtype=float32,head={compute.head or 'none'},kernel_rows={compute.kernel_rows},"
-        f"quantized_projections={compute.quantized_projections}/{compute.projections}"
-    ]
+    assert len(info) == 1
+    shown = dict(pair.split("=", 1) for pair in info[0].split(","))
+    assert shown == {
+        "architecture": compute.architecture,
+        "attention": compute.attention,
+        "c_layers": str(compute.c_layers).lower(),
+        "decoder": compute.decoder,
+        "dense_dtype": compute.dense_dtype,
+        "deterministic": "false",
+        "dtype": "float32",
+        "head": compute.head or "none",
+        "kernel_rows": str(compute.kernel_rows),
+        "logits": compute.logits,
+        "quantized_projections": f"{compute.quantized_projections}/{compute.projections}",
+    }
+    assert compute.attention == "c-decode" and compute.architecture == "LlamaForCausalLM"
 
 
 @pytest.mark.usefixtures("fault_cleanup")
