@@ -71,6 +71,9 @@ _MIXED = 110
 #: or'ed with a layout: the product sums every row in one order whatever the number of rows
 #: (``FIXED_ORDER`` in ``_qkernels.c``; ``--deterministic``)
 _FIXED_ORDER = 0x10000
+#: the fixed order in bfloat16 (``_bf16fixed.c``; ``--deterministic`` where the CPU has
+#: AVX512_BF16): the pointer is a descriptor of the repacked blocks and their bfloat16 copy
+_BF16FIXED = 120
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);
@@ -81,6 +84,9 @@ _CPU_FLAGS = ("avx2", "fma", "f16c")
 #: with AVX-512F the products use 16-lane registers (``_qkernels.c``, ``HAVE_AVX512``); the flag
 #: is part of the build's key, so a cache directory shared by other CPUs keeps a build each
 _AVX512_FLAGS = ("-mavx512f",)
+#: with AVX-512F and AVX512_BF16 too, ``--deterministic``'s products are bfloat16 dot products
+#: (``_bf16fixed.c``); without, they stay FIXED_ORDER's float32 tiles
+_BF16_FLAGS = ("-mavx512bf16",)
 _COMPILE_TIMEOUT_S = 120.0
 _log = get_logger("stoic.model")
 get_threads = torch.get_num_threads
@@ -96,9 +102,15 @@ class Product:
     types joined by ``+`` for a stacked matrix (layout ``MIXED``: ``packed`` is its descriptor,
     ``parts`` the products whose repacked rows it points to). With ``fixed`` each row of the
     result is computed in one order whatever the number of rows: bitwise the same alone or in
-    any batch (``--deterministic``; the layer kernels take the flag with the layout)."""
+    any batch (``--deterministic``; the layer kernels take the flag with the layout).
 
-    __slots__ = ("_bias", "_packed", "_qmm", "cols", "fixed", "kind", "layout", "parts", "rows")
+    ``bf16``: a fixed-order product in bfloat16 (``_bf16fixed.c``): ``(descriptor, copy)``, the
+    int64 descriptor the kernels read (layout ``BF16FIXED``) and the bfloat16 copy of the
+    weights (None: every step de-quantises in registers); ``packed`` the repacked blocks."""
+
+    __slots__ = (
+        "_bias", "_bf16", "_packed", "_qmm", "cols", "fixed", "kind", "layout", "parts", "rows",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -110,18 +122,37 @@ class Product:
         parts: tuple[Product, ...] = (),
         *,
         fixed: bool = False,
+        bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
-        self.fixed = fixed
-        self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if fixed else 0)
+        self.fixed = fixed or bf16 is not None
+        self._bf16 = bf16
+        self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if self.fixed else 0)
+        if bf16 is not None:
+            self.layout = _BF16FIXED | _FIXED_ORDER
         self.rows: int = sum(p.rows for p in parts) if parts else int(packed.shape[0])
         self.cols = cols
 
     @property
     def pointer(self) -> int:
-        """Where the repacked blocks are (for the layer kernels); valid while this lives."""
+        """Where the repacked blocks are, or their descriptor (for the layer kernels); valid
+        while this lives."""
+        if self._bf16 is not None:
+            return int(self._bf16[0].data_ptr())
         return int(self._packed.data_ptr())
+
+    @property
+    def bfloat16(self) -> bool:
+        """Whether this computes in bfloat16 (the fixed order of ``_bf16fixed.c``; a stack:
+        its parts do)."""
+        return self._bf16 is not None or (bool(self.parts) and self.parts[0].bfloat16)
+
+    @property
+    def bf16_copy(self) -> torch.Tensor | None:
+        """The bfloat16 copy of the weights steps of several rows read (None: none), each
+        chunk of 32 in the product's element order (4-bit Q4_0/Q4_1: 0-7, 16-23, 8-15, 24-31)."""
+        return None if self._bf16 is None else self._bf16[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """:raises ValueError: if ``x`` is not float32 ``[M, cols]`` contiguous;
@@ -155,6 +186,9 @@ class Kernels:
             "stoic_dequantize": [i32, ptr, i64, i64, ptr],
             "stoic_repack": [i32, ptr, i64, i64, ptr],
             "stoic_repacked_bytes": [i32],
+            # layout blocks N K out threads
+            "stoic_bf16_pack": [i32, ptr, i64, i64, ptr, i32],
+            "stoic_bf16_fixed": [],
             # hidden M D norm eps layout qkv bias heads kv_heads dh cos sin q k v threads
             "stoic_layer_pre": [ptr, i64, i64, ptr, f32, i32, ptr, ptr, i64, i64, i64, ptr,
                                 ptr, ptr, ptr, ptr, i32],
@@ -180,6 +214,10 @@ class Kernels:
         self._dequantize: Callable[..., int] = lib.stoic_dequantize
         self._repack: Callable[..., int] = lib.stoic_repack
         self._packed_bytes: Callable[[int], int] = lib.stoic_repacked_bytes
+        self._bf16_pack: Callable[..., int] = lib.stoic_bf16_pack
+        #: whether fixed-order products compute in bfloat16 here (``_bf16fixed.c``: a CPU with
+        #: AVX512_BF16); else in float32 on the blocks (FIXED_ORDER's tiles)
+        self.bf16 = bool(lib.stoic_bf16_fixed())
         #: the layer kernels (:mod:`._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
@@ -201,12 +239,20 @@ class Kernels:
         return self.bind(kind, blocks, bias)(x)
 
     def bind(
-        self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None, *, fixed: bool = False
+        self,
+        kind: str,
+        blocks: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        fixed: bool = False,
+        bf16_copy: bool = True,
     ) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
         products' layout once (float32 scales; Q4_0/Q4_1 nibbles reordered: 0.625-1.125 bytes a
         weight; the K-quants keep theirs: 1.01-1.06x the file's bytes). ``fixed``: in the fixed
-        order (:class:`Product`).
+        order (:class:`Product`): in bfloat16 where :attr:`bf16`, with (``bf16_copy``) a
+        bfloat16 copy of the weights (2 bytes a weight) that steps of several rows read; without
+        it they de-quantise in registers, bitwise the same results, slower.
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
@@ -225,9 +271,26 @@ class Kernels:
         )
         if self._repack(ggml.type_id, blocks.data_ptr(), n, cols, packed.data_ptr()) != 0:
             raise ValueError(f"cannot repack {kind} blocks {tuple(blocks.shape)}")
+        bf16 = self._bf16_of(kind, packed, n, cols, bf16_copy) if fixed and self.bf16 else None
         return Product(
-            self._qmm, kind, packed, cols, None if bias is None else bias.contiguous(), fixed=fixed
-        )
+            self._qmm, kind, packed, cols, None if bias is None else bias.contiguous(),
+            fixed=fixed, bf16=bf16,
+        )  # fmt: skip
+
+    def _bf16_of(
+        self, kind: str, packed: torch.Tensor, n: int, cols: int, copy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The descriptor of a bfloat16 fixed-order product over ``packed`` (and the copy)."""
+        layout = _LAYOUTS[kind]
+        dense = torch.empty(n, cols, dtype=torch.bfloat16) if copy else None
+        if dense is not None:
+            rc = self._bf16_pack(
+                layout, packed.data_ptr(), n, cols, dense.data_ptr(), get_threads()
+            )
+            if rc != 0:
+                raise ValueError(f"cannot make a bfloat16 copy of {kind} {(n, cols)}")
+        entries = [layout, packed.data_ptr(), 0 if dense is None else dense.data_ptr()]
+        return torch.tensor(entries, dtype=torch.int64), dense
 
     def bind_stack(
         self,
@@ -235,6 +298,7 @@ class Kernels:
         bias: torch.Tensor | None,
         *,
         fixed: bool = False,
+        bf16_copy: bool = True,
     ) -> Product:
         """:meth:`bind` for the matrix made of ``parts`` (``(kind, blocks)``, one below the
         other, of one width) whose types differ: one product, each part multiplied by its own
@@ -242,7 +306,10 @@ class Kernels:
 
         :raises ValueError: if a part does not fit, or the parts differ in width.
         """
-        products = tuple(self.bind(kind, blocks, None) for kind, blocks in parts)
+        products = tuple(
+            self.bind(kind, blocks, None, fixed=fixed, bf16_copy=bf16_copy)
+            for kind, blocks in parts
+        )
         if not products or len({p.cols for p in products}) != 1:
             raise ValueError(f"cannot stack matrices of widths {[p.cols for p in products]}")
         rows = sum(p.rows for p in products)
@@ -294,7 +361,10 @@ def _cpu_flags() -> set[str]:
 
 def _flags() -> tuple[str, ...]:
     """The compiler flags for this CPU."""
-    return _BASE_FLAGS + (_AVX512_FLAGS if "avx512f" in _cpu_flags() else ())
+    cpu = _cpu_flags()
+    if "avx512f" not in cpu:
+        return _BASE_FLAGS
+    return _BASE_FLAGS + _AVX512_FLAGS + (_BF16_FLAGS if "avx512_bf16" in cpu else ())
 
 
 def _compiler() -> str | None:
@@ -305,8 +375,9 @@ def _compiler() -> str | None:
 
 
 #: the C sources, built into one library in this order (``_kquants.c``: the K-quants' products;
-#: ``_cops.c``: the bfloat16 prefill's elementwise operators)
-_SOURCES = ("_qkernels.c", "_kquants.c", "_cops.c")
+#: ``_cops.c``: the bfloat16 prefill's elementwise operators; ``_bf16fixed.c``: the bfloat16
+#: fixed-order products of ``--deterministic``)
+_SOURCES = ("_qkernels.c", "_kquants.c", "_cops.c", "_bf16fixed.c")
 
 
 def _source() -> bytes:
