@@ -109,7 +109,16 @@ class Product:
     weights (None: every step de-quantises in registers); ``packed`` the repacked blocks."""
 
     __slots__ = (
-        "_bias", "_bf16", "_packed", "_qmm", "cols", "fixed", "kind", "layout", "parts", "rows",
+        "_bf16",
+        "_bias",
+        "_packed",
+        "_qmm",
+        "cols",
+        "fixed",
+        "kind",
+        "layout",
+        "parts",
+        "rows",
     )  # fmt: skip
 
     def __init__(

@@ -255,6 +255,13 @@ def test_the_build_uses_avx512_exactly_where_the_cpu_has_it(
     assert "-mavx512f" not in _qkernels._flags()
     monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
     assert "-mavx512f" in _qkernels._flags()
+    assert "-mavx512bf16" not in _qkernels._flags()
+    # the bfloat16 fixed-order products (_bf16fixed.c) only with AVX512_BF16 and AVX-512F
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_bf16"})
+    assert "-mavx512bf16" not in _qkernels._flags()
+    bf16 = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: bf16)
+    assert {"-mavx512f", "-mavx512bf16"} <= set(_qkernels._flags())
 
 
 @pytest.mark.model
