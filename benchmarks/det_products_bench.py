@@ -17,6 +17,7 @@ The table gives the median milliseconds of one step's products and the ratios. W
 ``Stream``) with each fixed-order product instead.
 
     python benchmarks/det_products_bench.py [--rows 1 4 8 16 32 64] [--rounds 7] [--step 32]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -140,7 +141,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--step", type=int, default=0, help="time whole steps of this batch")
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.step:
         steps(args.step, args.rounds, args.context)
     else:
