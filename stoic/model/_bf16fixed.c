@@ -87,6 +87,8 @@ DEFINE_CTILE(ctile_1c, 1, TILE_COLS)
 DEFINE_CTILE(ctile_r1, TILE_ROWS, 1)
 DEFINE_CTILE(ctile_11, 1, 1)
 
+/* Each thread's column groups over every row of x: passes of 64 rows at a time (x kept in the
+ * core's cache for prefill chunks) measured no faster, 1.01-1.04x at 32-512 rows. */
 static void bf16_mm_copy(const bf16_t *xb, int64_t M, int64_t K, const bf16_t *wb, int64_t N,
                          const float *bias, float *y, int64_t ldy, int threads) {
     const int64_t groups = (N + TILE_COLS - 1) / TILE_COLS;
