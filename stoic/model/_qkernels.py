@@ -397,7 +397,7 @@ def _source() -> bytes:
     return b"\n".join(files.joinpath(name).read_bytes() for name in _SOURCES)
 
 
-def _build(cc: str, source: bytes, target: Path) -> None:
+def _build(cc: str, source: bytes, target: Path, flags: tuple[str, ...]) -> None:
     """Compile ``source`` into ``target`` (atomically: a concurrent build of the same key is
     harmless, the last rename wins with identical bytes)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -406,7 +406,7 @@ def _build(cc: str, source: bytes, target: Path) -> None:
         src.write_bytes(source)
         out = Path(tmp) / target.name
         proc = subprocess.run(
-            [cc, *_flags(), "-o", str(out), str(src), "-lm"],
+            [cc, *flags, "-o", str(out), str(src), "-lm"],
             capture_output=True,
             text=True,
             timeout=_COMPILE_TIMEOUT_S,
@@ -416,6 +416,25 @@ def _build(cc: str, source: bytes, target: Path) -> None:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise KernelsUnavailable(f"{cc} failed to build the kernels: {last}")
         os.replace(out, target)
+
+
+def _built(
+    cc: str, source: bytes, version: list[str], flags: tuple[str, ...], cache_root: Path
+) -> Path:
+    """The library built from ``source`` with ``flags`` (once: keyed on all of them)."""
+    key = hashlib.sha256(
+        b"\0".join([source, cc.encode(), *(v.encode() for v in version), *map(str.encode, flags)])
+    ).hexdigest()[:16]
+    target = cache_root / "kernels" / key / "libstoic_qkernels.so"
+    if not target.exists():
+        started = time.monotonic()
+        _log.info("model.kernels.building", compiler=cc, target=str(target))
+        try:
+            _build(cc, source, target, flags)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise KernelsUnavailable(f"cannot build the kernels with {cc}: {e}") from e
+        _log.info("model.kernels.built", seconds=round(time.monotonic() - started, 2))
+    return target
 
 
 def load_kernels(cache_root: Path) -> Kernels:
@@ -438,20 +457,16 @@ def load_kernels(cache_root: Path) -> Kernels:
         ).stdout.splitlines()[:1]
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelsUnavailable(f"cannot run {cc}: {e}") from e
-    key = hashlib.sha256(
-        b"\0".join(
-            [source, cc.encode(), *(v.encode() for v in version), *map(str.encode, _flags())]
-        )
-    ).hexdigest()[:16]
-    target = cache_root / "kernels" / key / "libstoic_qkernels.so"
-    if not target.exists():
-        started = time.monotonic()
-        _log.info("model.kernels.building", compiler=cc, target=str(target))
-        try:
-            _build(cc, source, target)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise KernelsUnavailable(f"cannot build the kernels with {cc}: {e}") from e
-        _log.info("model.kernels.built", seconds=round(time.monotonic() - started, 2))
+    flags = _flags()
+    try:
+        target = _built(cc, source, version, flags, cache_root)
+    except KernelsUnavailable as e:
+        if not set(_BF16_FLAGS) <= set(flags):
+            raise
+        # a compiler too old for AVX512_BF16 (GCC < 10): the float32 fixed order serves
+        _log.warning("model.kernels.no_bf16", reason=str(e))
+        flags = tuple(f for f in flags if f not in _BF16_FLAGS)
+        target = _built(cc, source, version, flags, cache_root)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
