@@ -11,8 +11,16 @@ prefix cache or a re-prefill after a failure.
 In deterministic mode (:class:`._fused.FusedLlama` with ``deterministic``) every step runs the
 C layers (:mod:`._cdecode`), prefill chunks included:
 
-* every product on the file's blocks in the fixed order (``FIXED_ORDER`` in ``_qkernels.c``:
-  the tiles only, the same per-row sum whatever the number of rows), never a dense copy;
+* every product in a fixed order: each output element by one instruction sequence whatever the
+  number of rows, the tile it lands in or the thread count. Where the CPU has AVX512_BF16
+  (``_bf16fixed.c``) in bfloat16 x bfloat16 -> float32, the fast dtype's products (what the
+  default mode's bfloat16 copy computes for big steps): x rounded to bfloat16 once, the weights
+  de-quantised exactly and rounded to bfloat16, one 16-lane float32 ``vdpbf16ps`` accumulator
+  over K from the first 32 elements, one horizontal sum; steps of few rows de-quantise the
+  blocks in registers, larger ones read a bfloat16 copy made at load by the same code (2 bytes
+  a weight; bitwise the same values). Elsewhere in float32 on the file's blocks
+  (``FIXED_ORDER`` in ``_qkernels.c``: the tiles only, the same per-row sum whatever the number
+  of rows): deterministic too, slower at many rows. Never oneDNN's dense copy;
 * every token's attention a row of ``stoic_decode_attention``: the token's query over its
   sequence's first ``position + 1`` keys in the paged pools, reduced over the keys in one order
   (8 at a time from the first) that depends on nothing but that length: the same for a decode
@@ -25,7 +33,7 @@ C layers (:mod:`._cdecode`), prefill chunks included:
 
 So a token's logits are a function of its sequence's tokens alone, in the fast dtype that
 ``--dtype auto`` picks for such a model (float32 activations and KV, the file's 4- to 8-bit
-weights): ``--recovery resume`` and Ray migration continue exactly the text an uninterrupted
+weights; the products' inputs rounded to bfloat16 where the CPU has AVX512_BF16): ``--recovery resume`` and Ray migration continue exactly the text an uninterrupted
 run gives. Models off that path (a directory model, a GGUF of another family, a sliding window,
 a rotary scaling that depends on the sequence length) are refused at start with the reason:
 their products run in torch/oneDNN, whose CPU kernels choose their blocking by the number of

@@ -504,9 +504,16 @@ static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_
     return rc;
 }
 
+/* --deterministic's bfloat16 products (_bf16fixed.c, built after this file into the same
+ * library): `w` points to a descriptor {int64 layout, int64 blocks, int64 bfloat16 copy or 0} */
+#define BF16FIXED 120
+static int bf16_mm(const int64_t *desc, const float *x, int64_t M, int64_t K, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads);
+
 static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
+    if (type == BF16FIXED) return bf16_mm((const int64_t *)w, x, M, K, N, bias, y, ldy, threads);
     if (type == MIXED) return qmm_mixed(x, M, K, (const int64_t *)w, N, bias, y, ldy, threads);
     if (IS_KLAYOUT(type)) return kquant_mm(type, x, M, K, w, N, bias, y, ldy, threads);
 #ifdef HAVE_AVX512
@@ -525,8 +532,8 @@ static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const ui
     }
 }
 
-/* y = x @ W^T (+ bias) for W repacked as `type` (S8, U4, Z4, a K layout or MIXED; or'ed with
- * FIXED_ORDER: in the fixed order). Returns 0,
+/* y = x @ W^T (+ bias) for W repacked as `type` (S8, U4, Z4, a K layout, MIXED or BF16FIXED;
+ * or'ed with FIXED_ORDER: in the fixed order). Returns 0,
  * -1 for another type or K not a multiple of the blocks' width, -2 if a scratch buffer could not
  * be allocated. */
 int stoic_qmm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,

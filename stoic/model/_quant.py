@@ -56,8 +56,9 @@ MAX_KERNEL_ROWS = 32
 #: at 6, 32.8 vs 31.8 at 8, 45.8 vs 37.0 at 12, 57.4 vs 40.4 at 16 (with unpacked bfloat16
 #: products the crossover was 16: 27.3 vs 29.6 ms at 8, 47.8 vs 49.2 at 16)
 DENSE_KERNEL_ROWS = 8
-#: ``--deterministic``: every step, whatever its number of tokens, on the blocks (in the fixed
-#: order: :class:`._qkernels.Product`), never on a dense copy
+#: ``--deterministic``: every step, whatever its number of tokens, on the fixed-order product
+#: (:class:`._qkernels.Product`: bfloat16 on the blocks and the kernels' own bfloat16 copy where
+#: the CPU has AVX512_BF16, else float32 on the blocks), never on oneDNN's dense copy
 EVERY_ROW = 2**31 - 1
 _LLAMA_TENSORS = {
     "q": "attn_q",
@@ -161,7 +162,8 @@ class QLinear:
     oneDNN (:mod:`._packed`), cut into ``pack_parts`` row slices (the gated MLP's gate and up).
 
     ``fixed``: the blocks' product sums each row in one order whatever the number of rows
-    (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`).
+    (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`; in bfloat16 where the kernels
+    can: :meth:`._qkernels.Kernels.bind`).
     """
 
     __slots__ = (

@@ -194,6 +194,15 @@ class ModelRunner:
         finally:
             cache.release()
 
+    def _dense_dtype(self) -> torch.dtype:
+        """The dtype products of many rows multiply in: deterministic mode's fixed-order products
+        are bfloat16 where the CPU has AVX512_BF16 (:class:`._qkernels.Product`), else float32
+        on the blocks, never a dense copy through oneDNN."""
+        if self.deterministic:
+            product = self._head.product
+            return torch.bfloat16 if product is not None and product.bfloat16 else self.loaded.dtype
+        return self.loaded.dense_dtype or self.loaded.dtype
+
     def _quantized_summary(self, mode: Quantization, seconds: float) -> dict[str, Any]:
         """What runs on quantised blocks (logged as ``model.quantized``, with the seconds the
         blocks took to read, check and repack, and whether decode steps run the C layers).
@@ -224,10 +233,7 @@ class ModelRunner:
             "attention": self.attention.name,
             "deterministic": self.deterministic,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
-            # deterministic: no dense copy, every product on the blocks
-            "dense_dtype": str(
-                (None if self.deterministic else self.loaded.dense_dtype) or self.loaded.dtype
-            ).removeprefix("torch."),
+            "dense_dtype": str(self._dense_dtype()).removeprefix("torch."),
         }
         if done or head is not None:
             _log.info("model.quantized", seconds=round(seconds, 2), **summary)

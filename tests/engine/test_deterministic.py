@@ -18,6 +18,7 @@ from support import engine_config, wait_idle
 
 import stoic
 from stoic.errors import ModelUnavailable
+from stoic.model import _qkernels
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
 
@@ -74,6 +75,9 @@ async def reference() -> tuple[list[Outcome], list[Outcome]]:
     async with stoic.Engine.start(cfg) as engine:
         compute = engine.stats().compute
         assert compute is not None and compute.deterministic and compute.c_layers
+        # its products in bfloat16 where the CPU has AVX512_BF16, else float32 on the blocks
+        bf16 = "avx512_bf16" in _qkernels._cpu_flags() and "avx512f" in _qkernels._cpu_flags()
+        assert compute.dense_dtype == ("bfloat16" if bf16 else "float32")
         alone = [_outcome(await engine.complete(p, params)) for p, params in _requests()]
         return alone, await _batched(engine, _requests())
 

@@ -1,7 +1,8 @@
 """Batch invariance of every kernel ``--deterministic`` computes with: one row computed alone is
 bitwise the row computed inside batches of 2..64 rows (the fixed-order quantised products of
-every block type, a stacked projection of mixed types, the C attention over the paged cache,
-the C layers, and the torch operators the step keeps: RMSNorm, softmax, the rotary table)."""
+every block type, in bfloat16 where the CPU has AVX512_BF16 and in float32 in the builds
+without it, a stacked projection of mixed types, the C attention over the paged cache, the C
+layers, and the torch operators the step keeps: RMSNorm, softmax, the rotary table)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf_blocks import random_blocks
 
+from stoic.model import _qkernels
 from stoic.model._qkernels import GGML_TYPES, Kernels, load_kernels
 
 #: batch sizes, on and off the kernels' 4- and 8-row tiles and the 16-lane routine's limit
@@ -29,35 +31,113 @@ def _alone_equals_batched(product: object, cols: int) -> list[int]:
     return [n for n in SIZES if not torch.equal(product(x[:n].contiguous())[:1], alone)]  # type: ignore[operator]
 
 
+def _build_without(
+    tmp_path_factory: pytest.TempPathFactory, hidden: set[str], name: str
+) -> Kernels:
+    flags = _qkernels._cpu_flags() - hidden
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+        return load_kernels(tmp_path_factory.mktemp(name))
+
+
 @pytest.fixture(scope="module")
 def avx2_kernels(tmp_path_factory: pytest.TempPathFactory, kernels: Kernels) -> Kernels:
     """The kernels built without AVX-512 (8-lane products at every size, as on an AVX2 CPU)."""
-    from stoic.model import _qkernels
-
-    flags = _qkernels._cpu_flags() - {"avx512f"}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_qkernels, "_cpu_flags", lambda: flags)
-        return load_kernels(tmp_path_factory.mktemp("avx2-kernels"))
+    return _build_without(tmp_path_factory, {"avx512f"}, "avx2-kernels")
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.fixture(scope="module")
+def avx512_kernels(tmp_path_factory: pytest.TempPathFactory, kernels: Kernels) -> Kernels:
+    """The kernels built with AVX-512F but without AVX512_BF16 (the float32 fixed order's
+    16-lane tiles, as on a CPU without bfloat16 dot products)."""
+    if "avx512f" not in _qkernels._cpu_flags():
+        pytest.skip("this CPU has no AVX-512F")
+    return _build_without(tmp_path_factory, {"avx512_bf16"}, "avx512-kernels")
+
+
+@pytest.fixture(scope="module")
+def bf16_kernels(kernels: Kernels) -> Kernels:
+    """The machine's build, where it has the bfloat16 fixed-order products."""
+    if not kernels.bf16:
+        pytest.skip("this CPU has no AVX512_BF16 (the float32 fixed order serves)")
+    return kernels
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("build", ["native", "avx512", "avx2"])
 @pytest.mark.parametrize("kind", sorted(GGML_TYPES))
 def test_fixed_order_product_of_a_row_is_bitwise_the_same_in_any_batch(
-    request: pytest.FixtureRequest, build: str, kind: str
-) -> None:
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, build: str, kind: str,
+    threads: int,
+) -> None:  # fmt: skip
     """A row multiplied alone equals that row multiplied in batches of 2..64 (every block type,
-    with a bias; the machine's build and the AVX2 one), and every row of a batch equals its
-    product alone."""
-    kernels: Kernels = request.getfixturevalue("kernels" if build == "native" else "avx2_kernels")
+    with a bias; the machine's build, bfloat16 where it can, and the float32 ones without
+    AVX512_BF16 and without AVX-512), and every row of a batch equals its product alone, on
+    1 or 2 threads."""
+    kernels: Kernels = request.getfixturevalue(
+        f"{build}_kernels" if build != "native" else "kernels"
+    )
+    assert kernels.bf16 == (build == "native" and "avx512_bf16" in _qkernels._cpu_flags())
+    monkeypatch.setattr(_qkernels, "get_threads", lambda: threads)
     cols = 512
     blocks = random_blocks(kind, 40, cols, seed=3)
     bias = torch.randn(40)
     fixed = kernels.bind(kind, blocks, bias, fixed=True)
+    assert fixed.bfloat16 == kernels.bf16
     assert _alone_equals_batched(fixed, cols) == []
     x = _rows(33, cols, seed=5)
     batched = fixed(x)
     for i in (0, 7, 16, 32):
         assert torch.equal(batched[i], fixed(x[i : i + 1].contiguous())[0])
+
+
+def _reference(kernels: Kernels, kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` in bfloat16 products summed exactly (float64): what the bfloat16 products
+    compute up to the float32 rounding of their sums."""
+    weight = kernels.dequantize(kind, blocks, x.shape[1])
+    return x.bfloat16().double() @ weight.bfloat16().double().T
+
+
+@pytest.mark.parametrize("kind", sorted(GGML_TYPES))
+def test_bf16_product_from_registers_and_from_its_copy_agree_bitwise(
+    bf16_kernels: Kernels, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The two sources of a bfloat16 product's weights, the blocks de-quantised in registers
+    (few rows, or no copy) and the bfloat16 copy made at load (more rows), give bitwise the
+    same rows at every batch size and thread count; the copy is the de-quantised weights
+    rounded to bfloat16 (in the product's element order); results are the bfloat16 products
+    summed in float32."""
+    kernels = bf16_kernels
+    cols = 768 if kind.endswith("_K") else 544  # 3 super-blocks; 17 blocks (an odd count)
+    blocks = random_blocks(kind, 29, cols, seed=7)  # 29 rows: off the 6-row column tiles
+    bias = torch.randn(29)
+    copied = kernels.bind(kind, blocks, bias, fixed=True)
+    registers = kernels.bind(kind, blocks, bias, fixed=True, bf16_copy=False)
+    assert copied.bf16_copy is not None and registers.bf16_copy is None
+    weight = kernels.dequantize(kind, blocks, cols).bfloat16()
+    if kind in ("Q4_0", "Q4_1"):  # the 16-lane 4-bit order: 0-7, 16-23, 8-15, 24-31
+        weight = weight.view(29, -1, 4, 8)[:, :, [0, 2, 1, 3]].reshape(29, cols)
+    assert torch.equal(copied.bf16_copy.view(torch.int16), weight.view(torch.int16))
+    x = _rows(max(SIZES), cols, seed=8)
+    for threads in (1, 2):
+        monkeypatch.setattr(_qkernels, "get_threads", lambda t=threads: t)
+        for n in (1, *SIZES):
+            got = copied(x[:n].contiguous())
+            assert torch.equal(got, registers(x[:n].contiguous())), (n, threads)
+    want = _reference(kernels, kind, blocks, x) + bias.double()
+    terms = x.bfloat16().double().abs() @ weight.double().abs().T
+    assert torch.all((got.double() - want).abs() <= cols * 2**-24 * terms + 1e-30)
+
+
+def test_bf16_product_differs_from_the_float32_product(bf16_kernels: Kernels) -> None:
+    """The bfloat16 products round x and the weights to bfloat16 (the float32 fixed order does
+    not): the results differ by more than float32 rounding, and match the bfloat16 reference."""
+    blocks = random_blocks("Q8_0", 16, 512, seed=4)
+    x = _rows(4, 512, seed=6)
+    got = bf16_kernels.bind("Q8_0", blocks, None, fixed=True)(x).double()
+    exact = x.double() @ bf16_kernels.dequantize("Q8_0", blocks, 512).double().T
+    assert (got - exact).abs().max() > 1e-3 * exact.abs().max()
+    assert torch.allclose(got, _reference(bf16_kernels, "Q8_0", blocks, x), rtol=1e-5, atol=1e-4)
 
 
 def test_default_order_product_is_not_batch_invariant(kernels: Kernels) -> None:
@@ -67,13 +147,29 @@ def test_default_order_product_is_not_batch_invariant(kernels: Kernels) -> None:
     assert _alone_equals_batched(kernels.bind("Q4_1", blocks, None), 512) != []
 
 
-def test_fixed_order_stacked_product_of_mixed_types_is_batch_invariant(kernels: Kernels) -> None:
-    """A fused projection of parts of different types (Q4_K over Q6_K, as in Q4_K_M)."""
+@pytest.mark.parametrize("build", ["native", "avx512"])
+def test_fixed_order_stacked_product_of_mixed_types_is_batch_invariant(
+    request: pytest.FixtureRequest, build: str
+) -> None:
+    """A fused projection of parts of different types (Q4_K over Q6_K, as in Q4_K_M; and a
+    4-bit Q4_0 part, whose bfloat16 element order differs), with a bias: in bfloat16 its parts
+    are each a bfloat16 product, and each part's columns equal that part's product."""
+    kernels: Kernels = request.getfixturevalue("kernels" if build == "native" else "avx512_kernels")
     parts = [
         ("Q4_K", random_blocks("Q4_K", 24, 512, 1)),
         ("Q6_K", random_blocks("Q6_K", 8, 512, 2)),
+        ("Q4_0", random_blocks("Q4_0", 6, 512, 3)),
     ]
-    assert _alone_equals_batched(kernels.bind_stack(parts, None, fixed=True), 512) == []
+    bias = torch.randn(38)
+    stacked = kernels.bind_stack(parts, bias, fixed=True)
+    assert stacked.bfloat16 == kernels.bf16
+    assert _alone_equals_batched(stacked, 512) == []
+    x = _rows(20, 512, seed=4)
+    y, row = stacked(x), 0
+    for (kind, blocks), b in zip(parts, bias.split([24, 8, 6]), strict=True):
+        part = kernels.bind(kind, blocks, b.clone(), fixed=True)(x)
+        assert torch.equal(y[:, row : row + part.shape[1]], part)
+        row += part.shape[1]
 
 
 @functools.cache

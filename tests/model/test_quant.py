@@ -255,6 +255,43 @@ def test_the_build_uses_avx512_exactly_where_the_cpu_has_it(
     assert "-mavx512f" not in _qkernels._flags()
     monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
     assert "-mavx512f" in _qkernels._flags()
+    assert "-mavx512bf16" not in _qkernels._flags()
+    # the bfloat16 fixed-order products (_bf16fixed.c) only with AVX512_BF16 and AVX-512F
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_bf16"})
+    assert "-mavx512bf16" not in _qkernels._flags()
+    bf16 = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: bf16)
+    assert {"-mavx512f", "-mavx512bf16"} <= set(_qkernels._flags())
+
+
+def test_a_compiler_without_avx512_bf16_builds_the_float32_fixed_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that rejects ``-mavx512bf16`` (GCC < 10) does not cost the kernels: the build
+    is retried without it, and the fixed-order products are float32 and batch-invariant."""
+    import shutil
+
+    from gguf_blocks import random_blocks
+
+    from stoic.model import _qkernels
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None or "avx512f" not in _qkernels._cpu_flags():
+        pytest.skip("needs a C compiler and AVX-512F")
+    old_cc = tmp_path / "old-cc"
+    old_cc.write_text(
+        f'#!/bin/sh\ncase "$*" in *-mavx512bf16*) echo "unrecognized option" >&2; exit 1;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    old_cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(old_cc))
+    flags = _qkernels._cpu_flags() | {"avx512_bf16"}
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+    kernels = _qkernels.load_kernels(tmp_path / "cache")
+    assert not kernels.bf16
+    product = kernels.bind("Q8_0", random_blocks("Q8_0", 8, 64, 1), None, fixed=True)
+    x = torch.randn(9, 64)
+    assert not product.bfloat16 and torch.equal(product(x)[:1], product(x[:1].contiguous()))
 
 
 @pytest.mark.model
