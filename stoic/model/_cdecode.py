@@ -7,7 +7,9 @@ quantised matrix products of the step. :class:`CDecoder` runs the same formulas 
 ``stoic_layer_pre`` (RMSNorm, the fused ``[q; k; v]`` product, rotary), ``stoic_decode_attention``
 (the new keys and values written into the paged pools, then attention over each sequence's blocks
 in place: no gather) and ``stoic_layer_post`` (output projection, residual, RMSNorm, gated MLP,
-residual).
+residual). With :attr:`CDecoder.every_step` (``--deterministic``) a step's prefill chunks attend
+through ``stoic_prefill_attention`` instead: a chunk's rows together, each row bitwise as the
+decode kernel computes it alone.
 
 It serves decode-only steps of at most :data:`._quant.MAX_KERNEL_ROWS` tokens (fewer where the
 dense products are bfloat16: :data:`._quant.DENSE_KERNEL_ROWS`), in float32, for

@@ -42,7 +42,7 @@ struct rows_job {
 
 /* DEFINE_ROWS(NAME, V, W, ...): the job in W-lane vectors V; FOLD(a) is a group key's 8 lanes
  * as attend8/attend16 feed them to hsum8, REDUCE(a) a tail key's score */
-#define DEFINE_ROWS(NAME, V, W, LOAD, STORE, MUL, FMADD, SET1, DIV, ZERO, FOLD, REDUCE)       \
+#define DEFINE_ROWS(NAME, V, W, LOAD, STORE, MUL, FMADD, SET1, DIV, ZERO, FOLD, REDUCE, PAIRS) \
     static inline __attribute__((always_inline)) void NAME(const struct rows_job *J,          \
                                                            const int64_t lanes) {             \
         const int64_t nq = J->rows * J->count, dh = J->dh;                                    \
@@ -94,22 +94,45 @@ struct rows_job {
             J->totals[qi] = softmax_numerators(s, len, top);                                  \
             for (int64_t i = 0; i < lanes; i++) STORE(J->acc + qi * dh + W * i, ZERO());      \
         }                                                                                     \
-        /* the values, a tile of keys for every query at a time */                            \
+        /* the values, a tile of keys for every query at a time; two queries together where  \
+         * PAIRS (the key's values loaded once for both, twice the chains of multiply-adds) */ \
         for (int64_t j0 = 0; j0 < J->longest; j0 += KEY_TILE) {                               \
-            for (int64_t qi = 0; qi < nq; qi++) {                                             \
-                const int64_t len = J->lens[qi / J->count];                                   \
-                const int64_t end = len < j0 + KEY_TILE ? len : j0 + KEY_TILE;               \
-                if (end <= j0) continue;                                                      \
-                const float *s = J->scores + qi * J->width;                                   \
-                float *sum = J->acc + qi * dh;                                                \
-                V acc[MAX_HEAD_DIM / W];                                                      \
-                for (int64_t i = 0; i < lanes; i++) acc[i] = LOAD(sum + W * i);               \
-                for (int64_t j = j0; j < end; j++) {                                          \
-                    const float *vp = J->v_pool + J->off[j];                                  \
-                    const V p = SET1(s[j]);                                                   \
-                    for (int64_t i = 0; i < lanes; i++) acc[i] = FMADD(p, LOAD(vp + W * i), acc[i]); \
+            for (int64_t qi = 0; qi < nq; qi += 1 + PAIRS) {                                  \
+                const int64_t qb = PAIRS && qi + 1 < nq ? qi + 1 : qi;                        \
+                const int64_t la = J->lens[qi / J->count], lb = J->lens[qb / J->count];       \
+                const int64_t ea = la < j0 + KEY_TILE ? la : j0 + KEY_TILE;                   \
+                const int64_t eb = qb == qi ? j0 : lb < j0 + KEY_TILE ? lb : j0 + KEY_TILE;   \
+                const float *sa = J->scores + qi * J->width, *sb = J->scores + qb * J->width; \
+                float *suma = J->acc + qi * dh, *sumb = J->acc + qb * dh;                     \
+                V acca[MAX_HEAD_DIM / W], accb[MAX_HEAD_DIM / W];                             \
+                for (int64_t i = 0; i < lanes; i++) {                                         \
+                    acca[i] = LOAD(suma + W * i);                                             \
+                    accb[i] = LOAD(sumb + W * i);                                             \
                 }                                                                             \
-                for (int64_t i = 0; i < lanes; i++) STORE(sum + W * i, acc[i]);               \
+                int64_t j = j0;                                                               \
+                for (; j < ea && j < eb; j++) {                                               \
+                    const float *vp = J->v_pool + J->off[j];                                  \
+                    const V pa = SET1(sa[j]), pb = SET1(sb[j]);                               \
+                    for (int64_t i = 0; i < lanes; i++) {                                     \
+                        const V x = LOAD(vp + W * i);                                         \
+                        acca[i] = FMADD(pa, x, acca[i]);                                      \
+                        accb[i] = FMADD(pb, x, accb[i]);                                      \
+                    }                                                                         \
+                }                                                                             \
+                for (int64_t ja = j; ja < ea; ja++) {                                         \
+                    const float *vp = J->v_pool + J->off[ja];                                 \
+                    const V p = SET1(sa[ja]);                                                 \
+                    for (int64_t i = 0; i < lanes; i++) acca[i] = FMADD(p, LOAD(vp + W * i), acca[i]); \
+                }                                                                             \
+                for (int64_t jb = j; jb < eb; jb++) {                                         \
+                    const float *vp = J->v_pool + J->off[jb];                                 \
+                    const V p = SET1(sb[jb]);                                                 \
+                    for (int64_t i = 0; i < lanes; i++) accb[i] = FMADD(p, LOAD(vp + W * i), accb[i]); \
+                }                                                                             \
+                for (int64_t i = 0; i < lanes; i++) {                                         \
+                    STORE(suma + W * i, acca[i]);                                             \
+                    if (qb != qi) STORE(sumb + W * i, accb[i]);                               \
+                }                                                                             \
             }                                                                                 \
         }                                                                                     \
         for (int64_t qi = 0; qi < nq; qi++) {                                                 \
@@ -122,7 +145,7 @@ struct rows_job {
 
 #define ROWS_FOLD8(a) (a)
 DEFINE_ROWS(rows8, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_mul_ps, _mm256_fmadd_ps,
-            _mm256_set1_ps, _mm256_div_ps, _mm256_setzero_ps, ROWS_FOLD8, hsum)
+            _mm256_set1_ps, _mm256_div_ps, _mm256_setzero_ps, ROWS_FOLD8, hsum, 0)
 
 #ifdef HAVE_AVX512
 static inline __m256 rows_fold16(__m512 a) {
@@ -131,7 +154,7 @@ static inline __m256 rows_fold16(__m512 a) {
 }
 DEFINE_ROWS(rows16, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_mul_ps,
             _mm512_fmadd_ps, _mm512_set1_ps, _mm512_div_ps, _mm512_setzero_ps, rows_fold16,
-            _mm512_reduce_add_ps)
+            _mm512_reduce_add_ps, 1)
 #endif
 
 /* the job with its head dimension's lanes a constant where it is a common one (the loops over
