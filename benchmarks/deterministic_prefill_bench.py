@@ -13,14 +13,18 @@ tables, final norm, logits, sampling, Python).
 
 ``--compare`` times the prefill with the attention variants of :data:`ATTENTION` alternately,
 round by round in one process (A B, B A, ...), and prints each one's median and its ratio to
-the first; it also checks that every variant gave bitwise the same logits::
+the first; it also checks that every variant gave bitwise the same sampled tokens and
+logprobs. ``--kernel`` times the two attention kernels alone on one 256-row chunk at three
+positions. On a shared machine take ``--threads 1``: with two threads each parallel region
+waits for a thread the OS has parked, and the times come in multiples of a time slice::
 
-    python benchmarks/deterministic_prefill_bench.py --split --compare --rounds 5
+    python benchmarks/deterministic_prefill_bench.py --threads 1 --kernel --split --compare
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import time
@@ -172,6 +176,50 @@ def compare(runner: ModelRunner, budget: int, rounds: int) -> None:
                 print(f"  note: {variant}'s tokens or logprobs differ")
 
 
+def kernel(rounds: int) -> None:
+    """The ``--kernel`` table: the attention of one 256-row chunk at several positions (9 query
+    heads over 3 kv heads of 64, as the default model; blocks of 16), each kernel alone."""
+    from stoic.model import default_cache_dir
+    from stoic.model._qkernels import load_kernels
+
+    kernels = load_kernels(default_cache_dir())
+    heads, kv_heads, dh, rows = 9, 3, 64, 256
+    threads = torch.get_num_threads()
+    print("| chunk positions | one-row ms | rows ms | rows / one-row |")
+    print("|---|---:|---:|---:|")
+    for first in (0, 256, 768):
+        blocks = (first + rows) // BLOCK + 1
+        gen = torch.Generator().manual_seed(first)
+        k_pool = torch.randn(kv_heads * blocks, BLOCK, dh, generator=gen)
+        v_pool = torch.randn(kv_heads * blocks, BLOCK, dh, generator=gen)
+        q = torch.randn(rows, heads, dh, generator=gen)
+        k, v = torch.randn(rows, kv_heads, dh), torch.randn(rows, kv_heads, dh)
+        table = torch.arange(kv_heads)[:, None] * blocks + torch.arange(blocks)[None]
+        tables = table[None].expand(rows, -1, -1).contiguous()
+        lens = torch.arange(first + 1, first + rows + 1)
+        write = (table[:, lens - 1 >> 4] * BLOCK + (lens - 1) % BLOCK).flatten().contiguous()
+        runs = torch.tensor([[0, rows]])
+        out = torch.empty_like(q)
+        ptrs = [t.data_ptr() for t in (q, k, v, k_pool, v_pool, write, tables, lens)]
+        shape = [rows, heads, kv_heads, dh, BLOCK, blocks, 0.125, out.data_ptr(), threads]
+        calls = {
+            "one-row": functools.partial(kernels.attention, *ptrs, *shape),
+            "rows": functools.partial(kernels.prefill_attention, *ptrs, runs.data_ptr(), 1, *shape),
+        }
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        order = list(calls)
+        for _ in range(rounds):
+            for name in order:
+                started = time.perf_counter()
+                assert calls[name]() == 0
+                times[name].append(time.perf_counter() - started)
+            order.reverse()
+        one, together = (statistics.median(times[n]) for n in ("one-row", "rows"))
+        print(
+            f"| {first}-{first + rows - 1} | {one * 1e3:.2f} | {together * 1e3:.2f} | {together / one:.2f}x |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="default")
@@ -180,9 +228,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     parser.add_argument("--split", action="store_true")
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--kernel", action="store_true", help="the attention kernels alone")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernel:
+        kernel(args.rounds * 6)
+    if not (args.split or args.compare):
+        return
     loaded = load_model(args.model, dtype="auto", device="cpu")
     runner = ModelRunner(loaded, deterministic=True)
     print(f"threads {torch.get_num_threads()}, budget {args.budget}")
