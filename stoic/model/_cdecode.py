@@ -7,7 +7,9 @@ quantised matrix products of the step. :class:`CDecoder` runs the same formulas 
 ``stoic_layer_pre`` (RMSNorm, the fused ``[q; k; v]`` product, rotary), ``stoic_decode_attention``
 (the new keys and values written into the paged pools, then attention over each sequence's blocks
 in place: no gather) and ``stoic_layer_post`` (output projection, residual, RMSNorm, gated MLP,
-residual).
+residual). With :attr:`CDecoder.every_step` (``--deterministic``) a step's prefill chunks attend
+through ``stoic_prefill_attention`` instead: a chunk's rows together, each row bitwise as the
+decode kernel computes it alone.
 
 It serves decode-only steps of at most :data:`._quant.MAX_KERNEL_ROWS` tokens (fewer where the
 dense products are bfloat16: :data:`._quant.DENSE_KERNEL_ROWS`), in float32, for
@@ -19,6 +21,7 @@ torch path serves everything else. Its results differ from the torch path's by f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +33,7 @@ from ._qkernels import Kernels, Product
 from ._quant import MAX_KERNEL_ROWS
 from ._stepprogress import tick
 
-__all__ = ["CDecoder", "LayerWeights", "block_tables"]
+__all__ = ["CDecoder", "LayerWeights", "attention_runs", "block_tables"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ class CDecoder:
         #: attention is its own row of the C attention, over its sequence's first ``position +
         #: 1`` keys, so a token computes the same in a decode step or a prefill chunk)
         self.every_step = every_step
+        #: with :attr:`every_step`, a step's prefill chunks attend through the rows kernel
+        #: (``stoic_prefill_attention``: a chunk's rows together, each bitwise as alone);
+        #: False: one row each through the decode kernel (the same results; for comparisons)
+        self.prefill_rows = True
         self._layers = layers
         self._heads, self._kv_heads, self._dim = heads, kv_heads, head_dim
         self._eps = eps
@@ -111,11 +118,16 @@ class CDecoder:
         v = torch.empty(m, kvh, dim)
         out = torch.empty(m, h, dim)
         tables, lens = block_tables(step, m, prefills=self.every_step)
+        # prefill chunks in runs of rows (their tokens share the chunk's first one's tables)
+        runs = attention_runs(step, m) if self.every_step and self.prefill_rows else None
         write = step.write_index.contiguous()
         cache = step.cache
         threads = torch.get_num_threads()
         eps = self._eps
-        pre, attend, post = self._k.layer_pre, self._k.attention, self._k.layer_post
+        pre, post = self._k.layer_pre, self._k.layer_post
+        attend = self._k.attention
+        if runs is not None:  # the rows kernel: its two arguments more, bound once a step
+            attend = functools.partial(_with_runs, self._k.prefill_attention, runs)
         hp, cp, sp = hidden.data_ptr(), cos.data_ptr(), sin.data_ptr()
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         tp, lp, wp = tables.data_ptr(), lens.data_ptr(), write.data_ptr()
@@ -153,6 +165,12 @@ class CDecoder:
         return hidden.view(1, m, width)
 
 
+def _with_runs(kernel: Callable[..., int], runs: torch.Tensor, *args: Any) -> int:
+    """``stoic_prefill_attention`` called with ``stoic_decode_attention``'s arguments (``args``)
+    and ``runs`` (``[n, 2]`` int64: first token, tokens) after the eight pointers."""
+    return kernel(*args[:8], runs.data_ptr(), int(runs.shape[0]), *args[8:])
+
+
 def _recorded(name: str, fn: Callable[..., int]) -> Callable[..., int]:
     def call(*args: Any) -> int:
         with torch.profiler.record_function(name):
@@ -181,6 +199,23 @@ def block_tables(
         tables[c.start : c.end, :, : c.gather_index.shape[1]] = c.gather_index
         lens[c.start : c.end] = torch.arange(c.start_pos + 1, c.start_pos + 1 + c.end - c.start)
     return tables, lens
+
+
+def attention_runs(step: StepMetadata, tokens: int) -> torch.Tensor | None:
+    """The step's tokens as runs for ``stoic_prefill_attention``, ``[n, 2]`` int64 (first token,
+    tokens): each prefill chunk one run, every other token a run of one; None for a step without
+    a prefill chunk (the decode kernel serves it)."""
+    if not step.prefills:
+        return None
+    runs = [(c.start, c.end - c.start) for c in step.prefills]
+    alone = torch.ones(tokens, dtype=torch.bool)
+    for first, n in runs:
+        alone[first : first + n] = False
+    singles = alone.nonzero().flatten()
+    table = torch.tensor(runs, dtype=torch.int64).reshape(-1, 2)
+    if singles.numel():
+        table = torch.cat((table, torch.stack((singles, torch.ones_like(singles)), 1)))
+    return table.contiguous()
 
 
 def layer_weights(layers: list[Any]) -> list[LayerWeights] | None:

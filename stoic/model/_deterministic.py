@@ -25,7 +25,9 @@ C layers (:mod:`._cdecode`), prefill chunks included:
   sequence's first ``position + 1`` keys in the paged pools, reduced over the keys in one order
   (8 at a time from the first) that depends on nothing but that length: the same for a decode
   token, a prefill token at that position, a token whose context came from the prefix cache
-  or from a re-prefill;
+  or from a re-prefill. A prefill chunk's rows are computed together
+  (``stoic_prefill_attention``, ``_rows_attention.c``: each key and value read once for a
+  tile of rows), each row with that kernel's operations in that order, so bitwise the same;
 * RMSNorm, rotary, SiLU and the residuals per row in C; the rotary tables from
   :class:`RotaryTable` (each position's values computed once, by the same call);
 * the final norm and softmax per row in torch (tested batch-invariant), sampling per row with

@@ -804,6 +804,17 @@ static int attend16(const float *q, const float *k_pool, const float *v_pool,
 }
 #endif
 
+/* the M tokens' k and v [M, kv_heads, dh] into the pools: row write[h * M + m] of kv head h */
+static void write_pools(const float *k, const float *v, float *k_pool, float *v_pool,
+                        const int64_t *write, int64_t M, int64_t kv_heads, int64_t dh) {
+    for (int64_t h = 0; h < kv_heads; h++)
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t row = write[h * M + m];
+            memcpy(k_pool + row * dh, k + (m * kv_heads + h) * dh, sizeof(float) * (size_t)dh);
+            memcpy(v_pool + row * dh, v + (m * kv_heads + h) * dh, sizeof(float) * (size_t)dh);
+        }
+}
+
 /* Writes the M tokens' k and v into the pools (row write[h * M + m] of a pool seen as
  * [rows, dh]), then attends: token m's query heads over lens[m] keys of its sequence, whose
  * blocks for kv head g are the pool rows tables[(m * kv_heads + g) * max_blocks + j] (each row
@@ -821,12 +832,7 @@ int stoic_decode_attention(const float *q, const float *k, const float *v, float
                            int64_t dh, int64_t block, int64_t max_blocks, float scale, float *out,
                            int threads) {
     if (dh % 8 != 0 || dh > MAX_HEAD_DIM || heads % kv_heads != 0) return -1;
-    for (int64_t h = 0; h < kv_heads; h++)
-        for (int64_t m = 0; m < M; m++) {
-            const int64_t row = write[h * M + m];
-            memcpy(k_pool + row * dh, k + (m * kv_heads + h) * dh, sizeof(float) * (size_t)dh);
-            memcpy(v_pool + row * dh, v + (m * kv_heads + h) * dh, sizeof(float) * (size_t)dh);
-        }
+    write_pools(k, v, k_pool, v_pool, write, M, kv_heads, dh);
     const int64_t group = heads / kv_heads;
     /* heads a job takes: the whole group, unless that leaves a thread idle */
     const int64_t per_job = M * kv_heads >= 2 * (int64_t)threads ? group : 1;

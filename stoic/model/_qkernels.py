@@ -208,6 +208,10 @@ class Kernels:
             # out threads
             "stoic_decode_attention": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
                                        i64, i64, i64, f32, ptr, i32],
+            # q k v k_pool v_pool write tables lens runs n_runs M heads kv_heads dh block
+            # max_blocks scale out threads
+            "stoic_prefill_attention": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
+                                        i64, i64, i64, i64, i64, f32, ptr, i32],
             # hidden attn M D A layout_o o norm eps layout_gu gate_up F layout_down down threads
             "stoic_layer_post": [ptr, ptr, i64, i64, i64, i32, ptr, ptr, f32, i32, ptr, i64,
                                  i32, ptr, i32],
@@ -234,6 +238,9 @@ class Kernels:
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
         self.layer_post: Callable[..., int] = lib.stoic_layer_post
+        #: the attention of runs of rows that share a sequence's keys (prefill chunks in
+        #: deterministic mode), each row bitwise as :attr:`attention` computes it
+        self.prefill_attention: Callable[..., int] = lib.stoic_prefill_attention
         #: the bfloat16 prefill's elementwise operators (:mod:`._cops` calls them)
         self.rms_norm_bf16: Callable[..., int] = lib.stoic_rms_norm_bf16
         self.rope_bf16: Callable[..., int] = lib.stoic_rope_bf16
@@ -388,8 +395,9 @@ def _compiler() -> str | None:
 
 #: the C sources, built into one library in this order (``_kquants.c``: the K-quants' products;
 #: ``_cops.c``: the bfloat16 prefill's elementwise operators; ``_bf16fixed.c``: the bfloat16
-#: fixed-order products of ``--deterministic``)
-_SOURCES = ("_qkernels.c", "_kquants.c", "_cops.c", "_bf16fixed.c")
+#: fixed-order products of ``--deterministic``; ``_rows_attention.c``: prefill chunks' attention
+#: in deterministic mode)
+_SOURCES = ("_qkernels.c", "_kquants.c", "_cops.c", "_bf16fixed.c", "_rows_attention.c")
 
 
 def _source() -> bytes:
