@@ -39,9 +39,9 @@
 #include <string.h>
 
 #define QK_K 256
-#define K4_BYTES 152
+#define K4_BYTES 192
 #define K5_BYTES 184
-#define K6_BYTES 212
+#define K6_BYTES 320
 #define Z5_BYTES 24
 #define U5_BYTES 28
 
@@ -94,9 +94,26 @@ static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uin
             memcpy(o + 4 * scales, b + 2 * scales, 20); /* qh, qs */
         } else if (type == Q6_K) {
             const float d = half_to_float(b + 208);
-            memcpy(o, &d, 4);
-            memcpy(o + 4, b + 192, 16);       /* scales */
-            memcpy(o + 20, b, 128 + 64);      /* ql, qh */
+            for (int j = 0; j < 16; j++) {
+                const float s = d * (float)(int8_t)b[192 + j];
+                memcpy(o + 4 * j, &s, 4);
+            }
+            for (int w = 0; w < QK_K; w++) { /* weight 128h + 32r + l */
+                const int h = w >> 7, r = (w >> 5) & 3, l = w & 31;
+                const int lo = (b[64 * h + 32 * (r & 1) + l] >> (4 * (r >> 1))) & 0x0F;
+                const int hi = (b[128 + 32 * h + l] >> (2 * r)) & 0x03;
+                o[64 + w] = (uint8_t)(int8_t)((lo | (hi << 4)) - 32);
+            }
+        } else if (type == Q4_K) {
+            const float d = half_to_float(b), dmin = half_to_float(b + 2);
+            uint8_t sc[8], mn[8];
+            unpack_scales(b + 4, sc, mn);
+            for (int j = 0; j < 8; j++) {
+                const float s = d * (float)sc[j], m = -(dmin * (float)mn[j]);
+                memcpy(o + 4 * j, &s, 4);
+                memcpy(o + 32 + 4 * j, &m, 4);
+            }
+            memcpy(o + 64, b + 16, 128); /* qs */
         } else {
             const float d = half_to_float(b), dmin = half_to_float(b + 2);
             memcpy(o, &d, 4);
@@ -129,8 +146,9 @@ static inline void scale_min(const uint8_t *b, int j, float *d, float *m) {
 static inline void unpack_k4(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
     const uint8_t *b = wr + (i >> 3) * K4_BYTES;
     const int j = (int)(i & 7);
-    scale_min(b, j, d, m);
-    const uint8_t *qs = b + 24 + 32 * (j >> 1);
+    memcpy(d, b + 4 * j, 4);
+    memcpy(m, b + 32 + 4 * j, 4);
+    const uint8_t *qs = b + 64 + 32 * (j >> 1);
     const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
     for (int k = 0; k < 4; k++) q[k] = as_float8(bits8(qs + 8 * k, shift, 0x0F));
 }
@@ -151,19 +169,10 @@ static inline void unpack_k5(const uint8_t *wr, int64_t i, __m256 q[4], float *d
 /* the 32 weights' 6-bit values minus 32, as floats, and the scales of their two halves */
 static inline void values_k6(const uint8_t *wr, int64_t i, __m256 q[4], float s[2]) {
     const uint8_t *b = wr + (i >> 3) * K6_BYTES;
-    const int j = (int)(i & 7), h = j >> 2, r = j & 3;
-    float d;
-    memcpy(&d, b, 4);
-    s[0] = d * (float)(int8_t)b[4 + 2 * j];
-    s[1] = d * (float)(int8_t)b[5 + 2 * j];
-    const uint8_t *ql = b + 20 + 64 * h + 32 * (r & 1), *qh = b + 148 + 32 * h;
-    const __m128i shift = _mm_cvtsi32_si128(4 * (r >> 1)), hshift = _mm_cvtsi32_si128(2 * r);
-    const __m256i bias = _mm256_set1_epi32(32);
-    for (int k = 0; k < 4; k++) {
-        const __m256i lo = _mm256_castps_si256(bits8(ql + 8 * k, shift, 0x0F));
-        const __m256i hi = _mm256_castps_si256(bits8(qh + 8 * k, hshift, 0x03));
-        q[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias));
-    }
+    const int j = (int)(i & 7);
+    memcpy(s, b + 8 * j, 8);
+    for (int k = 0; k < 4; k++)
+        q[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 64 + 32 * j + 8 * k))));
 }
 
 static inline void dequant_k6(const uint8_t *wr, int64_t i, __m256 w[4]) {
@@ -234,6 +243,8 @@ DEFINE_MM(mm_z5, 8 * Z5_BYTES, dequant_z5, row_z5)
 DEFINE_MM(mm_u5, 8 * U5_BYTES, dequant_u5, row_u5)
 
 #ifdef HAVE_AVX512
+/* the K layouts take the 16-lane products up to this many rows of x, the 8-lane tiles above */
+#define KQUANT_ROWS_16 (1 << 30)
 /* ---- 16 lanes: the same values, 16 weights a register (a Q6_K register is one sub-block of
  * one scale) */
 static inline __m512i bits16(const uint8_t *p, __m128i shift, int mask) {
@@ -244,8 +255,9 @@ static inline __m512i bits16(const uint8_t *p, __m128i shift, int mask) {
 static inline void unpack16_k4(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
     const uint8_t *b = wr + (i >> 3) * K4_BYTES;
     const int j = (int)(i & 7);
-    scale_min(b, j, d, m);
-    const uint8_t *qs = b + 24 + 32 * (j >> 1);
+    memcpy(d, b + 4 * j, 4);
+    memcpy(m, b + 32 + 4 * j, 4);
+    const uint8_t *qs = b + 64 + 32 * (j >> 1);
     const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
     for (int k = 0; k < 2; k++) q[k] = _mm512_cvtepi32_ps(bits16(qs + 16 * k, shift, 0x0F));
 }
@@ -264,16 +276,11 @@ static inline void unpack16_k5(const uint8_t *wr, int64_t i, __m512 q[2], float 
 
 static inline void dequant16_k6(const uint8_t *wr, int64_t i, __m512 w[2]) {
     const uint8_t *b = wr + (i >> 3) * K6_BYTES;
-    const int j = (int)(i & 7), h = j >> 2, r = j & 3;
-    float d;
-    memcpy(&d, b, 4);
-    const uint8_t *ql = b + 20 + 64 * h + 32 * (r & 1), *qh = b + 148 + 32 * h;
-    const __m128i shift = _mm_cvtsi32_si128(4 * (r >> 1)), hshift = _mm_cvtsi32_si128(2 * r);
+    const int j = (int)(i & 7);
     for (int k = 0; k < 2; k++) {
-        const __m512i hi = _mm512_slli_epi32(bits16(qh + 16 * k, hshift, 0x03), 4);
-        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(bits16(ql + 16 * k, shift, 0x0F), hi),
-                                           _mm512_set1_epi32(32));
-        const float s = d * (float)(int8_t)b[4 + 2 * j + k];
+        const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 64 + 32 * j + 16 * k)));
+        float s;
+        memcpy(&s, b + 4 * (2 * j + k), 4);
         w[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s));
     }
 }
@@ -284,18 +291,23 @@ static inline void unpack16_k6(const uint8_t *wr, int64_t i, __m512 q[2], float 
     *m = 0.0f;
 }
 
-/* 16 lanes of Q5_0/Q5_1: low nibbles of the 16 bytes are weights 0-15, high ones 16-31 */
-static inline void values16_5(const uint8_t *at, __m512 q[2], int bias) {
+/* 16 lanes of Q5_0/Q5_1: low nibbles of the 16 bytes are weights 0-15, high ones 16-31; the
+ * fifth bits (bit l of qh: weight l) are the lanes of two mask registers, so a fifth bit costs
+ * one masked add (Q5_1: q + 16) or subtract (Q5_0: q - 16 where the bit is clear, which is the
+ * value q - 16 itself: the block's offset goes into the integers, exactly). The 8-lane code's
+ * per-lane variable shifts took 10 instructions per 16 weights, these 4 (one vpmovzxbd for
+ * all 32). */
+static inline void values16_5(const uint8_t *at, __m512 q[2], int z5) {
     uint32_t qh;
     memcpy(&qh, at, 4);
-    const __m512i high = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1);
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 4)));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    const __m512i half[2] = {_mm512_and_si512(v, _mm512_set1_epi32(0x0F)), _mm512_srli_epi32(v, 4)};
     for (int k = 0; k < 2; k++) {
-        const __m512i lo = bits16(at + 4, _mm_cvtsi32_si128(4 * k), 0x0F);
-        const __m512i bit = _mm512_and_si512(
-            _mm512_srlv_epi32(high, _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * k))), one);
+        const uint32_t bits = qh >> (16 * k);
         q[k] = _mm512_cvtepi32_ps(
-            _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(bit, 4)), _mm512_set1_epi32(bias)));
+            z5 ? _mm512_mask_sub_epi32(half[k], (__mmask16)~bits, half[k], sixteen)
+               : _mm512_mask_add_epi32(half[k], (__mmask16)bits, half[k], sixteen));
     }
 }
 
@@ -303,7 +315,7 @@ static inline void unpack16_z5(const uint8_t *wr, int64_t i, __m512 q[2], float 
     const uint8_t *b = wr + i * Z5_BYTES;
     memcpy(d, b, 4);
     *m = 0.0f;
-    values16_5(b + 4, q, 16);
+    values16_5(b + 4, q, 1);
 }
 
 static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
@@ -321,22 +333,142 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
         for (int k = 0; k < 2; k++) w[k] = _mm512_add_ps(_mm512_mul_ps(w[k], dv), mv);          \
     }
 
+/* One row of x, four weight rows a pass (the K layouts' and Q5_0/Q5_1's one-row path): each
+ * 32 weights of x are loaded once for the four rows, and the four rows' sums are four
+ * independent chains. Each row's arithmetic is DEFINE_ROW16's (d * sum(q x) + m * sum(x), its
+ * own order): only the grouping of rows differs. OFFSET 0: the layout has no m (Q5_0, whose
+ * offset is in its integers; Q6_K, multiplied de-quantised), so no sum of x is read. */
+#define DEFINE_ROWS4_16(NAME, UNPACK, OFFSET)                                                  \
+    static inline void NAME(const float *x, const float *sx, const uint8_t *wr,                \
+                            int64_t row_bytes, int64_t nb, float out[4]) {                     \
+        __m512 acc[4];                                                                         \
+        float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                            \
+        for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps();                              \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16); \
+            for (int t = 0; t < 4; t++) {                                                      \
+                __m512 q[2];                                                                   \
+                float d, m;                                                                    \
+                UNPACK(wr + t * row_bytes, b, q, &d, &m);                                      \
+                const __m512 p = _mm512_fmadd_ps(q[1], x1, _mm512_mul_ps(q[0], x0));           \
+                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), p, acc[t]);                        \
+                if (OFFSET) offset[t] += m * sx[b];                                            \
+            }                                                                                  \
+        }                                                                                      \
+        for (int t = 0; t < 4; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + offset[t];         \
+    }
+
+/* as DEFINE_MM16 (no permuted x: these layouts widen in order), but one row of x takes
+ * DEFINE_ROWS4_16 over groups of four weight rows (the last N % 4 one at a time), and more
+ * rows the 16-lane tiles at every M (the 8-lane ones' unpacking costs twice the instructions
+ * here); the fixed order is DEFINE_MM16's: the same 16-lane tiles for every M */
+#define DEFINE_KMM16(NAME, BYTES_256, DEQUANT, UNPACK, ROW, OFFSET, GROUP)                     \
+    DEFINE_ROWS4_16(NAME##_rows4, UNPACK, OFFSET)                                             \
+    DEFINE_TILE16(NAME##_1, DEQUANT, 1)                                                       \
+    DEFINE_TILE16(NAME##_4, DEQUANT, 4)                                                       \
+    DEFINE_TILE16(NAME##_8, DEQUANT, 8)                                                       \
+    static int NAME(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,        \
+                    const float *bias, float *y, int64_t ldy, int threads) {                  \
+        const int64_t nb = K / QK, row_bytes = nb * (BYTES_256) / 8;                          \
+        if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed_order) {                                 \
+            float sx[MAX_ROW_BLOCKS];                                                         \
+            if (OFFSET) block_sums(x, nb, sx);                                                \
+            const int64_t groups = GROUP ? N / 4 : 0;                                                     \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)")                 \
+            for (int64_t g = 0; g < groups + (N - 4 * groups); g++) {                                    \
+                if (g < groups) {                                                             \
+                    float out[4];                                                             \
+                    NAME##_rows4(x, sx, w + 4 * g * row_bytes, row_bytes, nb, out);           \
+                    for (int t = 0; t < 4; t++)                                               \
+                        y[4 * g + t] = out[t] + (bias ? bias[4 * g + t] : 0.0f);              \
+                } else {                                                                      \
+                    const int64_t n = 4 * groups + (g - groups);                              \
+                    y[n] = ROW(x, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f);        \
+                }                                                                             \
+            }                                                                                 \
+            return 0;                                                                         \
+        }                                                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++) {                                                     \
+            const uint8_t *wr = w + n * row_bytes;                                            \
+            const float add = bias ? bias[n] : 0.0f;                                          \
+            int64_t r = 0;                                                                    \
+            for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);     \
+        }                                                                                     \
+        return 0;                                                                             \
+    }
+
+/* One row of x by a K4 row, a super-block at a time: its eight float32 scales multiply the
+ * sub-blocks' sums of q x, and its eight offsets meet the sub-blocks' sums of x in one 8-lane
+ * product (the generic one-row loop spent as many scalar instructions finding a sub-block's
+ * scale and offset as vector ones multiplying it). */
+static inline float row16_k4(const float *x, const float *sx, const uint8_t *wr, int64_t nb) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 offset = _mm256_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K4_BYTES;
+        const float *xs = x + sb * QK_K;
+        float s[8];
+        memcpy(s, b, 32);
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(b + 32)), _mm256_loadu_ps(sx + 8 * sb), offset);
+        for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+            const uint8_t *qs = b + 64 + 32 * c;
+            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+            const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+            const float *xc = xs + 64 * c;
+            const __m512 p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v1, low)), _mm512_loadu_ps(xc + 16),
+                                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), _mm512_loadu_ps(xc)));
+            const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), _mm512_loadu_ps(xc + 48),
+                                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), _mm512_loadu_ps(xc + 32)));
+            acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(s[2 * c]), p, acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_set1_ps(s[2 * c + 1]), r, acc[1]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(offset);
+}
+
+/* One row of x by a K6 row: 16 weights a register, de-quantised (one int8 widening and one
+ * scale), two accumulators */
+static inline float row16_k6(const float *x, const float *sx, const uint8_t *wr, int64_t nb) {
+    (void)sx;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K6_BYTES;
+        const float *xs = x + sb * QK_K;
+        float s[16];
+        memcpy(s, b, 64);
+        for (int j = 0; j < 16; j++) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 64 + 16 * j)));
+            const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[j]));
+            acc[j & 1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs + 16 * j), acc[j & 1]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+
+DEFINE_ROW16(row16_k5, unpack16_k5)
+DEFINE_ROW16(row16_u5, unpack16_u5)
+DEFINE_ROW16(row16_z5, unpack16_z5)
+
 DEFINE_DEQUANT16(dequant16_k4, unpack16_k4)
 DEFINE_DEQUANT16(dequant16_k5, unpack16_k5)
-DEFINE_MM16(mm16_k4, K4_BYTES, dequant16_k4, unpack16_k4, 0)
-DEFINE_MM16(mm16_k5, K5_BYTES, dequant16_k5, unpack16_k5, 0)
-DEFINE_MM16(mm16_k6, K6_BYTES, dequant16_k6, unpack16_k6, 0)
+DEFINE_KMM16(mm16_k4, K4_BYTES, dequant16_k4, unpack16_k4, row16_k4, 1, 0)
+DEFINE_KMM16(mm16_k5, K5_BYTES, dequant16_k5, unpack16_k5, row16_k5, 1, 0)
+DEFINE_KMM16(mm16_k6, K6_BYTES, dequant16_k6, unpack16_k6, row16_k6, 0, 0)
 DEFINE_DEQUANT16(dequant16_z5, unpack16_z5)
 DEFINE_DEQUANT16(dequant16_u5, unpack16_u5)
-DEFINE_MM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, unpack16_z5, 0)
-DEFINE_MM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, unpack16_u5, 0)
+DEFINE_KMM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, unpack16_z5, row16_z5, 0, 1)
+DEFINE_KMM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, unpack16_u5, row16_u5, 1, 0)
 #endif
 
 static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
                      int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % (layout == Z5 || layout == U5 ? QK : QK_K) != 0) return -1;
 #ifdef HAVE_AVX512
-    if (M <= MAX_ROWS_16 || fixed_order) switch (layout) { /* fixed_order: _qkernels.c */
+    if (M <= KQUANT_ROWS_16 || fixed_order) switch (layout) { /* fixed_order: _qkernels.c */
     case K4: return mm16_k4(x, M, K, w, N, bias, y, ldy, threads);
     case K5: return mm16_k5(x, M, K, w, N, bias, y, ldy, threads);
     case K6: return mm16_k6(x, M, K, w, N, bias, y, ldy, threads);
