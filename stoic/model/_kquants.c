@@ -26,8 +26,9 @@
  * Q5_0 (22 bytes): {fp16 d; u32 qh; u8 qs[16]}          w = (q - 16) * d
  * Q5_1 (24 bytes): {fp16 d; fp16 m; u32 qh; u8 qs[16]}  w = q * d + m
  *   weight l < 16: low nibble of qs[l], l >= 16: high nibble of qs[l - 16]; bit l of qh its
- *   fifth bit. Repacked with float32 d (and m): Z5 {f32 d; u32 qh; u8 qs[16]} (24 bytes), U5
- *   {f32 d; f32 m; u32 qh; u8 qs[16]} (28 bytes).
+ *   fifth bit. Repacked with float32 d (and m): Z5 {f32 d; u32 ~qh; u8 qs[16]} (24 bytes: the
+ *   fifth bits inverted, the lanes where 16 is subtracted), U5 {f32 d; f32 m; u32 qh; u8 qs[16]}
+ *   (28 bytes).
  * d * sc and dmin * mn are exact in float32 (11 by at most 8 significant bits), so each weight is
  * rounded once, as gguf-py rounds it: the de-quantised weights are bitwise gguf-py's (hence
  * transformers'), and the products are the float32 product over them up to the order of the sums
@@ -91,7 +92,11 @@ static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uin
                 const float v = half_to_float(b + 2 * k);
                 memcpy(o + 4 * k, &v, 4);
             }
-            memcpy(o + 4 * scales, b + 2 * scales, 20); /* qh, qs */
+            uint32_t qh;
+            memcpy(&qh, b + 2 * scales, 4);
+            if (type == Q5_0) qh = ~qh; /* Z5: the clear fifth bits (values16_5) */
+            memcpy(o + 4 * scales, &qh, 4);
+            memcpy(o + 4 * scales + 4, b + 2 * scales + 4, 16); /* qs */
         } else if (type == Q6_K) {
             const float d = half_to_float(b + 208);
             for (int j = 0; j < 16; j++) {
@@ -192,6 +197,7 @@ static inline void unpack_k6(const uint8_t *wr, int64_t i, __m256 q[4], float *d
 static inline void values_5(const uint8_t *at, __m256 q[4], int bias) {
     uint32_t qh;
     memcpy(&qh, at, 4);
+    if (bias) qh = ~qh; /* Z5 holds the clear bits */
     const __m256i high = _mm256_set1_epi32((int)qh), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i one = _mm256_set1_epi32(1), offset = _mm256_set1_epi32(bias);
     for (int k = 0; k < 4; k++) { /* weights 8k .. 8k + 7: nibble k / 2 of bytes 8 (k % 2) .. */
@@ -298,15 +304,14 @@ static inline void unpack16_k6(const uint8_t *wr, int64_t i, __m512 q[2], float 
  * per-lane variable shifts took 10 instructions per 16 weights, these 4 (one vpmovzxbd for
  * all 32). */
 static inline void values16_5(const uint8_t *at, __m512 q[2], int z5) {
-    uint32_t qh;
-    memcpy(&qh, at, 4);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 4)));
     const __m512i sixteen = _mm512_set1_epi32(16);
     const __m512i half[2] = {_mm512_and_si512(v, _mm512_set1_epi32(0x0F)), _mm512_srli_epi32(v, 4)};
-    for (int k = 0; k < 2; k++) {
-        const uint32_t bits = qh >> (16 * k);
+    for (int k = 0; k < 2; k++) { /* (Z5 holds the clear bits: no inversion here) */
+        uint16_t bits;
+        memcpy(&bits, at + 2 * k, 2);
         q[k] = _mm512_cvtepi32_ps(
-            z5 ? _mm512_mask_sub_epi32(half[k], (__mmask16)~bits, half[k], sixteen)
+            z5 ? _mm512_mask_sub_epi32(half[k], (__mmask16)bits, half[k], sixteen)
                : _mm512_mask_add_epi32(half[k], (__mmask16)bits, half[k], sixteen));
     }
 }
