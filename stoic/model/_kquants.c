@@ -363,6 +363,26 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
         for (int t = 0; t < 4; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + offset[t];         \
     }
 
+/* ROWS rows of x by one weight row outside the fixed order: each row's two products of a block
+ * go straight into its accumulator (two floating-point instructions a row and block where
+ * DEFINE_TILE16, whose order the fixed order keeps, takes three) */
+#define DEFINE_FAST_TILE16(NAME, DEQUANT, ROWS)                                                \
+    static inline void NAME(const float *x, int64_t K, const uint8_t *wr, int64_t nb,         \
+                            float *out, int64_t stride, float add) {                          \
+        __m512 acc[ROWS];                                                                     \
+        for (int t = 0; t < ROWS; t++) acc[t] = _mm512_setzero_ps();                          \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m512 w[2];                                                                      \
+            DEQUANT(wr, b, w);                                                                \
+            for (int t = 0; t < ROWS; t++) {                                                  \
+                const float *xr = x + t * K + b * QK;                                         \
+                acc[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16),                      \
+                                         _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[t])); \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < ROWS; t++) out[t * stride] = _mm512_reduce_add_ps(acc[t]) + add;  \
+    }
+
 /* as DEFINE_MM16 (no permuted x: these layouts widen in order), but one row of x takes
  * DEFINE_ROWS4_16 over groups of four weight rows (the last N % 4 one at a time), and more
  * rows the 16-lane tiles at every M (the 8-lane ones' unpacking costs twice the instructions
@@ -372,10 +392,13 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
     DEFINE_TILE16(NAME##_1, DEQUANT, 1)                                                       \
     DEFINE_TILE16(NAME##_4, DEQUANT, 4)                                                       \
     DEFINE_TILE16(NAME##_8, DEQUANT, 8)                                                       \
+    DEFINE_FAST_TILE16(NAME##_f4, DEQUANT, 4)                                                 \
+    DEFINE_FAST_TILE16(NAME##_f8, DEQUANT, 8)                                                 \
     static int NAME(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,        \
                     const float *bias, float *y, int64_t ldy, int threads) {                  \
         const int64_t nb = K / QK, row_bytes = nb * (BYTES_256) / 8;                          \
-        if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed_order) {                                 \
+        const int fixed = fixed_order; /* this thread's: read before the parallel region */  \
+        if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed) {                                       \
             float sx[MAX_ROW_BLOCKS];                                                         \
             if (OFFSET) block_sums(x, nb, sx);                                                \
             const int64_t groups = GROUP ? N / 4 : 0;                                                     \
@@ -398,8 +421,13 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
             const uint8_t *wr = w + n * row_bytes;                                            \
             const float add = bias ? bias[n] : 0.0f;                                          \
             int64_t r = 0;                                                                    \
-            for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
-            for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            if (fixed) {                                                                      \
+                for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+                for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            } else {                                                                          \
+                for (; r + 8 <= M; r += 8) NAME##_f8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+                for (; r + 4 <= M; r += 4) NAME##_f4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            }                                                                                 \
             for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);     \
         }                                                                                     \
         return 0;                                                                             \
