@@ -338,31 +338,6 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
         for (int k = 0; k < 2; k++) w[k] = _mm512_add_ps(_mm512_mul_ps(w[k], dv), mv);          \
     }
 
-/* One row of x, four weight rows a pass (the K layouts' and Q5_0/Q5_1's one-row path): each
- * 32 weights of x are loaded once for the four rows, and the four rows' sums are four
- * independent chains. Each row's arithmetic is DEFINE_ROW16's (d * sum(q x) + m * sum(x), its
- * own order): only the grouping of rows differs. OFFSET 0: the layout has no m (Q5_0, whose
- * offset is in its integers; Q6_K, multiplied de-quantised), so no sum of x is read. */
-#define DEFINE_ROWS4_16(NAME, UNPACK, OFFSET)                                                  \
-    static inline void NAME(const float *x, const float *sx, const uint8_t *wr,                \
-                            int64_t row_bytes, int64_t nb, float out[4]) {                     \
-        __m512 acc[4];                                                                         \
-        float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                            \
-        for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps();                              \
-        for (int64_t b = 0; b < nb; b++) {                                                     \
-            const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16); \
-            for (int t = 0; t < 4; t++) {                                                      \
-                __m512 q[2];                                                                   \
-                float d, m;                                                                    \
-                UNPACK(wr + t * row_bytes, b, q, &d, &m);                                      \
-                const __m512 p = _mm512_fmadd_ps(q[1], x1, _mm512_mul_ps(q[0], x0));           \
-                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d), p, acc[t]);                        \
-                if (OFFSET) offset[t] += m * sx[b];                                            \
-            }                                                                                  \
-        }                                                                                      \
-        for (int t = 0; t < 4; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + offset[t];         \
-    }
-
 /* ROWS rows of x by one weight row outside the fixed order: each row's two products of a block
  * go straight into its accumulator (two floating-point instructions a row and block where
  * DEFINE_TILE16, whose order the fixed order keeps, takes three) */
@@ -383,12 +358,14 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
         for (int t = 0; t < ROWS; t++) out[t * stride] = _mm512_reduce_add_ps(acc[t]) + add;  \
     }
 
-/* as DEFINE_MM16 (no permuted x: these layouts widen in order), but one row of x takes
- * DEFINE_ROWS4_16 over groups of four weight rows (the last N % 4 one at a time), and more
- * rows the 16-lane tiles at every M (the 8-lane ones' unpacking costs twice the instructions
- * here); the fixed order is DEFINE_MM16's: the same 16-lane tiles for every M */
-#define DEFINE_KMM16(NAME, BYTES_256, DEQUANT, UNPACK, ROW, OFFSET, GROUP)                     \
-    DEFINE_ROWS4_16(NAME##_rows4, UNPACK, OFFSET)                                             \
+/* as DEFINE_MM16 (no permuted x: these layouts widen in order), one row of x by ROW (a
+ * layout's own one-row loop), more rows by the 16-lane tiles at every M (kquant_mm: the
+ * 8-lane ones' unpacking costs twice the instructions here), outside the fixed order the
+ * DEFINE_FAST_TILE16 ones. The fixed order is DEFINE_MM16's: DEFINE_TILE16 for every M.
+ * Tried and dropped: four weight rows a pass at one row of x (x loaded once for four rows):
+ * 0.8x the time in one harness, 1.1-1.3x in another on the same matrices; and 16-row tiles
+ * at 32 rows: 1.03-1.06x the 8-row ones. */
+#define DEFINE_KMM16(NAME, BYTES_256, DEQUANT, ROW, OFFSET)                                    \
     DEFINE_TILE16(NAME##_1, DEQUANT, 1)                                                       \
     DEFINE_TILE16(NAME##_4, DEQUANT, 4)                                                       \
     DEFINE_TILE16(NAME##_8, DEQUANT, 8)                                                       \
@@ -401,19 +378,9 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
         if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed) {                                       \
             float sx[MAX_ROW_BLOCKS];                                                         \
             if (OFFSET) block_sums(x, nb, sx);                                                \
-            const int64_t groups = GROUP ? N / 4 : 0;                                                     \
             _Pragma("omp parallel for schedule(static) num_threads(threads)")                 \
-            for (int64_t g = 0; g < groups + (N - 4 * groups); g++) {                                    \
-                if (g < groups) {                                                             \
-                    float out[4];                                                             \
-                    NAME##_rows4(x, sx, w + 4 * g * row_bytes, row_bytes, nb, out);           \
-                    for (int t = 0; t < 4; t++)                                               \
-                        y[4 * g + t] = out[t] + (bias ? bias[4 * g + t] : 0.0f);              \
-                } else {                                                                      \
-                    const int64_t n = 4 * groups + (g - groups);                              \
-                    y[n] = ROW(x, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f);        \
-                }                                                                             \
-            }                                                                                 \
+            for (int64_t n = 0; n < N; n++)                                                   \
+                y[n] = ROW(x, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f);           \
             return 0;                                                                         \
         }                                                                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
@@ -488,13 +455,13 @@ DEFINE_ROW16(row16_z5, unpack16_z5)
 
 DEFINE_DEQUANT16(dequant16_k4, unpack16_k4)
 DEFINE_DEQUANT16(dequant16_k5, unpack16_k5)
-DEFINE_KMM16(mm16_k4, K4_BYTES, dequant16_k4, unpack16_k4, row16_k4, 1, 0)
-DEFINE_KMM16(mm16_k5, K5_BYTES, dequant16_k5, unpack16_k5, row16_k5, 1, 0)
-DEFINE_KMM16(mm16_k6, K6_BYTES, dequant16_k6, unpack16_k6, row16_k6, 0, 0)
+DEFINE_KMM16(mm16_k4, K4_BYTES, dequant16_k4, row16_k4, 1)
+DEFINE_KMM16(mm16_k5, K5_BYTES, dequant16_k5, row16_k5, 1)
+DEFINE_KMM16(mm16_k6, K6_BYTES, dequant16_k6, row16_k6, 0)
 DEFINE_DEQUANT16(dequant16_z5, unpack16_z5)
 DEFINE_DEQUANT16(dequant16_u5, unpack16_u5)
-DEFINE_KMM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, unpack16_z5, row16_z5, 0, 1)
-DEFINE_KMM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, unpack16_u5, row16_u5, 1, 0)
+DEFINE_KMM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, row16_z5, 0)
+DEFINE_KMM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, row16_u5, 1)
 #endif
 
 static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
