@@ -12,6 +12,12 @@ median of the rounds' B / A. One thread by default, timed by its CPU time (``--t
     python benchmarks/kquant_bench.py --baseline HEAD FILE.gguf [FILE.gguf ...] [--rows 1 32]
 
 Also checks that A and B compute the same products within float32 rounding of each other.
+
+``--step 1 32``: the whole decode step instead (step_bench.py's ``Stream``: that many sequences
+of 128 tokens, 40 greedy steps), the model loaded twice, once on A's kernels and once on B's,
+steps alternating three at a time; per file and batch the median step of each, B / A, and
+whether both decoded the same tokens (they may not: the sums' order differs, and a near-tie of
+two logits can flip; float32 rounding either way).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from stoic.model import _qkernels  # noqa: E402
 from stoic.model._qkernels import Kernels, Product  # noqa: E402
@@ -108,6 +115,53 @@ def time_pass(products: list[Product], x: torch.Tensor) -> float:
     return clock() - started
 
 
+def steps(files: list[Path], a: Kernels, b: Kernels, batches: list[int]) -> None:
+    """The decode-step A/B (``--step``)."""
+    import step_bench
+
+    from stoic.model import ModelRunner, load_model
+
+    if torch.get_num_threads() == 1:  # Stream times with perf_counter: make it CPU time
+        step_bench.time = _CpuClock()  # type: ignore[assignment]
+    print("| file | batch | A ms/step | B ms/step | B/A | same tokens |")
+    print("|---|---:|---:|---:|---:|---|")
+    for path in files:
+        runners = {}
+        original = _qkernels.load_kernels
+        try:
+            for name, lib in (("A", a), ("B", b)):
+                _qkernels.load_kernels = lambda root, lib=lib: lib  # type: ignore[misc]
+                runners[name] = ModelRunner(load_model(str(path), dtype="float32", device="cpu"))
+        finally:
+            _qkernels.load_kernels = original
+        for batch in batches:
+            streams = {n: step_bench.Stream(r, batch, 128, 40) for n, r in runners.items()}
+            for s in streams.values():
+                s.step()
+                s.times.clear()
+            order = list(streams)
+            while streams["A"].generated < 38:
+                for n in order:
+                    for _ in range(3):
+                        streams[n].step()
+                order.reverse()
+            ta = statistics.median(streams["A"].times)
+            tb = statistics.median(streams["B"].times)
+            same = streams["A"].tokens == streams["B"].tokens
+            print(
+                f"| {path.name} | {batch} | {ta * 1e3:.2f} | {tb * 1e3:.2f} | {tb / ta:.3f} "
+                f"| {same} |",
+                flush=True,
+            )
+
+
+class _CpuClock:
+    """``time`` for step_bench with ``perf_counter`` reading this thread's CPU time."""
+
+    def __getattr__(self, name: str) -> object:
+        return time.thread_time if name == "perf_counter" else getattr(time, name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("files", nargs="+", type=Path)
@@ -116,11 +170,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--only", nargs="*", default=None, help="matrices to measure")
     parser.add_argument("--threads", type=int, default=1, help="1: CPU time; more: wall time")
+    parser.add_argument("--step", type=int, nargs="*", default=None, help="decode-step batches")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         a = build(source_at(args.baseline), Path(tmp) / "a")
         b = build(_qkernels._source(), Path(tmp) / "b")
+        if args.step:
+            steps(args.files, a, b, args.step)
+            return
         print(f"A: {args.baseline}; B: the working tree. threads {torch.get_num_threads()}")
         print("| file | matrix | types | rows | A us | B us | B/A |")
         print("|---|---|---|---:|---:|---:|---:|")

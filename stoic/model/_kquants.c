@@ -15,12 +15,19 @@
  *       16 sub-blocks of 16 with an int8 scale; w = (d * sc) * (q - 32), q 6 bits: weight
  *       128h + 32r + l (r < 4, l < 32) has its low 4 bits in nibble r / 2 of ql[64h + 32(r % 2) + l]
  *       and its high 2 in bits 2r, 2r + 1 of qh[32h + l]
- * Repacked once at load (kquant_repack) only so that a sub-block costs fewer instructions: the
- * fp16 scales as float32 and the 6-bit scales and mins one byte each; the quantised values stay
- * as the file has them (152, 184 and 212 bytes a super-block: 1.06, 1.05 and 1.01x the file's).
- *   K4: {f32 d; f32 dmin; u8 sc[8]; u8 mn[8]; u8 qs[128]}
+ * Repacked once at load (kquant_repack) so that a sub-block costs fewer instructions: Q4_K's
+ * sub-block scales and offsets as float32 (d * sc and -(dmin * mn), each exact), Q6_K's values
+ * one signed byte each (q - 32) under float32 sub-block scales d * sc; Q5_K keeps its values
+ * and gets float32 d, dmin and one byte a 6-bit scale and min (192, 184 and 320 bytes a
+ * super-block: 1.33, 1.05 and 1.52x the file's).
+ *   K4: {f32 s[8]; f32 m[8]; u8 qs[128]}                     w = s[j] * q + m[j]
  *   K5: {f32 d; f32 dmin; u8 sc[8]; u8 mn[8]; u8 qh[32]; u8 qs[128]}
- *   K6: {f32 d; i8 sc[16]; u8 ql[128]; u8 qh[64]}
+ *   K6: {f32 s[16]; i8 q[256]}                               w = s[w / 16] * q[w]
+ * Why the bytes: over the default model's Q4_K_M file (benchmarks/kquant_bench.py, one thread,
+ * docs/benchmarks.md) the one-row products of ffn_down (Q4_K and Q6_K) took 0.45x the time of
+ * the old layouts (152 and 212 bytes, which unpacked scales and 6-bit values per 32 weights:
+ * as many scalar instructions as vector ones) and 0.86x at 32 rows; 1.13x at 8 rows, where the
+ * extra bytes of K6 cost more than its unpacking saves.
  * Every 32 weights come out in order (no copy of x in another order, unlike U4 and Z4).
  *
  * Q5_0 (22 bytes): {fp16 d; u32 qh; u8 qs[16]}          w = (q - 16) * d
@@ -33,7 +40,8 @@
  * rounded once, as gguf-py rounds it: the de-quantised weights are bitwise gguf-py's (hence
  * transformers'), and the products are the float32 product over them up to the order of the sums
  * (several rows: tiles of de-quantised weights; one row of Q4_K/Q5_K: the factored
- * s * sum(q x) - mn * sum(x), as for Q4_1; one row of Q6_K multiplies the de-quantised weights).
+ * s * sum(q x) + m * sum(x), as for Q4_1, Q4_K a super-block at a time; one row of Q6_K
+ * multiplies the de-quantised weights; one row of Q5_0: d * sum((q - 16) x)).
  */
 #include <immintrin.h>
 #include <stdint.h>

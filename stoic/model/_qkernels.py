@@ -205,8 +205,8 @@ class Kernels:
     ) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
         products' layout once (float32 scales; Q4_0/Q4_1 nibbles reordered: 0.625-1.125 bytes a
-        weight; the K-quants keep theirs: 1.01-1.06x the file's bytes). ``fixed``: in the fixed
-        order (:class:`Product`).
+        weight; the K-quants: 1.05-1.52x the file's bytes, ``_kquants.c`` says why). ``fixed``:
+        in the fixed order (:class:`Product`).
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
