@@ -15,33 +15,42 @@
  *       16 sub-blocks of 16 with an int8 scale; w = (d * sc) * (q - 32), q 6 bits: weight
  *       128h + 32r + l (r < 4, l < 32) has its low 4 bits in nibble r / 2 of ql[64h + 32(r % 2) + l]
  *       and its high 2 in bits 2r, 2r + 1 of qh[32h + l]
- * Repacked once at load (kquant_repack) only so that a sub-block costs fewer instructions: the
- * fp16 scales as float32 and the 6-bit scales and mins one byte each; the quantised values stay
- * as the file has them (152, 184 and 212 bytes a super-block: 1.06, 1.05 and 1.01x the file's).
- *   K4: {f32 d; f32 dmin; u8 sc[8]; u8 mn[8]; u8 qs[128]}
+ * Repacked once at load (kquant_repack) so that a sub-block costs fewer instructions: Q4_K's
+ * sub-block scales and offsets as float32 (d * sc and -(dmin * mn), each exact), Q6_K's values
+ * one signed byte each (q - 32) under float32 sub-block scales d * sc; Q5_K keeps its values
+ * and gets float32 d, dmin and one byte a 6-bit scale and min (192, 184 and 320 bytes a
+ * super-block: 1.33, 1.05 and 1.52x the file's).
+ *   K4: {f32 s[8]; f32 m[8]; u8 qs[128]}                     w = s[j] * q + m[j]
  *   K5: {f32 d; f32 dmin; u8 sc[8]; u8 mn[8]; u8 qh[32]; u8 qs[128]}
- *   K6: {f32 d; i8 sc[16]; u8 ql[128]; u8 qh[64]}
+ *   K6: {f32 s[16]; i8 q[256]}                               w = s[w / 16] * q[w]
+ * Why the bytes: over the default model's Q4_K_M file (benchmarks/kquant_bench.py, one thread,
+ * docs/benchmarks.md) the one-row products of ffn_down (Q4_K and Q6_K) took 0.45x the time of
+ * the old layouts (152 and 212 bytes, which unpacked scales and 6-bit values per 32 weights:
+ * as many scalar instructions as vector ones) and 0.86x at 32 rows; 1.13x at 8 rows, where the
+ * extra bytes of K6 cost more than its unpacking saves.
  * Every 32 weights come out in order (no copy of x in another order, unlike U4 and Z4).
  *
  * Q5_0 (22 bytes): {fp16 d; u32 qh; u8 qs[16]}          w = (q - 16) * d
  * Q5_1 (24 bytes): {fp16 d; fp16 m; u32 qh; u8 qs[16]}  w = q * d + m
  *   weight l < 16: low nibble of qs[l], l >= 16: high nibble of qs[l - 16]; bit l of qh its
- *   fifth bit. Repacked with float32 d (and m): Z5 {f32 d; u32 qh; u8 qs[16]} (24 bytes), U5
- *   {f32 d; f32 m; u32 qh; u8 qs[16]} (28 bytes).
+ *   fifth bit. Repacked with float32 d (and m): Z5 {f32 d; u32 ~qh; u8 qs[16]} (24 bytes: the
+ *   fifth bits inverted, the lanes where 16 is subtracted), U5 {f32 d; f32 m; u32 qh; u8 qs[16]}
+ *   (28 bytes).
  * d * sc and dmin * mn are exact in float32 (11 by at most 8 significant bits), so each weight is
  * rounded once, as gguf-py rounds it: the de-quantised weights are bitwise gguf-py's (hence
  * transformers'), and the products are the float32 product over them up to the order of the sums
  * (several rows: tiles of de-quantised weights; one row of Q4_K/Q5_K: the factored
- * s * sum(q x) - mn * sum(x), as for Q4_1; one row of Q6_K multiplies the de-quantised weights).
+ * s * sum(q x) + m * sum(x), as for Q4_1, Q4_K a super-block at a time; one row of Q6_K
+ * multiplies the de-quantised weights; one row of Q5_0: d * sum((q - 16) x)).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #define QK_K 256
-#define K4_BYTES 152
+#define K4_BYTES 192
 #define K5_BYTES 184
-#define K6_BYTES 212
+#define K6_BYTES 320
 #define Z5_BYTES 24
 #define U5_BYTES 28
 
@@ -91,12 +100,33 @@ static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uin
                 const float v = half_to_float(b + 2 * k);
                 memcpy(o + 4 * k, &v, 4);
             }
-            memcpy(o + 4 * scales, b + 2 * scales, 20); /* qh, qs */
+            uint32_t qh;
+            memcpy(&qh, b + 2 * scales, 4);
+            if (type == Q5_0) qh = ~qh; /* Z5: the clear fifth bits (values16_5) */
+            memcpy(o + 4 * scales, &qh, 4);
+            memcpy(o + 4 * scales + 4, b + 2 * scales + 4, 16); /* qs */
         } else if (type == Q6_K) {
             const float d = half_to_float(b + 208);
-            memcpy(o, &d, 4);
-            memcpy(o + 4, b + 192, 16);       /* scales */
-            memcpy(o + 20, b, 128 + 64);      /* ql, qh */
+            for (int j = 0; j < 16; j++) {
+                const float s = d * (float)(int8_t)b[192 + j];
+                memcpy(o + 4 * j, &s, 4);
+            }
+            for (int w = 0; w < QK_K; w++) { /* weight 128h + 32r + l */
+                const int h = w >> 7, r = (w >> 5) & 3, l = w & 31;
+                const int lo = (b[64 * h + 32 * (r & 1) + l] >> (4 * (r >> 1))) & 0x0F;
+                const int hi = (b[128 + 32 * h + l] >> (2 * r)) & 0x03;
+                o[64 + w] = (uint8_t)(int8_t)((lo | (hi << 4)) - 32);
+            }
+        } else if (type == Q4_K) {
+            const float d = half_to_float(b), dmin = half_to_float(b + 2);
+            uint8_t sc[8], mn[8];
+            unpack_scales(b + 4, sc, mn);
+            for (int j = 0; j < 8; j++) {
+                const float s = d * (float)sc[j], m = -(dmin * (float)mn[j]);
+                memcpy(o + 4 * j, &s, 4);
+                memcpy(o + 32 + 4 * j, &m, 4);
+            }
+            memcpy(o + 64, b + 16, 128); /* qs */
         } else {
             const float d = half_to_float(b), dmin = half_to_float(b + 2);
             memcpy(o, &d, 4);
@@ -129,8 +159,9 @@ static inline void scale_min(const uint8_t *b, int j, float *d, float *m) {
 static inline void unpack_k4(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
     const uint8_t *b = wr + (i >> 3) * K4_BYTES;
     const int j = (int)(i & 7);
-    scale_min(b, j, d, m);
-    const uint8_t *qs = b + 24 + 32 * (j >> 1);
+    memcpy(d, b + 4 * j, 4);
+    memcpy(m, b + 32 + 4 * j, 4);
+    const uint8_t *qs = b + 64 + 32 * (j >> 1);
     const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
     for (int k = 0; k < 4; k++) q[k] = as_float8(bits8(qs + 8 * k, shift, 0x0F));
 }
@@ -151,19 +182,10 @@ static inline void unpack_k5(const uint8_t *wr, int64_t i, __m256 q[4], float *d
 /* the 32 weights' 6-bit values minus 32, as floats, and the scales of their two halves */
 static inline void values_k6(const uint8_t *wr, int64_t i, __m256 q[4], float s[2]) {
     const uint8_t *b = wr + (i >> 3) * K6_BYTES;
-    const int j = (int)(i & 7), h = j >> 2, r = j & 3;
-    float d;
-    memcpy(&d, b, 4);
-    s[0] = d * (float)(int8_t)b[4 + 2 * j];
-    s[1] = d * (float)(int8_t)b[5 + 2 * j];
-    const uint8_t *ql = b + 20 + 64 * h + 32 * (r & 1), *qh = b + 148 + 32 * h;
-    const __m128i shift = _mm_cvtsi32_si128(4 * (r >> 1)), hshift = _mm_cvtsi32_si128(2 * r);
-    const __m256i bias = _mm256_set1_epi32(32);
-    for (int k = 0; k < 4; k++) {
-        const __m256i lo = _mm256_castps_si256(bits8(ql + 8 * k, shift, 0x0F));
-        const __m256i hi = _mm256_castps_si256(bits8(qh + 8 * k, hshift, 0x03));
-        q[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias));
-    }
+    const int j = (int)(i & 7);
+    memcpy(s, b + 8 * j, 8);
+    for (int k = 0; k < 4; k++)
+        q[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 64 + 32 * j + 8 * k))));
 }
 
 static inline void dequant_k6(const uint8_t *wr, int64_t i, __m256 w[4]) {
@@ -183,6 +205,7 @@ static inline void unpack_k6(const uint8_t *wr, int64_t i, __m256 q[4], float *d
 static inline void values_5(const uint8_t *at, __m256 q[4], int bias) {
     uint32_t qh;
     memcpy(&qh, at, 4);
+    if (bias) qh = ~qh; /* Z5 holds the clear bits */
     const __m256i high = _mm256_set1_epi32((int)qh), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i one = _mm256_set1_epi32(1), offset = _mm256_set1_epi32(bias);
     for (int k = 0; k < 4; k++) { /* weights 8k .. 8k + 7: nibble k / 2 of bytes 8 (k % 2) .. */
@@ -234,6 +257,8 @@ DEFINE_MM(mm_z5, 8 * Z5_BYTES, dequant_z5, row_z5)
 DEFINE_MM(mm_u5, 8 * U5_BYTES, dequant_u5, row_u5)
 
 #ifdef HAVE_AVX512
+/* the K layouts take the 16-lane products up to this many rows of x, the 8-lane tiles above */
+#define KQUANT_ROWS_16 (1 << 30)
 /* ---- 16 lanes: the same values, 16 weights a register (a Q6_K register is one sub-block of
  * one scale) */
 static inline __m512i bits16(const uint8_t *p, __m128i shift, int mask) {
@@ -244,8 +269,9 @@ static inline __m512i bits16(const uint8_t *p, __m128i shift, int mask) {
 static inline void unpack16_k4(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
     const uint8_t *b = wr + (i >> 3) * K4_BYTES;
     const int j = (int)(i & 7);
-    scale_min(b, j, d, m);
-    const uint8_t *qs = b + 24 + 32 * (j >> 1);
+    memcpy(d, b + 4 * j, 4);
+    memcpy(m, b + 32 + 4 * j, 4);
+    const uint8_t *qs = b + 64 + 32 * (j >> 1);
     const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
     for (int k = 0; k < 2; k++) q[k] = _mm512_cvtepi32_ps(bits16(qs + 16 * k, shift, 0x0F));
 }
@@ -264,16 +290,11 @@ static inline void unpack16_k5(const uint8_t *wr, int64_t i, __m512 q[2], float 
 
 static inline void dequant16_k6(const uint8_t *wr, int64_t i, __m512 w[2]) {
     const uint8_t *b = wr + (i >> 3) * K6_BYTES;
-    const int j = (int)(i & 7), h = j >> 2, r = j & 3;
-    float d;
-    memcpy(&d, b, 4);
-    const uint8_t *ql = b + 20 + 64 * h + 32 * (r & 1), *qh = b + 148 + 32 * h;
-    const __m128i shift = _mm_cvtsi32_si128(4 * (r >> 1)), hshift = _mm_cvtsi32_si128(2 * r);
+    const int j = (int)(i & 7);
     for (int k = 0; k < 2; k++) {
-        const __m512i hi = _mm512_slli_epi32(bits16(qh + 16 * k, hshift, 0x03), 4);
-        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(bits16(ql + 16 * k, shift, 0x0F), hi),
-                                           _mm512_set1_epi32(32));
-        const float s = d * (float)(int8_t)b[4 + 2 * j + k];
+        const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 64 + 32 * j + 16 * k)));
+        float s;
+        memcpy(&s, b + 4 * (2 * j + k), 4);
         w[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s));
     }
 }
@@ -284,18 +305,22 @@ static inline void unpack16_k6(const uint8_t *wr, int64_t i, __m512 q[2], float 
     *m = 0.0f;
 }
 
-/* 16 lanes of Q5_0/Q5_1: low nibbles of the 16 bytes are weights 0-15, high ones 16-31 */
-static inline void values16_5(const uint8_t *at, __m512 q[2], int bias) {
-    uint32_t qh;
-    memcpy(&qh, at, 4);
-    const __m512i high = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1);
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int k = 0; k < 2; k++) {
-        const __m512i lo = bits16(at + 4, _mm_cvtsi32_si128(4 * k), 0x0F);
-        const __m512i bit = _mm512_and_si512(
-            _mm512_srlv_epi32(high, _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * k))), one);
+/* 16 lanes of Q5_0/Q5_1: low nibbles of the 16 bytes are weights 0-15, high ones 16-31; the
+ * fifth bits (bit l of qh: weight l) are the lanes of two mask registers, so a fifth bit costs
+ * one masked add (Q5_1: q + 16) or subtract (Q5_0: q - 16 where the bit is clear, which is the
+ * value q - 16 itself: the block's offset goes into the integers, exactly). The 8-lane code's
+ * per-lane variable shifts took 10 instructions per 16 weights, these 4 (one vpmovzxbd for
+ * all 32). */
+static inline void values16_5(const uint8_t *at, __m512 q[2], int z5) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 4)));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    const __m512i half[2] = {_mm512_and_si512(v, _mm512_set1_epi32(0x0F)), _mm512_srli_epi32(v, 4)};
+    for (int k = 0; k < 2; k++) { /* (Z5 holds the clear bits: no inversion here) */
+        uint16_t bits;
+        memcpy(&bits, at + 2 * k, 2);
         q[k] = _mm512_cvtepi32_ps(
-            _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(bit, 4)), _mm512_set1_epi32(bias)));
+            z5 ? _mm512_mask_sub_epi32(half[k], (__mmask16)bits, half[k], sixteen)
+               : _mm512_mask_add_epi32(half[k], (__mmask16)bits, half[k], sixteen));
     }
 }
 
@@ -303,7 +328,7 @@ static inline void unpack16_z5(const uint8_t *wr, int64_t i, __m512 q[2], float 
     const uint8_t *b = wr + i * Z5_BYTES;
     memcpy(d, b, 4);
     *m = 0.0f;
-    values16_5(b + 4, q, 16);
+    values16_5(b + 4, q, 1);
 }
 
 static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
@@ -321,22 +346,137 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
         for (int k = 0; k < 2; k++) w[k] = _mm512_add_ps(_mm512_mul_ps(w[k], dv), mv);          \
     }
 
+/* ROWS rows of x by one weight row outside the fixed order: each row's two products of a block
+ * go straight into its accumulator (two floating-point instructions a row and block where
+ * DEFINE_TILE16, whose order the fixed order keeps, takes three) */
+#define DEFINE_FAST_TILE16(NAME, DEQUANT, ROWS)                                                \
+    static inline void NAME(const float *x, int64_t K, const uint8_t *wr, int64_t nb,         \
+                            float *out, int64_t stride, float add) {                          \
+        __m512 acc[ROWS];                                                                     \
+        for (int t = 0; t < ROWS; t++) acc[t] = _mm512_setzero_ps();                          \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            __m512 w[2];                                                                      \
+            DEQUANT(wr, b, w);                                                                \
+            for (int t = 0; t < ROWS; t++) {                                                  \
+                const float *xr = x + t * K + b * QK;                                         \
+                acc[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16),                      \
+                                         _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[t])); \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < ROWS; t++) out[t * stride] = _mm512_reduce_add_ps(acc[t]) + add;  \
+    }
+
+/* as DEFINE_MM16 (no permuted x: these layouts widen in order), one row of x by ROW (a
+ * layout's own one-row loop), more rows by the 16-lane tiles at every M (kquant_mm: the
+ * 8-lane ones' unpacking costs twice the instructions here), outside the fixed order the
+ * DEFINE_FAST_TILE16 ones. The fixed order is DEFINE_MM16's: DEFINE_TILE16 for every M.
+ * Tried and dropped: four weight rows a pass at one row of x (x loaded once for four rows):
+ * 0.8x the time in one harness, 1.1-1.3x in another on the same matrices; and 16-row tiles
+ * at 32 rows: 1.03-1.06x the 8-row ones. */
+#define DEFINE_KMM16(NAME, BYTES_256, DEQUANT, ROW, OFFSET)                                    \
+    DEFINE_TILE16(NAME##_1, DEQUANT, 1)                                                       \
+    DEFINE_TILE16(NAME##_4, DEQUANT, 4)                                                       \
+    DEFINE_TILE16(NAME##_8, DEQUANT, 8)                                                       \
+    DEFINE_FAST_TILE16(NAME##_f4, DEQUANT, 4)                                                 \
+    DEFINE_FAST_TILE16(NAME##_f8, DEQUANT, 8)                                                 \
+    static int NAME(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,        \
+                    const float *bias, float *y, int64_t ldy, int threads) {                  \
+        const int64_t nb = K / QK, row_bytes = nb * (BYTES_256) / 8;                          \
+        const int fixed = fixed_order; /* this thread's: read before the parallel region */  \
+        if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed) {                                       \
+            float sx[MAX_ROW_BLOCKS];                                                         \
+            if (OFFSET) block_sums(x, nb, sx);                                                \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)")                 \
+            for (int64_t n = 0; n < N; n++)                                                   \
+                y[n] = ROW(x, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f);           \
+            return 0;                                                                         \
+        }                                                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++) {                                                     \
+            const uint8_t *wr = w + n * row_bytes;                                            \
+            const float add = bias ? bias[n] : 0.0f;                                          \
+            int64_t r = 0;                                                                    \
+            if (fixed) {                                                                      \
+                for (; r + 8 <= M; r += 8) NAME##_8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+                for (; r + 4 <= M; r += 4) NAME##_4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            } else {                                                                          \
+                for (; r + 8 <= M; r += 8) NAME##_f8(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+                for (; r + 4 <= M; r += 4) NAME##_f4(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add); \
+            }                                                                                 \
+            for (; r < M; r++) NAME##_1(x + r * K, K, wr, nb, y + r * ldy + n, ldy, add);     \
+        }                                                                                     \
+        return 0;                                                                             \
+    }
+
+/* One row of x by a K4 row, a super-block at a time: its eight float32 scales multiply the
+ * sub-blocks' sums of q x, and its eight offsets meet the sub-blocks' sums of x in one 8-lane
+ * product (the generic one-row loop spent as many scalar instructions finding a sub-block's
+ * scale and offset as vector ones multiplying it). */
+static inline float row16_k4(const float *x, const float *sx, const uint8_t *wr, int64_t nb) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 offset = _mm256_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K4_BYTES;
+        const float *xs = x + sb * QK_K;
+        float s[8];
+        memcpy(s, b, 32);
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(b + 32)), _mm256_loadu_ps(sx + 8 * sb), offset);
+        for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+            const uint8_t *qs = b + 64 + 32 * c;
+            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+            const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+            const float *xc = xs + 64 * c;
+            const __m512 p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v1, low)), _mm512_loadu_ps(xc + 16),
+                                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v0, low)), _mm512_loadu_ps(xc)));
+            const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4)), _mm512_loadu_ps(xc + 48),
+                                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4)), _mm512_loadu_ps(xc + 32)));
+            acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(s[2 * c]), p, acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_set1_ps(s[2 * c + 1]), r, acc[1]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(offset);
+}
+
+/* One row of x by a K6 row: 16 weights a register, de-quantised (one int8 widening and one
+ * scale), two accumulators */
+static inline float row16_k6(const float *x, const float *sx, const uint8_t *wr, int64_t nb) {
+    (void)sx;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K6_BYTES;
+        const float *xs = x + sb * QK_K;
+        float s[16];
+        memcpy(s, b, 64);
+        for (int j = 0; j < 16; j++) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 64 + 16 * j)));
+            const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[j]));
+            acc[j & 1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs + 16 * j), acc[j & 1]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+
+DEFINE_ROW16(row16_k5, unpack16_k5)
+DEFINE_ROW16(row16_u5, unpack16_u5)
+DEFINE_ROW16(row16_z5, unpack16_z5)
+
 DEFINE_DEQUANT16(dequant16_k4, unpack16_k4)
 DEFINE_DEQUANT16(dequant16_k5, unpack16_k5)
-DEFINE_MM16(mm16_k4, K4_BYTES, dequant16_k4, unpack16_k4, 0)
-DEFINE_MM16(mm16_k5, K5_BYTES, dequant16_k5, unpack16_k5, 0)
-DEFINE_MM16(mm16_k6, K6_BYTES, dequant16_k6, unpack16_k6, 0)
+DEFINE_KMM16(mm16_k4, K4_BYTES, dequant16_k4, row16_k4, 1)
+DEFINE_KMM16(mm16_k5, K5_BYTES, dequant16_k5, row16_k5, 1)
+DEFINE_KMM16(mm16_k6, K6_BYTES, dequant16_k6, row16_k6, 0)
 DEFINE_DEQUANT16(dequant16_z5, unpack16_z5)
 DEFINE_DEQUANT16(dequant16_u5, unpack16_u5)
-DEFINE_MM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, unpack16_z5, 0)
-DEFINE_MM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, unpack16_u5, 0)
+DEFINE_KMM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, row16_z5, 0)
+DEFINE_KMM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, row16_u5, 1)
 #endif
 
 static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
                      int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % (layout == Z5 || layout == U5 ? QK : QK_K) != 0) return -1;
 #ifdef HAVE_AVX512
-    if (M <= MAX_ROWS_16 || fixed_order) switch (layout) { /* fixed_order: _qkernels.c */
+    if (M <= KQUANT_ROWS_16 || fixed_order) switch (layout) { /* fixed_order: _qkernels.c */
     case K4: return mm16_k4(x, M, K, w, N, bias, y, ldy, threads);
     case K5: return mm16_k5(x, M, K, w, N, bias, y, ldy, threads);
     case K6: return mm16_k6(x, M, K, w, N, bias, y, ldy, threads);

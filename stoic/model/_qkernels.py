@@ -268,10 +268,10 @@ class Kernels:
     ) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
         products' layout once (float32 scales; Q4_0/Q4_1 nibbles reordered: 0.625-1.125 bytes a
-        weight; the K-quants keep theirs: 1.01-1.06x the file's bytes). ``fixed``: in the fixed
-        order (:class:`Product`): in bfloat16 where :attr:`bf16`, with (``bf16_copy``) a
-        bfloat16 copy of the weights (2 bytes a weight) that steps of several rows read; without
-        it they de-quantise in registers, bitwise the same results, slower.
+        weight; the K-quants: 1.05-1.52x the file's bytes, ``_kquants.c`` says why). ``fixed``:
+        in the fixed order (:class:`Product`): in bfloat16 where :attr:`bf16`, with
+        (``bf16_copy``) a bfloat16 copy of the weights (2 bytes a weight) that steps of several
+        rows read; without it they de-quantise in registers, bitwise the same results, slower.
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
