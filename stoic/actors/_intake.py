@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
-from ..model import GrammarBackend, TokenCodec
+from ..model import GrammarBackend, Request, TokenCodec
 from ..runtime import Actor, ActorRef, Reply
 from ._health import EngineHealth
 from ._messages import Abort, AddSequence, IntakeMsg, SchedulerMsg, Submit
@@ -122,8 +122,35 @@ class Intake(Actor[IntakeMsg]):
                     f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
                     param=param,
                 )
+        if request.generated:
+            self._check_generated(request, max_tokens)
         stream = ResultStream(request.request_id, prompt_len, on_close=self._closed)
         return AddSequence(request, tuple(ids), max_tokens, stream)
+
+    def _check_generated(self, request: Request, max_tokens: int) -> None:
+        """Check a continued request's ``generated`` tokens against its budget and vocabulary.
+
+        :raises ~stoic.errors.InvalidRequest: a token outside the vocabulary, as many tokens
+            as ``max_tokens`` or more (nothing would be left to generate), or a constraint.
+        """
+        generated = request.generated
+        vocab = self._codec.vocab_size
+        bad = next((t for t in generated if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"generated token id {bad} is outside the vocabulary (0 to {vocab - 1})",
+                param="generated",
+            )
+        if len(generated) >= max_tokens:
+            raise InvalidRequest(
+                f"{len(generated)} tokens already generated leave nothing to generate within "
+                f"max_tokens={max_tokens}",
+                param="generated",
+            )
+        if request.params.constraint is not None:
+            raise InvalidRequest(
+                "a request with generated tokens cannot be constrained", param="generated"
+            )
 
     def _closed(self, stream: ResultStream) -> None:
         self.outstanding -= 1

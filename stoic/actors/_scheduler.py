@@ -85,7 +85,8 @@ class Scheduler(Actor[SchedulerMsg]):
         core, log = self.core, self.context.log
         match message:
             case AddSequence(request_id, prompt_ids, params, max_tokens, stream):
-                core.add(request_id, prompt_ids, params, max_tokens, stream)
+                generated = tuple(message.request.generated)
+                core.add(request_id, prompt_ids, params, max_tokens, stream, generated)
                 await self._step()
             case Abort(request_id=request_id):
                 seq = core.abort(request_id)

@@ -29,9 +29,10 @@ class Request:
     """What to generate from and how: a prompt (text or token ids) or chat ``messages``, and the
     :class:`SamplingParams`.
 
-    Plain data, picklable (it crosses to Ray replicas as it is). The token ids of ``prompt`` and
-    the ``messages`` are kept as tuples; an empty or missing ``request_id`` gets a fresh one.
-    Validation happens in the engine's intake (:meth:`stoic.Engine.submit` raises it).
+    Plain data, picklable (it crosses to Ray replicas as it is). The token ids of ``prompt``,
+    the ``messages`` and ``generated`` are kept as tuples; an empty or missing ``request_id``
+    gets a fresh one. Validation happens in the engine's intake (:meth:`stoic.Engine.submit`
+    raises it).
     """
 
     #: text, or token ids (kept as a tuple); ``None`` with ``messages``
@@ -48,12 +49,21 @@ class Request:
     add_special_tokens: bool = True
     #: the chat template ends with the assistant's turn opening
     add_generation_prompt: bool = True
+    #: tokens this request already generated (on a replica that died): the engine continues
+    #: after them exactly as after its own ``--recovery resume``. They are output for every
+    #: rule (they count toward ``max_tokens`` and ``min_tokens``, penalties see them, a
+    #: ``seed``'s random stream continues at their count) but are not streamed again: the
+    #: stream, its ``completion_tokens`` and a partial output carry the new tokens only.
+    #: Not with a ``constraint``.
+    generated: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if self.prompt is not None and not isinstance(self.prompt, str | tuple):
             object.__setattr__(self, "prompt", tuple(self.prompt))
         if self.messages is not None and not isinstance(self.messages, tuple):
             object.__setattr__(self, "messages", tuple(self.messages))
+        if not isinstance(self.generated, tuple):
+            object.__setattr__(self, "generated", tuple(self.generated))
         if not self.request_id:
             object.__setattr__(self, "request_id", new_request_id())
 

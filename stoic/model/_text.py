@@ -81,7 +81,7 @@ class Detokenizer:
     ``backend`` is a ``tokenizers.Tokenizer`` (a transformers tokenizer's ``backend_tokenizer``).
     ``generated``: tokens generated before this decoder took over (a migrated request's): they
     are decoded first, without matching stop strings, and count towards ``min_tokens``;
-    ``emitted``: how many characters of their text the client already has.
+    ``emitted``: how many characters of their text the client already has (None: all of it).
     """
 
     __slots__ = (
@@ -103,7 +103,7 @@ class Detokenizer:
         min_tokens: int = 0,
         skip_special_tokens: bool = True,
         generated: Sequence[int] = (),
-        emitted: int = 0,
+        emitted: int | None = None,
     ) -> None:
         self._backend = backend
         self._decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -116,7 +116,7 @@ class Detokenizer:
         for tid in generated:
             self._step(tid)
         self._count = len(generated)
-        self._emitted = emitted
+        self._emitted = len(self.text) if emitted is None else emitted
 
     def token_text(self, token_id: int) -> str:
         """One token as text, the way OpenAI's logprobs show it (``" it"``, not ``"Ġit"``)."""

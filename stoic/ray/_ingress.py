@@ -3,8 +3,9 @@ that stoic's own HTTP application (one code path) serves a Ray deployment.
 
 Requests go to the replicas through a streaming deployment handle (Serve routes them: power of
 two choices on ongoing requests). When the replica holding a stream dies or its engine fails,
-the stream *migrates*: the request is sent again, to whichever replica Serve picks, as its
-prompt plus the tokens generated so far with the rest of its ``max_tokens`` budget, and the
+the stream *migrates*: the request is sent again, to whichever replica Serve picks, with the
+tokens generated so far as its :attr:`~stoic.Request.generated` (the replica continues after them
+as after its own ``--recovery resume``: same budget, same random stream, same penalties), and the
 client sees a pause (:class:`MigratingStream`).
 """
 
@@ -181,10 +182,14 @@ class MigratingStream:
     :class:`~stoic.http.RequestStreamLike`).
 
     Iteration raises what a :class:`stoic.RequestStream` raises. When the replica dies or its
-    engine fails mid-stream, the request continues on another replica from the tokens generated
-    so far (greedy float32 output is exactly the uninterrupted one; a ``seed`` restarts its
-    random stream; a constrained request is not migrated). :meth:`aclose` cancels the call on
-    the replica, which aborts the request there and frees its KV blocks.
+    engine fails mid-stream, the request continues on another replica after the tokens generated
+    so far (sent as its ``generated``: they count toward ``max_tokens`` and ``min_tokens``, the
+    penalties see them, a ``seed``'s random stream goes on at their count). Its output is then
+    the uninterrupted one wherever the replicas compute the same logits: in float32, or with
+    ``deterministic`` (greedy and seeded alike). A constrained request is not migrated.
+    The client's usage is the ingress's own count: the first admission's prompt tokens, every
+    token generated once. :meth:`aclose` cancels the call on the replica, which aborts the
+    request there and frees its KV blocks.
     """
 
     def __init__(self, engine: RayEngine, request: Request) -> None:
@@ -282,25 +287,23 @@ class MigratingStream:
         await self._start(self._continuation_request())
 
     def _continuation_request(self) -> Request:
+        """The request that continues this one on another replica: its prompt's token ids, its
+        own budget (``max_tokens``, ``min_tokens``) and the tokens generated so far as
+        ``generated``; stop strings are left to the ingress (a stop string may span the
+        migration: :class:`~stoic.ray._redecode.Continuation` cuts them)."""
         original = self._request
         params = original.params
         if self._prompt_ids is None:
             self._prompt_ids = self._original_prompt_ids()
-        generated = self._base = len(self._ids)
-        remaining = None if params.max_tokens is None else params.max_tokens - generated
-        continued = dataclasses.replace(
-            params,
-            max_tokens=remaining,
-            min_tokens=max(0, params.min_tokens - generated),
-            stop=(),  # cut by the ingress (Continuation): a stop string may span the migration
-        )
+        self._base = len(self._ids)
         self._continuation = Continuation(
             self._engine.codec.tokenizer.backend_tokenizer, params, self._ids, "".join(self._text)
         )
         return Request(
-            (*self._prompt_ids, *self._ids),
-            continued,
+            tuple(self._prompt_ids),
+            dataclasses.replace(params, stop=()),
             request_id=f"{original.request_id}~m{self.migrations}",
+            generated=tuple(self._ids),
         )
 
     def _original_prompt_ids(self) -> list[int]:

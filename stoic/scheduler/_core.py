@@ -186,8 +186,11 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
         params: SamplingParams,
         max_tokens: int,
         stream: Stream,
+        generated: tuple[int, ...] = (),
     ) -> Sequence | None:
-        """Queue a new sequence; if the engine is failed or draining, end its stream instead."""
+        """Queue a new sequence (continuing after ``generated``, the tokens its request generated
+        before: see :class:`Sequence`); if the engine is failed or draining, end its stream
+        instead."""
         if self.failed is not None:
             stream.fail(EngineFailed(f"engine failed: {self.failed}"))
             return None
@@ -195,7 +198,14 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             stream.fail(EngineStopped())
             return None
         seq = Sequence(
-            self._next_seq_id, request_id, prompt_ids, params, max_tokens, stream, self._tokenizer
+            self._next_seq_id,
+            request_id,
+            prompt_ids,
+            params,
+            max_tokens,
+            stream,
+            self._tokenizer,
+            generated,
         )
         self._next_seq_id += 1
         self._by_request[request_id] = seq

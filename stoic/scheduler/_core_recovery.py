@@ -123,7 +123,7 @@ class CoreRecovery:
             self.budget.out_of_memory()
         if self.cfg.recovery == "resume":
             return self._resume(batch, error, kind)._replace(charged=charged)
-        queued = [seq for seq in self._waiting if seq.num_generated == 0]
+        queued = [seq for seq in self._waiting if seq.num_new == 0]
         for seq in queued:
             self._waiting.remove(seq)
         count = self.fail_all(lambda seq: failed_error(seq, error, kind, seq.seq_id in prefilling))

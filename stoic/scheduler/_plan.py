@@ -123,7 +123,7 @@ def plan_step(
             seq.num_computed = start
             seq.committed_blocks = shared
             cached_tokens += start
-            if seq.num_generated == 0 and not seq.stream.cached_tokens:
+            if seq.num_new == 0 and not seq.stream.cached_tokens:
                 # what the client is told (usage.prompt_tokens_details.cached_tokens): the
                 # first admission's hit; a readmission after preemption is stoic's business
                 seq.stream.cached_tokens = min(start, seq.prompt_len)

@@ -81,9 +81,15 @@ class Sequence:
     ``num_computed`` counts the tokens whose keys/values are in the cache; the tokens still to feed
     are ``all_ids[num_computed:]`` (the whole prompt at first, then the last sampled token; after a
     preemption everything again, recomputed).
+
+    ``generated``: tokens the request generated before (:attr:`stoic.Request.generated`). The
+    sequence starts as one resumed after them: they are output (``all_ids`` is the prompt and
+    them, ``num_generated`` counts them) and its detokenizer is primed with them, but neither
+    they nor their text reach the stream or :meth:`partial` (``continued`` counts them).
     """
 
     __slots__ = (
+        "_continued_chars",
         "_detok",
         "_pending_ids",
         "_pending_logprobs",
@@ -91,6 +97,7 @@ class Sequence:
         "all_ids",
         "block_table",
         "committed_blocks",
+        "continued",
         "finish_reason",
         "hashes",
         "max_tokens",
@@ -116,11 +123,14 @@ class Sequence:
         max_tokens: int,
         stream: Stream,
         tokenizer: Any,
+        generated: tuple[int, ...] = (),
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
-        self.all_ids: list[int] = list(prompt_ids)
+        self.all_ids: list[int] = [*prompt_ids, *generated]
         self.prompt_len = len(prompt_ids)
+        #: output tokens the request came with (generated before; never streamed from here)
+        self.continued = len(generated)
         self.params = params
         self.max_tokens = max_tokens
         self.stream = stream
@@ -138,7 +148,10 @@ class Sequence:
             stop=params.stop,
             min_tokens=params.min_tokens,
             skip_special_tokens=params.skip_special_tokens,
+            generated=generated,
         )
+        #: characters of the primed text (``generated``'s): not part of :meth:`partial`
+        self._continued_chars = len(self._detok.text)
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[TokenLogprob] = []
         self._prompt_text: str | None = None
@@ -152,6 +165,11 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.all_ids) - self.prompt_len
+
+    @property
+    def num_new(self) -> int:
+        """Tokens generated here: ``num_generated`` less the ones the request came with."""
+        return self.num_generated - self.continued
 
     @property
     def output_ids(self) -> list[int]:
@@ -171,11 +189,17 @@ class Sequence:
 
     @property
     def text(self) -> str:
-        """The text generated so far (detokenised up to the last :meth:`detokenize`)."""
+        """The text generated so far (detokenised up to the last :meth:`detokenize`), the
+        request's ``generated`` tokens' included."""
         return self._detok.text
 
     def partial(self) -> PartialOutput:
-        return PartialOutput(text=self.text, token_ids=tuple(self.output_ids))
+        """What the stream carried so far: the tokens generated here and their text (not the
+        ``generated`` tokens the request came with)."""
+        return PartialOutput(
+            text=self.text[self._continued_chars :],
+            token_ids=tuple(self.all_ids[self.prompt_len + self.continued :]),
+        )
 
     def append(self, token: SampledToken, eos_ids: frozenset[int]) -> None:
         """Add a sampled token and apply the token-level stop conditions."""

@@ -3,6 +3,7 @@ client gets, and where it stops."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,21 +137,32 @@ async def read(stream: Any) -> tuple[str, list[int], list[Delta]]:
 async def test_a_stream_moves_with_its_prompt_and_tokens_and_keeps_its_text(
     codec: TokenCodec, output_ids: list[int]
 ) -> None:
-    """The replica dies after k tokens: the next replica gets the prompt's ids plus those k
-    tokens with max_tokens - k (min_tokens - k); the client's text, token ids and counts are
-    exactly the uninterrupted request's, whatever k."""
+    """The replica dies after k tokens: the next replica gets the prompt's ids, those k tokens
+    as ``generated`` and the original params (its whole budget: the replica counts the k
+    tokens in it; the seed and penalties as they were) less the stop strings, which the ingress
+    cuts; the client's text, token ids and counts are exactly the uninterrupted request's,
+    whatever k."""
     n = len(output_ids)
     for k in range(1, n):
         handle = FakeHandle([dies_after(codec, output_ids[:k]), finishes(codec, output_ids[k:])])
-        params = SamplingParams(max_tokens=n, min_tokens=n - 1, temperature=0)
+        params = SamplingParams(
+            max_tokens=n,
+            min_tokens=n - 1,
+            temperature=0.8,
+            seed=5,
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            stop=("never seen",),
+        )
         stream = await engine(codec, handle).submit(Request(PROMPT, params, request_id="x"))
         text, ids, got = await read(stream)
         assert (text, ids) == (OUTPUT, output_ids), k
         assert [d.completion_tokens for d in got] == list(range(1, n + 1))
         assert {d.prompt_tokens for d in got} == {4}  # the original prompt's
         moved = handle.requests[1]
-        assert moved.prompt == (*codec.tokenize(Request(PROMPT)), *output_ids[:k])
-        assert (moved.params.max_tokens, moved.params.min_tokens) == (n - k, n - 1 - k)
+        assert moved.prompt == tuple(codec.tokenize(Request(PROMPT)))
+        assert moved.generated == tuple(output_ids[:k])
+        assert moved.params == dataclasses.replace(params, stop=())
         assert moved.request_id != "x" and moved.messages is None
         assert stream.migrations == 1 and stream.replicas == ["a", "b"]
         assert handle.calls[0].cancelled
@@ -162,9 +174,8 @@ async def test_a_stream_moves_at_most_max_migrations_times(
     """Past its migrations the request ends with EngineFailed carrying what it generated."""
 
     def dies_after_two(r: Request) -> list[Any]:
-        start = (
-            0 if isinstance(r.prompt, str) else len(r.prompt) - len(codec.tokenize(Request(PROMPT)))
-        )
+        start = len(r.generated)
+        assert r.generated == tuple(output_ids[:start])
         ids = output_ids[start : start + 2]
         return [Admitted(r.request_id, 4, "a"), *deltas(codec, ids, last=False), ActorDiedError()]
 
@@ -174,7 +185,7 @@ async def test_a_stream_moves_at_most_max_migrations_times(
         await read(stream)
     assert raised.value.partial is not None
     assert raised.value.partial.token_ids == tuple(output_ids[:6])
-    assert len(handle.requests) == 3
+    assert [len(r.generated) for r in handle.requests] == [0, 2, 4]
 
 
 async def test_a_constrained_request_does_not_move(

@@ -1,0 +1,129 @@
+"""``Request.generated``: a request that continues after tokens it generated before (a Ray
+migration's) gives exactly the rest of the uninterrupted output, greedy, seeded and penalised;
+its stream carries only the new tokens; bad ``generated`` tokens are refused at admission.
+
+The tiny model in float32: a continuation must equal the uninterrupted output token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+from support import engine_config, wait_idle
+
+import stoic
+from stoic.errors import InvalidRequest
+from stoic.model import Constraint, Detokenizer
+
+pytestmark = [pytest.mark.model, pytest.mark.asyncio]
+
+TOKENS = 20
+PROMPT = "Write about the number 7 and the number 7 again."
+PARAMS = {
+    "greedy": stoic.SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True),
+    "seeded": stoic.SamplingParams(
+        max_tokens=TOKENS, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True
+    ),
+    "penalised": stoic.SamplingParams(
+        max_tokens=TOKENS,
+        min_tokens=TOKENS - 2,
+        temperature=0.8,
+        seed=3,
+        presence_penalty=0.6,
+        frequency_penalty=0.9,
+        logprobs=True,
+    ),
+}
+#: where the continuations start (tokens already generated)
+SPLITS = (1, 9, TOKENS - 1)
+
+
+async def _streamed(
+    stream: stoic.RequestStream,
+) -> tuple[str, tuple[int, ...], list[stoic.Delta]]:
+    got = [d async for d in stream]
+    return "".join(d.text for d in got), tuple(t for d in got for t in d.token_ids), got
+
+
+@pytest.mark.parametrize("kind", list(PARAMS))
+async def test_a_continuation_generates_exactly_the_rest_of_the_output(
+    tiny_model_dir: Path, kind: str
+) -> None:
+    """The request alone gives tokens T; the same request with ``generated=T[:k]`` (for several
+    k, all at once, in one batch) streams exactly T[k:] (their logprobs, to rounding), the text after
+    T[:k]'s, the same finish reason; ``max_tokens`` and ``min_tokens`` count T[:k]; its usage
+    counts the original prompt and the new tokens only."""
+    params = PARAMS[kind]
+    async with stoic.Engine.start(engine_config(tiny_model_dir, executor="thread")) as engine:
+        whole = await engine.complete(PROMPT, params)
+        tokens = whole.token_ids
+        assert len(tokens) == TOKENS and whole.finish_reason == "length"
+        streams = [await engine.submit(PROMPT, params, generated=tokens[:k]) for k in SPLITS]
+        outputs = await asyncio.gather(*(_streamed(s) for s in streams))
+        backend = engine.tokenizer.backend_tokenizer
+        for k, (text, ids, deltas) in zip(SPLITS, outputs, strict=True):
+            assert ids == tokens[k:], (kind, k)
+            before = Detokenizer(backend, generated=tokens[:k]).text
+            assert before + text == whole.text, (kind, k)
+            assert deltas[-1].finish_reason == whole.finish_reason
+            assert deltas[-1].prompt_tokens == whole.prompt_tokens
+            assert deltas[-1].completion_tokens == TOKENS - k
+            if params.logprobs:
+                assert whole.logprobs is not None
+                got = [lp for d in deltas for lp in d.logprobs or ()]
+                want = whole.logprobs[k:]
+                assert [t.token_id for t in got] == [t.token_id for t in want]
+                # float32 without deterministic mode: a batch's sums may round differently
+                assert [t.logprob for t in got] == pytest.approx(
+                    [t.logprob for t in want], abs=1e-4
+                )
+        await wait_idle(engine)
+
+
+async def test_the_old_way_of_continuing_differs(tiny_model_dir: Path) -> None:
+    """The continuation the ingress sent before ``generated`` existed (the tokens so far
+    appended to the prompt, the budget reduced) does not give the rest of a seeded or
+    penalised request: what the test above checks is not true by accident."""
+    async with stoic.Engine.start(engine_config(tiny_model_dir, executor="thread")) as engine:
+        for kind in ("seeded", "penalised"):
+            params = PARAMS[kind]
+            whole = await engine.complete(PROMPT, params)
+            k = 9
+            prompt = (*engine.tokenize(PROMPT), *whole.token_ids[:k])
+            old = dataclasses.replace(
+                params, max_tokens=TOKENS - k, min_tokens=max(0, params.min_tokens - k)
+            )
+            assert (await engine.complete(prompt, old)).token_ids != whole.token_ids[k:], kind
+
+
+async def test_bad_generated_tokens_are_refused_and_the_engine_still_serves(
+    tiny_model_dir: Path,
+) -> None:
+    """Ids outside the vocabulary, as many tokens as ``max_tokens`` (or the context leaves),
+    or a constraint: InvalidRequest naming ``generated``, before any output; the engine serves
+    the next request as before."""
+    params = PARAMS["greedy"]
+    async with stoic.Engine.start(engine_config(tiny_model_dir, executor="thread")) as engine:
+        expected = (await engine.complete(PROMPT, params)).token_ids
+        constrained = stoic.SamplingParams(
+            max_tokens=8, constraint=Constraint(kind="regex", text="[a-z ]+")
+        )
+        unbounded = stoic.SamplingParams(max_tokens=None)
+        left = engine.max_model_len - len(engine.tokenize(PROMPT))
+        bad = [
+            (params, (1, 2, 10**9)),
+            (params, (-1,)),
+            (params, tuple(expected)),
+            (params, (*expected, 5)),
+            (unbounded, (5,) * left),
+            (constrained, (5,)),
+        ]
+        for p, generated in bad:
+            with pytest.raises(InvalidRequest) as raised:
+                await engine.submit(PROMPT, p, generated=generated)
+            assert raised.value.param == "generated", generated[:3]
+        assert (await engine.complete(PROMPT, params)).token_ids == expected
+        await wait_idle(engine)
