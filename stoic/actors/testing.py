@@ -127,16 +127,17 @@ class SchedulerHarness:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        generated: tuple[int, ...] = (),
     ) -> ResultStream:
-        """Admit a request (text is encoded with the harness's tokenizer)."""
+        """Admit a request (text is encoded with the harness's tokenizer), continuing after
+        ``generated`` when given."""
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         rid = request_id or f"req-{self._next_id}"
         self._next_id += 1
         stream = ResultStream(rid, len(ids))
         self.streams.append(stream)
-        self.core.add(
-            rid, tuple(ids), params or SamplingParams(max_tokens=max_tokens), max_tokens, stream
-        )
+        params = params or SamplingParams(max_tokens=max_tokens)
+        self.core.add(rid, tuple(ids), params, max_tokens, stream, generated)
         return stream
 
     def start_step(self) -> StepBatch | None:

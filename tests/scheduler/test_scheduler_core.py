@@ -116,6 +116,33 @@ def test_a_result_from_a_fenced_incarnation_changes_nothing() -> None:
     h.check()
 
 
+def test_a_continued_sequence_counts_its_generated_tokens_but_streams_only_new_ones() -> None:
+    """A request continued after ``generated`` tokens: its context is prefilled with them, its
+    chunks count them (``num_generated``, the seed's position; ``output_ids``, the penalties'),
+    they count toward ``max_tokens``, and its stream and an executor failure's partial output
+    carry only the tokens generated after them; a continuation not yet stepped stays queued
+    through an executor failure, as a fresh request does."""
+    h = create_scheduler(max_num_seqs=1)
+    penalised = SamplingParams(max_tokens=5, presence_penalty=0.5)
+    stream = h.add("hello", 5, penalised, generated=tuple(b"fg"))
+    queued = h.add("world", 5, generated=tuple(b"fg"))
+    h.step()
+    chunk = h.batches[-1].chunks[0]
+    assert chunk.token_ids == tuple(b"hellofg") and chunk.sample
+    assert (chunk.num_generated, chunk.output_ids) == (2, tuple(b"fg"))
+    h.step()
+    assert h.batches[-1].chunks[0].num_generated == 3
+    h.executor_down(RuntimeError("boom"))
+    error = drain(stream)[2]
+    assert isinstance(error, ExecutorFailed) and error.partial is not None
+    assert (error.partial.token_ids, error.partial.text) == (tuple(b"hi"), "hi")
+    assert not queued.done
+    h.run_until_idle()
+    h.check()
+    assert drain(queued) == ("hij", "length", None)
+    assert queued.prompt_tokens == 5
+
+
 def test_a_result_for_another_step_is_fenced() -> None:
     """A result whose step id is not the one in flight is dropped."""
     h = create_scheduler()
