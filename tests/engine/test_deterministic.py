@@ -1,6 +1,7 @@
 """``deterministic=True`` in the fast dtype (``dtype="auto"``, the default model's quantised
 weights): every request's tokens and their logprobs are bitwise the same alone, in a batch of
-16, with its prompt chunked by a small step budget, with its prompt from the prefix cache, and
+16, with its prompt chunked by a small step budget, with its prompt from the prefix cache,
+continued from its first tokens (``Request.generated``, a Ray migration's continuation) and
 resumed after a ``kill -9`` of the worker process; greedy and seeded sampling alike."""
 
 from __future__ import annotations
@@ -123,6 +124,31 @@ async def test_prefix_cached_equals_alone_bitwise(
     before = engine.stats().prefix_cached_tokens
     assert await _batched(engine, _requests()) == reference[0]
     assert engine.stats().prefix_cached_tokens - before >= 16 * 16
+
+
+#: where the continuations of the first four requests (two greedy, two seeded) start
+_SPLITS = (1, 37, 80, TOKENS - 1)
+
+
+@pytest.mark.timeout(900)
+async def test_continued_from_generated_equals_alone_bitwise(
+    reference: Any, chunking_engine: tuple[stoic.Engine, list[Outcome]]
+) -> None:
+    """Requests 0-3 sent again with ``generated=`` the first k of their reference tokens (a Ray
+    migration's continuation), in one batch with requests 4-7 sent afresh, their contexts
+    prefilled in 16-token chunks: each continuation streams exactly the rest of its reference
+    tokens and logprobs, greedy and seeded, and the fresh ones their own. What makes a Ray
+    migration exact in the fast dtype with ``deterministic``."""
+    engine, alone = chunking_engine[0], reference[0]
+    requests = _requests()
+    streams = [
+        await engine.submit(p, params, generated=alone[i][0][:k])
+        for i, (k, (p, params)) in enumerate(zip(_SPLITS, requests, strict=False))
+    ] + [await engine.submit(p, params) for p, params in requests[4:8]]
+    got = await asyncio.wait_for(asyncio.gather(*(_Reader(s).until(None) for s in streams)), 600)
+    for i, k in enumerate(_SPLITS):
+        assert got[i] == (alone[i][0][k:], alone[i][1][k:]), (i, k)
+    assert got[4:] == alone[4:8]
 
 
 @pytest.mark.timeout(900)
