@@ -77,6 +77,9 @@ _FIXED_ORDER = 0x10000
 #: the fixed order in bfloat16 (``_bf16fixed.c``; ``--deterministic`` where the CPU has
 #: AVX512_BF16): the pointer is a descriptor of the repacked blocks and their bfloat16 copy
 _BF16FIXED = 120
+#: or'ed with a layout: one-row products quantise the row of activations to int8 per block of
+#: 32 and multiply with integer dot products (``INT8_ROWS`` in ``_qkernels.c``; ``_int8rows.c``)
+_INT8_ROWS = 0x20000
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);
@@ -90,6 +93,10 @@ _AVX512_FLAGS = ("-mavx512f",)
 #: with AVX-512F and AVX512_BF16 too, ``--deterministic``'s products are bfloat16 dot products
 #: (``_bf16fixed.c``); without, they stay FIXED_ORDER's float32 tiles
 _BF16_FLAGS = ("-mavx512bf16",)
+#: with AVX-512F and AVX512_VNNI (and BW, VL), one-row products of a model in a fast dtype
+#: take int8 activations (``_int8rows.c``; :attr:`Kernels.int8_rows`)
+_VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
+_VNNI_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512_vnni")
 _COMPILE_TIMEOUT_S = 120.0
 _log = get_logger("stoic.model")
 get_threads = torch.get_num_threads
@@ -109,7 +116,12 @@ class Product:
 
     ``bf16``: a fixed-order product in bfloat16 (``_bf16fixed.c``): ``(descriptor, copy)``, the
     int64 descriptor the kernels read (layout ``BF16FIXED``) and the bfloat16 copy of the
-    weights (None: every step de-quantises in registers); ``packed`` the repacked blocks."""
+    weights (None: every step de-quantises in registers); ``packed`` the repacked blocks.
+
+    ``int8_rows``: a product of one row quantises it to int8 per block of 32 (a scale each) and
+    multiplies by integer dot products where the kernels have them (:attr:`Kernels.int8_rows`;
+    ``_int8rows.c`` states the numerics): not the float32 product, so only for a model in a fast
+    dtype; ignored with ``fixed`` and by layouts without an int8 product (the K-quants)."""
 
     __slots__ = (
         "_bf16",
@@ -118,6 +130,7 @@ class Product:
         "_qmm",
         "cols",
         "fixed",
+        "int8_rows",
         "kind",
         "layout",
         "parts",
@@ -135,12 +148,15 @@ class Product:
         *,
         fixed: bool = False,
         bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        int8_rows: bool = False,
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
         self.fixed = fixed or bf16 is not None
+        self.int8_rows = int8_rows and not self.fixed
         self._bf16 = bf16
         self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if self.fixed else 0)
+        self.layout |= _INT8_ROWS if self.int8_rows else 0
         if bf16 is not None:
             self.layout = _BF16FIXED | _FIXED_ORDER
         self.rows: int = sum(p.rows for p in parts) if parts else int(packed.shape[0])
@@ -234,6 +250,12 @@ class Kernels:
         #: whether fixed-order products compute in bfloat16 here (``_bf16fixed.c``: a CPU with
         #: AVX512_BF16); else in float32 on the blocks (FIXED_ORDER's tiles)
         self.bf16 = bool(lib.stoic_bf16_fixed())
+        #: whether one-row products can take int8 activations here (``_int8rows.c``: a CPU with
+        #: AVX-512 VNNI; False for a library built before them)
+        probe = getattr(lib, "stoic_int8_rows", None)
+        if probe is not None:
+            probe.argtypes, probe.restype = [], i32
+        self.int8_rows = bool(probe()) if probe is not None else False
         #: the layer kernels (:mod:`._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
@@ -265,6 +287,7 @@ class Kernels:
         *,
         fixed: bool = False,
         bf16_copy: bool = True,
+        int8_rows: bool = False,
     ) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
         products' layout once (float32 scales; Q4_0/Q4_1 nibbles reordered: 0.625-1.125 bytes a
@@ -272,6 +295,8 @@ class Kernels:
         in the fixed order (:class:`Product`): in bfloat16 where :attr:`bf16`, with
         (``bf16_copy``) a bfloat16 copy of the weights (2 bytes a weight) that steps of several
         rows read; without it they de-quantise in registers, bitwise the same results, slower.
+        ``int8_rows``: one-row products with int8 activations where :attr:`int8_rows`
+        (:class:`Product`).
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
@@ -293,7 +318,7 @@ class Kernels:
         bf16 = self._bf16_of(kind, packed, n, cols, bf16_copy) if fixed and self.bf16 else None
         return Product(
             self._qmm, kind, packed, cols, None if bias is None else bias.contiguous(),
-            fixed=fixed, bf16=bf16,
+            fixed=fixed, bf16=bf16, int8_rows=int8_rows and self.int8_rows,
         )  # fmt: skip
 
     def _bf16_of(
@@ -318,6 +343,7 @@ class Kernels:
         *,
         fixed: bool = False,
         bf16_copy: bool = True,
+        int8_rows: bool = False,
     ) -> Product:
         """:meth:`bind` for the matrix made of ``parts`` (``(kind, blocks)``, one below the
         other, of one width) whose types differ: one product, each part multiplied by its own
@@ -326,7 +352,7 @@ class Kernels:
         :raises ValueError: if a part does not fit, or the parts differ in width.
         """
         products = tuple(
-            self.bind(kind, blocks, None, fixed=fixed, bf16_copy=bf16_copy)
+            self.bind(kind, blocks, None, fixed=fixed, bf16_copy=bf16_copy, int8_rows=int8_rows)
             for kind, blocks in parts
         )
         if not products or len({p.cols for p in products}) != 1:
@@ -346,6 +372,7 @@ class Kernels:
             None if bias is None else bias.contiguous(),
             products,
             fixed=fixed,
+            int8_rows=int8_rows and self.int8_rows,
         )
 
     def dequantize(self, kind: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
@@ -383,7 +410,8 @@ def _flags() -> tuple[str, ...]:
     cpu = _cpu_flags()
     if "avx512f" not in cpu:
         return _BASE_FLAGS
-    return _BASE_FLAGS + _AVX512_FLAGS + (_BF16_FLAGS if "avx512_bf16" in cpu else ())
+    vnni = _VNNI_FLAGS if all(f in cpu for f in _VNNI_CPU_FLAGS) else ()
+    return _BASE_FLAGS + _AVX512_FLAGS + vnni + (_BF16_FLAGS if "avx512_bf16" in cpu else ())
 
 
 def _compiler() -> str | None:
@@ -397,7 +425,9 @@ def _compiler() -> str | None:
 #: ``_cops.c``: the bfloat16 prefill's elementwise operators; ``_bf16fixed.c``: the bfloat16
 #: fixed-order products of ``--deterministic``; ``_rows_attention.c``: prefill chunks' attention
 #: in deterministic mode)
-_SOURCES = ("_qkernels.c", "_kquants.c", "_cops.c", "_bf16fixed.c", "_rows_attention.c")
+_SOURCES = (
+    "_qkernels.c", "_kquants.c", "_int8rows.c", "_cops.c", "_bf16fixed.c", "_rows_attention.c",
+)  # fmt: skip
 
 
 def _source() -> bytes:

@@ -1,0 +1,161 @@
+/* One-row products with int8 activations (AVX-512 VNNI: HAVE_INT8_ROWS below; elsewhere, and
+ * outside the flag, the float32 one-row path of _qkernels.c and _kquants.c, as before).
+ * Appended after _qkernels.c and _kquants.c into one library (_qkernels.py).
+ *
+ * A one-sequence decode step multiplies one row of activations by every matrix, and on 2 cores
+ * that is bound by instructions, not bytes: the float32 one-row loops (DEFINE_ROW16) widen each
+ * 4-bit weight to int32, convert it to float and multiply (~12 512-bit instructions per 32
+ * weights, which Zen 4 runs as twice as many 256-bit ones). Here, as ggml does (Q8_0 blocks of
+ * the activations, integer dot products), the row of x is quantised once per product, and a
+ * block of 32 weights costs one vpdpbusd (32 u8 x s8 products summed in fours into 8 int32
+ * lanes) and a handful of 256-bit instructions.
+ *
+ * Numerics. Per block b of 32 elements of x:
+ *     dx[b] = max|x| / 127,   xq[j] = rint(x[j] * (127 / max|x|))  (int8, |xq| <= 127;
+ *     a block of zeros: dx = 0, xq = 0),   sx[b] = dx[b] * sum_j xq[j]
+ * and a block of weights w_j = q_j d + m (q the block's unsigned integers) contributes
+ *     d dx[b] sum_j q_j xq[j] + m sx[b]
+ * (U4/Q4_1: q 0..15, m its offset; Z4/Q4_0: m = -8 d; Z5/Q5_0: q 0..31, m = -16 d; S8/Q8_0: q
+ * signed, m = 0, by vpdpbusd(|w|, sign(xq, w)): |w| <= 128 fits u8 and xq * sign(w) an s8,
+ * since |xq| <= 127 — llama.cpp's trick, one extra instruction (vpsignb) where the
+ * alternative, (xq + 128) w minus 128 sum(w), takes a second vpdpbusd for sum(w) and a
+ * subtraction). The integer sums are exact; the result is the float32 product of the
+ * de-quantised weights by x rounded to 8 bits per block (a relative error of up to 1/254 of each
+ * block's largest |x| per element), then float32 rounding of the per-block scaling and sums.
+ * So it is not the float path's result: it is used only where the model runs with a fast dtype
+ * (the default mode where ``--dtype auto`` picked bfloat16 for dense products), never with
+ * ``--dtype float32`` nor in the fixed order (--deterministic), which keep their float paths.
+ * The flag (INT8_ROWS, or'ed with a layout) reaches here like FIXED_ORDER: qmm_into sets
+ * `int8_rows` for the calling thread; qmm_dispatch hands a one-row product of a layout this file
+ * knows (S8, U4, Z4, Z5) to int8_mm; other layouts (the K-quants) keep their float rows.
+ */
+
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define HAVE_INT8_ROWS 1
+/* the widest row the int8 path takes (its copy of x lives on the stack: 40 KiB at this width) */
+#define INT8_MAX_BLOCKS 1024
+
+/* x (nb blocks of 32) into xq (in the layout's order: `permuted`: each block as weights 0-7,
+ * 16-23, 8-15, 24-31, the order U4/Z4's nibbles come out in), dx and sx (above) */
+static void quantize_x8(const float *x, int64_t nb, int permuted, int8_t *xq, float *dx,
+                        float *sx) {
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        /* rint: the default rounding (to nearest, ties to even) */
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+        const __m128i q0 = _mm512_cvtepi32_epi8(i0), q1 = _mm512_cvtepi32_epi8(i1);
+        int8_t *o = xq + b * QK;
+        if (permuted) { /* q0: elements 0-15, q1: 16-31 -> 0-7, 16-23, 8-15, 24-31 */
+            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi64(q0, q1));
+            _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi64(q0, q1));
+        } else {
+            _mm_storeu_si128((__m128i *)o, q0);
+            _mm_storeu_si128((__m128i *)(o + 16), q1);
+        }
+        dx[b] = amax / 127.0f;
+        sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    }
+}
+
+/* the 16 bytes of 4-bit values at q as 32 u8 (0..15): bytes 0-15 the low nibbles, 16-31 the
+ * high ones (U4/Z4: weights 0-7, 16-23, 8-15, 24-31; Z5: weights 0-31 in order) */
+static inline __m256i nibbles32(const uint8_t *q) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+    return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0),
+                            _mm256_set1_epi8(0x0F));
+}
+
+/* One row of weights by the quantised x: per block the 8 int32 lanes of sum q xq, scaled by
+ * d dx into one of two float accumulators (alternating: no chain of dependent additions), the
+ * offsets m sx in two scalar sums. LAYOUT: U4, Z4, Z5 or S8 (a constant: one loop each). */
+static inline float row_int8(int layout, const int8_t *xq, const float *dx, const float *sx,
+                             const uint8_t *wr, int64_t nb) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float offset[2] = {0.0f, 0.0f};
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        float d, m = 0.0f;
+        __m256i dot;
+        if (layout == U4) {
+            const uint8_t *blk = wr + b * U4_BYTES;
+            memcpy(&d, blk, 4);
+            memcpy(&m, blk + 4, 4);
+            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 8), x8);
+        } else if (layout == Z4) {
+            const uint8_t *blk = wr + b * Z4_BYTES;
+            memcpy(&d, blk, 4);
+            m = -8.0f * d; /* exact */
+            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 4), x8);
+        } else if (layout == Z5) {
+            const uint8_t *blk = wr + b * Z5_BYTES;
+            uint32_t clear; /* Z5 holds the fifth bits inverted */
+            memcpy(&d, blk, 4);
+            memcpy(&clear, blk + 4, 4);
+            m = -16.0f * d; /* exact */
+            const __m256i lo = nibbles32(blk + 8);
+            const __m256i q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));
+            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
+        } else { /* S8 */
+            const uint8_t *blk = wr + b * S8_BYTES;
+            memcpy(&d, blk, 4);
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 4));
+            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w),
+                                      _mm256_sign_epi8(x8, w));
+        }
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[b]), _mm256_cvtepi32_ps(dot), acc[b & 1]);
+        offset[b & 1] += m * sx[b];
+    }
+    return hsum(_mm256_add_ps(acc[0], acc[1])) + (offset[0] + offset[1]);
+}
+
+#define DEFINE_ROW_INT8(NAME, LAYOUT, BYTES_256)                                               \
+    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+                     const uint8_t *w, int64_t N, const float *bias, float *y, int threads) { \
+        const int64_t row_bytes = nb * (BYTES_256) / 8;                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++)                                                       \
+            y[n] = row_int8(LAYOUT, xq, dx, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f); \
+    }
+
+DEFINE_ROW_INT8(int8_u4, U4, 8 * U4_BYTES)
+DEFINE_ROW_INT8(int8_z4, Z4, 8 * Z4_BYTES)
+DEFINE_ROW_INT8(int8_z5, Z5, 8 * Z5_BYTES)
+DEFINE_ROW_INT8(int8_s8, S8, 8 * S8_BYTES)
+
+static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int threads) {
+    const int64_t nb = K / QK;
+    if (nb > INT8_MAX_BLOCKS || !(layout == U4 || layout == Z4 || layout == Z5 || layout == S8))
+        return 1;
+    int8_t xq[INT8_MAX_BLOCKS * QK] __attribute__((aligned(64)));
+    float dx[INT8_MAX_BLOCKS], sx[INT8_MAX_BLOCKS];
+    quantize_x8(x, nb, layout == U4 || layout == Z4, xq, dx, sx);
+    switch (layout) {
+    case U4: int8_u4(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case Z4: int8_z4(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case Z5: int8_z5(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    default: int8_s8(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    }
+    return 0;
+}
+#else
+static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int threads) {
+    (void)layout, (void)x, (void)K, (void)w, (void)N, (void)bias, (void)y, (void)threads;
+    return 1;
+}
+#endif
+
+/* Whether this build has the int8 one-row products (AVX-512 VNNI): 1 or 0. A layout or'ed
+ * with INT8_ROWS runs its one-row products here where it has, on the float path elsewhere. */
+int stoic_int8_rows(void) {
+#ifdef HAVE_INT8_ROWS
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,117 @@
+"""One-row products on int8 activations (``_int8rows.c``; AVX-512 VNNI): the row of x quantised
+per block of 32 (``rint(x * 127 / max|x|)``, scale ``max|x| / 127``) times the de-quantised
+weights, within float32 rounding of that product, per layout; ignored with more rows, in the
+fixed order, and where the build has no VNNI (the float path's numbers, bitwise); and the default
+model in a fast dtype decodes with log-probabilities close to its float32 path's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf_blocks import gguf_py, random_blocks
+
+from stoic.model import _qkernels, default_cache_dir
+from stoic.model._qkernels import Kernels, KernelsUnavailable, load_kernels
+
+#: the types whose one-row products take int8 activations (Q4_1, Q4_0, Q8_0, Q5_0)
+INT8_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q5_0")
+
+
+@pytest.fixture(scope="module")
+def vnni_kernels() -> Kernels:
+    """The kernels built for this CPU, which must have the int8 products."""
+    try:
+        kernels = load_kernels(default_cache_dir())
+    except KernelsUnavailable as e:
+        pytest.skip(f"quantised kernels unavailable here: {e}")
+    if not kernels.int8_rows:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return kernels
+
+
+def quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """The row ``x`` as the int8 path sees it (float64): per block of 32, ``xq * dx`` with
+    ``xq = rint(x * (127 / amax))`` and ``dx = amax / 127`` in float32, as ``_int8rows.c``."""
+    blocks = x.numpy().astype(np.float32).reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = np.rint(blocks * inv).astype(np.float64)
+    dx = (amax / np.float32(127)).astype(np.float32).astype(np.float64)
+    return torch.from_numpy((xq * dx).reshape(x.shape))
+
+
+def assert_int8_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``got`` is the quantised ``x`` times ``weight.T``, up to float32 rounding of its sums
+    (K ulps of the sum of |terms|, against float64)."""
+    xq = quantized_x(x)
+    want = xq @ weight.double().T
+    bound = x.shape[1] * torch.finfo(torch.float32).eps * (xq.abs() @ weight.double().abs().T)
+    excess = (got.double() - want).abs() - bound
+    assert excess.max().item() <= 0, f"off by {excess.max().item()} beyond rounding"
+
+
+@pytest.mark.parametrize("kind", INT8_TYPES)
+@pytest.mark.parametrize("shape", [(37, 96), (130, 640)])
+def test_one_row_products_multiply_the_int8_row(
+    vnni_kernels: Kernels, kind: str, shape: tuple[int, int]
+) -> None:
+    """Through the public product (N not a multiple of any tile, K of several blocks): the
+    int8 row's product, not the float row's (the float product is off beyond rounding)."""
+    n, k = shape
+    blocks = random_blocks(kind, n, k, seed=3)
+    weight = gguf_py(kind, blocks)
+    bias = torch.randn(n)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    product = vnni_kernels.bind(kind, blocks, bias, int8_rows=True)
+    assert product.int8_rows
+    got = product(x) - bias
+    assert_int8_product(got, x, weight)
+    exact = x.double() @ weight.double().T
+    assert (got.double() - exact).abs().max() > 1e-4 * exact.abs().max()
+
+
+@pytest.mark.parametrize("kind", INT8_TYPES)
+def test_without_the_flag_or_with_more_rows_the_float_path_runs_bitwise(
+    vnni_kernels: Kernels, kind: str
+) -> None:
+    """``int8_rows`` changes one-row products only: two rows, the fixed order and a product
+    bound without the flag give the float path's numbers bitwise; a stack of int8 parts equals
+    its parts."""
+    blocks = random_blocks(kind, 40, 128, seed=4)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6))
+    plain = vnni_kernels.bind(kind, blocks, None)
+    int8 = vnni_kernels.bind(kind, blocks, None, int8_rows=True)
+    assert torch.equal(int8(x), plain(x))
+    fixed = vnni_kernels.bind(kind, blocks, None, fixed=True, int8_rows=True)
+    assert not fixed.int8_rows
+    assert torch.equal(fixed(x[:1]), vnni_kernels.bind(kind, blocks, None, fixed=True)(x[:1]))
+    assert not torch.equal(int8(x[:1]), plain(x[:1]))
+    other = random_blocks("Q6_K", 8, 256, seed=7)
+    stack = vnni_kernels.bind_stack(
+        [(kind, random_blocks(kind, 8, 256, seed=8)), ("Q6_K", other)], None, int8_rows=True
+    )
+    row = torch.randn(1, 256)
+    parts = [p(row) for p in stack.parts]
+    assert torch.equal(stack(row), torch.cat(parts, dim=1))
+
+
+def test_a_build_without_vnni_has_no_int8_rows_and_ignores_the_flag(
+    vnni_kernels: Kernels,
+) -> None:
+    """With AVX512_VNNI hidden from the build the kernels report none, and a product bound with
+    the flag computes the float path's numbers bitwise."""
+    flags = _qkernels._cpu_flags()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_qkernels, "_cpu_flags", lambda: flags - {"avx512_vnni"})
+        assert "-mavx512vnni" not in _qkernels._flags()
+        plain = load_kernels(default_cache_dir())
+    assert not plain.int8_rows
+    blocks = random_blocks("Q4_1", 24, 96, seed=2)
+    x = torch.randn(1, 96)
+    product = plain.bind("Q4_1", blocks, None, int8_rows=True)
+    assert not product.int8_rows
+    assert torch.equal(product(x), plain.bind("Q4_1", blocks, None)(x))
+    assert torch.equal(product(x), vnni_kernels.bind("Q4_1", blocks, None)(x))
