@@ -69,47 +69,65 @@ static inline __m256i nibbles32(const uint8_t *q) {
                             _mm256_set1_epi8(0x0F));
 }
 
-/* One row of weights by the quantised x: per block the 8 int32 lanes of sum q xq, scaled by
- * d dx into one of two float accumulators (alternating: no chain of dependent additions), the
- * offsets m sx in two scalar sums. LAYOUT: U4, Z4, Z5 or S8 (a constant: one loop each). */
+/* Block b of a row of weights by the quantised x: the 8 int32 lanes of sum q xq (each the sum
+ * of 4 products), the block's scale d and offset m. LAYOUT: U4, Z4, Z5 or S8 (a constant where
+ * it is inlined: one loop each). */
+static inline __m256i block_int8(int layout, const int8_t *xq, const uint8_t *wr, int64_t b,
+                                 float *d, float *m) {
+    const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+    if (layout == U4) {
+        const uint8_t *blk = wr + b * U4_BYTES;
+        memcpy(d, blk, 4);
+        memcpy(m, blk + 4, 4);
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 8), x8);
+    }
+    if (layout == Z4) {
+        const uint8_t *blk = wr + b * Z4_BYTES;
+        memcpy(d, blk, 4);
+        *m = -8.0f * *d; /* exact */
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 4), x8);
+    }
+    if (layout == Z5) {
+        const uint8_t *blk = wr + b * Z5_BYTES;
+        uint32_t clear; /* Z5 holds the fifth bits inverted */
+        memcpy(d, blk, 4);
+        memcpy(&clear, blk + 4, 4);
+        *m = -16.0f * *d; /* exact */
+        const __m256i lo = nibbles32(blk + 8);
+        const __m256i q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
+    }
+    const uint8_t *blk = wr + b * S8_BYTES; /* S8 */
+    memcpy(d, blk, 4);
+    *m = 0.0f;
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 4));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x8, w));
+}
+
+/* One row of weights by the quantised x: per block the lanes of sum q xq, scaled by d dx into
+ * one of two float accumulators (two blocks a pass: no chain of dependent additions, and both
+ * stay in registers), the offsets m sx in two scalar sums. */
 static inline float row_int8(int layout, const int8_t *xq, const float *dx, const float *sx,
                              const uint8_t *wr, int64_t nb) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    float offset[2] = {0.0f, 0.0f};
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        float d, m = 0.0f;
-        __m256i dot;
-        if (layout == U4) {
-            const uint8_t *blk = wr + b * U4_BYTES;
-            memcpy(&d, blk, 4);
-            memcpy(&m, blk + 4, 4);
-            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 8), x8);
-        } else if (layout == Z4) {
-            const uint8_t *blk = wr + b * Z4_BYTES;
-            memcpy(&d, blk, 4);
-            m = -8.0f * d; /* exact */
-            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 4), x8);
-        } else if (layout == Z5) {
-            const uint8_t *blk = wr + b * Z5_BYTES;
-            uint32_t clear; /* Z5 holds the fifth bits inverted */
-            memcpy(&d, blk, 4);
-            memcpy(&clear, blk + 4, 4);
-            m = -16.0f * d; /* exact */
-            const __m256i lo = nibbles32(blk + 8);
-            const __m256i q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));
-            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
-        } else { /* S8 */
-            const uint8_t *blk = wr + b * S8_BYTES;
-            memcpy(&d, blk, 4);
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 4));
-            dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w),
-                                      _mm256_sign_epi8(x8, w));
-        }
-        acc[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[b]), _mm256_cvtepi32_ps(dot), acc[b & 1]);
-        offset[b & 1] += m * sx[b];
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float off0 = 0.0f, off1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        float d0, m0, d1, m1;
+        const __m256i p0 = block_int8(layout, xq, wr, b, &d0, &m0);
+        const __m256i p1 = block_int8(layout, xq, wr, b + 1, &d1, &m1);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
+        off0 += m0 * sx[b];
+        off1 += m1 * sx[b + 1];
     }
-    return hsum(_mm256_add_ps(acc[0], acc[1])) + (offset[0] + offset[1]);
+    if (b < nb) {
+        float d0, m0;
+        const __m256i p0 = block_int8(layout, xq, wr, b, &d0, &m0);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), _mm256_cvtepi32_ps(p0), acc0);
+        off0 += m0 * sx[b];
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
 }
 
 #define DEFINE_ROW_INT8(NAME, LAYOUT, BYTES_256)                                               \
