@@ -130,6 +130,61 @@ static inline float row_int8(int layout, const int8_t *xq, const float *dx, cons
     return hsum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
 }
 
+/* One row of x by a K4 row (Q4_K), a super-block at a time: chunk c of its qs holds sub-block
+ * 2c in its low nibbles and 2c + 1 in its high ones, each weight in order, so one load gives
+ * two sub-blocks of u8 values (0..15) for two vpdpbusd with x's blocks 8 sb + 2c and + 1; each
+ * sub-block's scale s[j] dx and the super-block's eight offsets m[j] sx in one 8-lane product,
+ * as row16_k4 does. */
+static inline float row_int8_k4(const int8_t *xq, const float *dx, const float *sx,
+                                const uint8_t *wr, int64_t nb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K4_BYTES;
+        const int8_t *xs = xq + sb * QK_K;
+        float s[8];
+        _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_loadu_ps((const float *)b), _mm256_loadu_ps(dx + 8 * sb)));
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(b + 32)), _mm256_loadu_ps(sx + 8 * sb), offset);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
+                                                   _mm256_loadu_si256((const __m256i *)(xs + 64 * c)));
+            const __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi,
+                                                   _mm256_loadu_si256((const __m256i *)(xs + 64 * c + 32)));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[2 * c]), _mm256_cvtepi32_ps(p0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[2 * c + 1]), _mm256_cvtepi32_ps(p1), acc1);
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + hsum(offset);
+}
+
+/* One row of x by a K6 row (Q6_K): signed values q - 32 (-32..31) under a scale per 16, so a
+ * block of 32 is two sub-blocks: lanes 0-3 of its vpdpbusd (|w| by sign(xq, w), as S8) sum
+ * the first, lanes 4-7 the second, scaled by [s0 x 4, s1 x 4] dx. */
+static inline float row_int8_k6(const int8_t *xq, const float *dx, const float *sx,
+                                const uint8_t *wr, int64_t nb) {
+    (void)sx;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K6_BYTES;
+        for (int k = 0; k < 8; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 + 32 * k));
+            const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + sb * QK_K + 32 * k));
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w),
+                                                  _mm256_sign_epi8(x8, w));
+            const __m256 s2 = _mm256_castps128_ps256(
+                _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(b + 8 * k))));
+            const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(s2, pairs),
+                                               _mm256_set1_ps(dx[8 * sb + k]));
+            if (k & 1) acc1 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc1);
+            else acc0 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc0);
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
 #define DEFINE_ROW_INT8(NAME, LAYOUT, BYTES_256)                                               \
     static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
                      const uint8_t *w, int64_t N, const float *bias, float *y, int threads) { \
@@ -144,10 +199,24 @@ DEFINE_ROW_INT8(int8_z4, Z4, 8 * Z4_BYTES)
 DEFINE_ROW_INT8(int8_z5, Z5, 8 * Z5_BYTES)
 DEFINE_ROW_INT8(int8_s8, S8, 8 * S8_BYTES)
 
+#define DEFINE_KROW_INT8(NAME, ROW, BYTES_256)                                                 \
+    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+                     const uint8_t *w, int64_t N, const float *bias, float *y, int threads) { \
+        const int64_t row_bytes = nb / 8 * (BYTES_256);                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++)                                                       \
+            y[n] = ROW(xq, dx, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f);          \
+    }
+
+DEFINE_KROW_INT8(int8_k4, row_int8_k4, K4_BYTES)
+DEFINE_KROW_INT8(int8_k6, row_int8_k6, K6_BYTES)
+
 static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int64_t N,
                    const float *bias, float *y, int threads) {
     const int64_t nb = K / QK;
-    if (nb > INT8_MAX_BLOCKS || !(layout == U4 || layout == Z4 || layout == Z5 || layout == S8))
+    const int super = layout == K4 || layout == K6; /* 256-weight super-blocks */
+    if (nb > INT8_MAX_BLOCKS || (super && nb % 8 != 0) ||
+        !(super || layout == U4 || layout == Z4 || layout == Z5 || layout == S8))
         return 1;
     int8_t xq[INT8_MAX_BLOCKS * QK] __attribute__((aligned(64)));
     float dx[INT8_MAX_BLOCKS], sx[INT8_MAX_BLOCKS];
@@ -156,6 +225,8 @@ static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int6
     case U4: int8_u4(xq, dx, sx, nb, w, N, bias, y, threads); break;
     case Z4: int8_z4(xq, dx, sx, nb, w, N, bias, y, threads); break;
     case Z5: int8_z5(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case K4: int8_k4(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case K6: int8_k6(xq, dx, sx, nb, w, N, bias, y, threads); break;
     default: int8_s8(xq, dx, sx, nb, w, N, bias, y, threads); break;
     }
     return 0;

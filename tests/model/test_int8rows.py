@@ -14,8 +14,8 @@ from gguf_blocks import gguf_py, random_blocks
 from stoic.model import _qkernels, default_cache_dir
 from stoic.model._qkernels import Kernels, KernelsUnavailable, load_kernels
 
-#: the types whose one-row products take int8 activations (Q4_1, Q4_0, Q8_0, Q5_0)
-INT8_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q5_0")
+#: the types whose one-row products take int8 activations
+INT8_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def assert_int8_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 
 @pytest.mark.parametrize("kind", INT8_TYPES)
-@pytest.mark.parametrize("shape", [(37, 96), (130, 640)])
+@pytest.mark.parametrize("shape", [(37, 512), (130, 768)])
 def test_one_row_products_multiply_the_int8_row(
     vnni_kernels: Kernels, kind: str, shape: tuple[int, int]
 ) -> None:
@@ -80,8 +80,8 @@ def test_without_the_flag_or_with_more_rows_the_float_path_runs_bitwise(
     """``int8_rows`` changes one-row products only: two rows, the fixed order and a product
     bound without the flag give the float path's numbers bitwise; a stack of int8 parts equals
     its parts."""
-    blocks = random_blocks(kind, 40, 128, seed=4)
-    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6))
+    blocks = random_blocks(kind, 40, 256, seed=4)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
     plain = vnni_kernels.bind(kind, blocks, None)
     int8 = vnni_kernels.bind(kind, blocks, None, int8_rows=True)
     assert torch.equal(int8(x), plain(x))
