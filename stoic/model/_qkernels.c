@@ -13,6 +13,9 @@
  * its sums. One row (a one-sequence decode step) factors each block instead (d * sum(q x) +
  * m * sum(x): 14-15% faster), multiplying by the exact q * d + m, which the float copy holds
  * rounded to float32; factoring measured up to 25% slower at 8-64 rows.
+ * Outside the fixed order, a layout or'ed with INT8_ROWS (the default mode with a fast dtype)
+ * takes one row of x quantised to int8 instead where the build has AVX-512 VNNI (_int8rows.c: not
+ * the float product; its numerics are stated there).
  * The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) are in _kquants.c, built after this
  * file into the same library, on the same loops (DEFINE_MM, DEFINE_MM16); a matrix stacked
  * from parts of different types (a fused projection of a mixed file) is the MIXED layout.

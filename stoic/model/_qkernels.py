@@ -18,6 +18,11 @@ With AVX512_BF16 too it adds ``-mavx512bf16``: ``--deterministic``'s fixed-order
 then bfloat16 dot products (``_bf16fixed.c``; :meth:`Kernels.bind` with ``fixed``), 0.3-0.5x the
 float32 fixed order's time at 16-64 rows.
 
+With AVX512_VNNI (and BW, VL) it adds ``-mavx512bw -mavx512vl -mavx512vnni``: a product bound
+with ``int8_rows`` (a model in a fast dtype: :class:`Product`) then multiplies one row of
+activations quantised to int8 per block of 32 by integer dot products (``_int8rows.c``: 0.53-0.72x
+the float32 row's time per matrix; not the float32 product).
+
 Where the kernels cannot run (not x86-64, no AVX2/FMA/F16C, no C compiler, a failed build)
 :func:`load_kernels` says why and the model runs on its de-quantised float weights, as before.
 """
