@@ -501,15 +501,26 @@ def load_kernels(cache_root: Path) -> Kernels:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelsUnavailable(f"cannot run {cc}: {e}") from e
     flags = _flags()
-    try:
-        target = _built(cc, source, version, flags, cache_root)
-    except KernelsUnavailable as e:
-        if not set(_BF16_FLAGS) <= set(flags):
-            raise
-        # a compiler too old for AVX512_BF16 (GCC < 10): the float32 fixed order serves
-        _log.warning("model.kernels.no_bf16", reason=str(e))
-        flags = tuple(f for f in flags if f not in _BF16_FLAGS)
-        target = _built(cc, source, version, flags, cache_root)
+    # a compiler too old for AVX512_BF16 (GCC < 10): the float32 fixed order serves; too old for
+    # AVX512_VNNI too (GCC < 8): one-row products stay float32
+    optional = [
+        (dropped, event)
+        for dropped, event in (
+            (_BF16_FLAGS, "model.kernels.no_bf16"),
+            (_VNNI_FLAGS, "model.kernels.no_vnni"),
+        )
+        if set(dropped) <= set(flags)
+    ]
+    while True:
+        try:
+            target = _built(cc, source, version, flags, cache_root)
+            break
+        except KernelsUnavailable as e:
+            if not optional:
+                raise
+            dropped, event = optional.pop(0)
+            _log.warning(event, reason=str(e))
+            flags = tuple(f for f in flags if f not in dropped)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:

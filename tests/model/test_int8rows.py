@@ -6,6 +6,8 @@ model in a fast dtype decodes with log-probabilities close to its float32 path's
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -198,3 +200,38 @@ def test_the_default_model_in_a_fast_dtype_decodes_close_to_its_float_path(
     assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.15, gaps
     assert any(gap > 0 for gap in gaps)  # the int8 path ran
     assert agreed >= 22
+
+
+def test_a_compiler_without_avx512_vnni_builds_the_float_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that rejects ``-mavx512bf16`` and ``-mavx512vnni`` (GCC < 8) does not cost the
+    kernels: the build is retried without each, and one-row products stay float32."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None or "avx512f" not in _qkernels._cpu_flags():
+        pytest.skip("needs a C compiler and AVX-512F")
+    old_cc = tmp_path / "old-cc"
+    old_cc.write_text(
+        '#!/bin/sh\ncase "$*" in *-mavx512bf16*|*-mavx512vnni*) echo "unrecognized option" >&2; '
+        f'exit 1;; esac\nexec {real} "$@"\n'
+    )
+    old_cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(old_cc))
+    flags = _qkernels._cpu_flags() | {"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"}
+    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+    kernels = load_kernels(tmp_path / "cache")
+    assert not kernels.int8_rows and not kernels.bf16
+    blocks = random_blocks("Q4_1", 8, 64, seed=1)
+    x = torch.randn(1, 64)
+    product = kernels.bind("Q4_1", blocks, None, int8_rows=True)
+    assert not product.int8_rows
+    assert_float_row(product(x), x, gguf_py("Q4_1", blocks))
+
+
+def assert_float_row(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``got`` is ``x @ weight.T`` within float32 rounding (K ulps of the sum of |terms|)."""
+    want = x.double() @ weight.double().T
+    bound = (
+        x.shape[1] * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    )
+    assert ((got.double() - want).abs() - bound).max().item() <= 0
