@@ -15,19 +15,24 @@
  *     a block of zeros: dx = 0, xq = 0),   sx[b] = dx[b] * sum_j xq[j]
  * and a block of weights w_j = q_j d + m (q the block's unsigned integers) contributes
  *     d dx[b] sum_j q_j xq[j] + m sx[b]
- * (U4/Q4_1: q 0..15, m its offset; Z4/Q4_0: m = -8 d; Z5/Q5_0: q 0..31, m = -16 d; S8/Q8_0: q
- * signed, m = 0, by vpdpbusd(|w|, sign(xq, w)): |w| <= 128 fits u8 and xq * sign(w) an s8,
- * since |xq| <= 127 — llama.cpp's trick, one extra instruction (vpsignb) where the
- * alternative, (xq + 128) w minus 128 sum(w), takes a second vpdpbusd for sum(w) and a
- * subtraction). The integer sums are exact; the result is the float32 product of the
- * de-quantised weights by x rounded to 8 bits per block (a relative error of up to 1/254 of each
+ * (U4/Q4_1: q 0..15, m its offset; Z4/Q4_0: m = -8 d; Z5/Q5_0: q 0..31, m = -16 d; K4/Q4_K: per
+ * sub-block of 32, d and m its float32 scale and offset; S8/Q8_0: q signed, m = 0, and K6/Q6_K:
+ * q - 32 signed under a scale per 16 weights, both by vpdpbusd(|w|, sign(xq, w)): |w| <= 128
+ * fits u8 and xq * sign(w) an s8, since |xq| <= 127 — llama.cpp's trick, one extra instruction
+ * (vpsignb) where the alternative, (xq + 128) w minus 128 sum(w), takes a second vpdpbusd for
+ * sum(w) and a subtraction: a layout without stored weight sums, which S8 and K6 are).
+ * The integer sums are exact; the result is the float32 product of the de-quantised weights by
+ * x rounded to 8 bits per block (a relative error of up to 1/254 of each
  * block's largest |x| per element), then float32 rounding of the per-block scaling and sums.
  * So it is not the float path's result: it is used only where the model runs with a fast dtype
  * (the default mode where ``--dtype auto`` picked bfloat16 for dense products), never with
  * ``--dtype float32`` nor in the fixed order (--deterministic), which keep their float paths.
  * The flag (INT8_ROWS, or'ed with a layout) reaches here like FIXED_ORDER: qmm_into sets
  * `int8_rows` for the calling thread; qmm_dispatch hands a one-row product of a layout this file
- * knows (S8, U4, Z4, Z5) to int8_mm; other layouts (the K-quants) keep their float rows.
+ * knows (S8, U4, Z4, Z5, K4, K6) to int8_mm; the others (U5/Q5_1, K5/Q5_K) keep their float
+ * rows. Measured (docs/benchmarks.md, "int8 activations"): 0.40-0.76x the float rows' time per
+ * matrix of the default model's Q4_1 and Q4_K_M files on one thread; K4/K6 ~1.0x (bound by their
+ * bytes there).
  */
 
 #if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
@@ -56,7 +61,9 @@ static void quantize_x8(const float *x, int64_t nb, int permuted, int8_t *xq, fl
             _mm_storeu_si128((__m128i *)o, q0);
             _mm_storeu_si128((__m128i *)(o + 16), q1);
         }
-        dx[b] = amax / 127.0f;
+        /* a NaN in the block makes its scale NaN, so the products are NaN as the float ones */
+        const __mmask16 nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        dx[b] = nan ? __builtin_nanf("") : amax / 127.0f;
         sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     }
 }

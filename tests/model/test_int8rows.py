@@ -235,3 +235,13 @@ def assert_float_row(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
         x.shape[1] * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
     )
     assert ((got.double() - want).abs() - bound).max().item() <= 0
+
+
+def test_a_nan_in_the_row_makes_the_int8_products_nan(vnni_kernels: Kernels) -> None:
+    """A NaN activation spreads to every output, as in the float product (its block's scale is
+    NaN), whichever layout."""
+    for kind in INT8_TYPES:
+        blocks = random_blocks(kind, 16, 256, seed=9)
+        x = torch.randn(1, 256)
+        x[0, 70] = float("nan")
+        assert torch.isnan(vnni_kernels.bind(kind, blocks, None, int8_rows=True)(x)).all(), kind
