@@ -218,13 +218,115 @@ DEFINE_ROW_INT8(int8_s8, S8, 8 * S8_BYTES)
 DEFINE_KROW_INT8(int8_k4, row_int8_k4, K4_BYTES)
 DEFINE_KROW_INT8(int8_k6, row_int8_k6, K6_BYTES)
 
-static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int64_t N,
-                   const float *bias, float *y, int threads) {
+/* `rows` rows of x (up to INT8_TILE_ROWS) by one row of weights: each block's weights made
+ * ready once (nibbles split; S8: |w|), then every row's block exactly as row_int8 takes it (the
+ * same instructions, accumulators and order), so a row's result is bitwise its one-row result.
+ * Used at two rows only: over the default model's matrices (one thread) two rows took 0.59-0.87x
+ * the float 16-lane tiles' time, four 1.15-1.29x (those tiles de-quantise a block once for all
+ * the rows, and per row and block this loop's scaling costs more than their two products;
+ * docs/benchmarks.md). */
+#define INT8_TILE_ROWS 2
+static inline void tile_int8(int layout, int rows, const int8_t *xq, const float *dx,
+                             const float *sx, int64_t nb, const uint8_t *wr, float *out,
+                             int64_t stride, float add) {
+    __m256 acc[2][INT8_TILE_ROWS];
+    float off[2][INT8_TILE_ROWS];
+    for (int t = 0; t < rows; t++) {
+        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+        off[0][t] = off[1][t] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int k = (int)(b & 1);
+        float d, m = 0.0f;
+        __m256i q, sgn = _mm256_setzero_si256();
+        if (layout == U4) {
+            const uint8_t *blk = wr + b * U4_BYTES;
+            memcpy(&d, blk, 4);
+            memcpy(&m, blk + 4, 4);
+            q = nibbles32(blk + 8);
+        } else if (layout == Z4) {
+            const uint8_t *blk = wr + b * Z4_BYTES;
+            memcpy(&d, blk, 4);
+            m = -8.0f * d;
+            q = nibbles32(blk + 4);
+        } else if (layout == Z5) {
+            const uint8_t *blk = wr + b * Z5_BYTES;
+            uint32_t clear;
+            memcpy(&d, blk, 4);
+            memcpy(&clear, blk + 4, 4);
+            m = -16.0f * d;
+            const __m256i lo = nibbles32(blk + 8);
+            q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));
+        } else {
+            const uint8_t *blk = wr + b * S8_BYTES;
+            memcpy(&d, blk, 4);
+            sgn = _mm256_loadu_si256((const __m256i *)(blk + 4));
+            q = _mm256_abs_epi8(sgn);
+        }
+        for (int t = 0; t < rows; t++) {
+            const int64_t at = t * nb;
+            __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + (at + b) * QK));
+            if (layout == S8) x8 = _mm256_sign_epi8(x8, sgn);
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
+            acc[k][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[at + b]), _mm256_cvtepi32_ps(p), acc[k][t]);
+            off[k][t] += m * sx[at + b];
+        }
+    }
+    for (int t = 0; t < rows; t++)
+        out[t * stride] = hsum(_mm256_add_ps(acc[0][t], acc[1][t])) + (off[0][t] + off[1][t]) + add;
+}
+
+#define DEFINE_TILES_INT8(NAME, LAYOUT, BYTES_256)                                             \
+    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+                     int64_t M, const uint8_t *w, int64_t N, const float *bias, float *y,     \
+                     int64_t ldy, int threads) {                                              \
+        const int64_t row_bytes = nb * (BYTES_256) / 8;                                       \
+        (void)M; /* INT8_TILE_ROWS */                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++) {                                                     \
+            const float add = bias ? bias[n] : 0.0f;                                          \
+            const uint8_t *wr = w + n * row_bytes;                                            \
+            tile_int8(LAYOUT, INT8_TILE_ROWS, xq, dx, sx, nb, wr, y + n, ldy, add);           \
+        }                                                                                     \
+    }
+
+DEFINE_TILES_INT8(tiles_u4, U4, 8 * U4_BYTES)
+DEFINE_TILES_INT8(tiles_z4, Z4, 8 * Z4_BYTES)
+DEFINE_TILES_INT8(tiles_z5, Z5, 8 * Z5_BYTES)
+DEFINE_TILES_INT8(tiles_s8, S8, 8 * S8_BYTES)
+
+/* y[M, N] (row stride ldy) with int8 activations: 0, or 1 where this layout, width or M has
+ * none here (the float path then runs) */
+static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads) {
     const int64_t nb = K / QK;
     const int super = layout == K4 || layout == K6; /* 256-weight super-blocks */
     if (nb > INT8_MAX_BLOCKS || (super && nb % 8 != 0) ||
         !(super || layout == U4 || layout == Z4 || layout == Z5 || layout == S8))
         return 1;
+    if (M > 1) {
+        if (super || M != INT8_TILE_ROWS) return 1;
+        int8_t *xq = malloc((size_t)(M * nb * QK));
+        float *scales = malloc(sizeof(float) * (size_t)(2 * M * nb));
+        if (!xq || !scales) {
+            free(xq);
+            free(scales);
+            return -2;
+        }
+        float *dx = scales, *sx = scales + M * nb;
+        for (int64_t r = 0; r < M; r++)
+            quantize_x8(x + r * K, nb, layout == U4 || layout == Z4, xq + r * nb * QK, dx + r * nb,
+                        sx + r * nb);
+        switch (layout) {
+        case U4: tiles_u4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        case Z4: tiles_z4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        case Z5: tiles_z5(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        default: tiles_s8(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        }
+        free(xq);
+        free(scales);
+        return 0;
+    }
     int8_t xq[INT8_MAX_BLOCKS * QK] __attribute__((aligned(64)));
     float dx[INT8_MAX_BLOCKS], sx[INT8_MAX_BLOCKS];
     quantize_x8(x, nb, layout == U4 || layout == Z4, xq, dx, sx);
@@ -239,9 +341,10 @@ static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int6
     return 0;
 }
 #else
-static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int64_t N,
-                   const float *bias, float *y, int threads) {
-    (void)layout, (void)x, (void)K, (void)w, (void)N, (void)bias, (void)y, (void)threads;
+static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads) {
+    (void)layout, (void)x, (void)M, (void)K, (void)w, (void)N, (void)bias, (void)y, (void)ldy;
+    (void)threads;
     return 1;
 }
 #endif

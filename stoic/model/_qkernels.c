@@ -125,6 +125,7 @@ static _Thread_local int fixed_order;
  * or'ed with INT8_ROWS sets `int8_rows` for the calling thread as FIXED_ORDER sets fixed_order;
  * the fixed order wins where both are set */
 #define INT8_ROWS 0x20000
+#define INT8_MAX_ROWS 2 /* steps of up to this many rows (_int8rows.c: one, or a tile of two) */
 static _Thread_local int int8_rows;
 #define DEFINE_TILE(NAME, DEQUANT, ROWS, ALT)                                                  \
     static inline void NAME(const float *x, int64_t K, const uint8_t *wr, int64_t nb,         \
@@ -518,8 +519,8 @@ static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_
 
 /* a one-row product with int8 activations (_int8rows.c, built after this file into the same
  * library): 0, or 1 where the build or the layout has none (the float path then runs) */
-static int int8_mm(int layout, const float *x, int64_t K, const uint8_t *w, int64_t N,
-                   const float *bias, float *y, int threads);
+static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads);
 
 /* --deterministic's bfloat16 products (_bf16fixed.c, built after this file into the same
  * library): `w` points to a descriptor {int64 layout, int64 blocks, int64 bfloat16 copy or 0} */
@@ -532,8 +533,8 @@ static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const ui
     if (K % QK != 0 || M < 0 || N < 0) return -1;
     if (type == BF16FIXED) return bf16_mm((const int64_t *)w, x, M, K, N, bias, y, ldy, threads);
     if (type == MIXED) return qmm_mixed(x, M, K, (const int64_t *)w, N, bias, y, ldy, threads);
-    if (M == 1 && int8_rows && !fixed_order) {
-        const int rc = int8_mm(type, x, K, w, N, bias, y, threads);
+    if (M >= 1 && M <= INT8_MAX_ROWS && int8_rows && !fixed_order) {
+        const int rc = int8_mm(type, x, M, K, w, N, bias, y, ldy, threads);
         if (rc != 1) return rc;
     }
     if (IS_KLAYOUT(type)) return kquant_mm(type, x, M, K, w, N, bias, y, ldy, threads);

@@ -90,11 +90,11 @@ def test_one_row_products_multiply_the_int8_row(
 def test_without_the_flag_or_with_more_rows_the_float_path_runs_bitwise(
     vnni_kernels: Kernels, kind: str
 ) -> None:
-    """``int8_rows`` changes one-row products only: two rows, the fixed order and a product
-    bound without the flag give the float path's numbers bitwise; a stack of int8 parts equals
-    its parts."""
+    """``int8_rows`` changes products of one row (and of two, below) only: three rows, the
+    fixed order and a product bound without the flag give the float path's numbers bitwise; a
+    stack of int8 parts equals its parts."""
     blocks = random_blocks(kind, 40, 256, seed=4)
-    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
     plain = vnni_kernels.bind(kind, blocks, None)
     int8 = vnni_kernels.bind(kind, blocks, None, int8_rows=True)
     assert torch.equal(int8(x), plain(x))
@@ -245,3 +245,24 @@ def test_a_nan_in_the_row_makes_the_int8_products_nan(vnni_kernels: Kernels) -> 
         x = torch.randn(1, 256)
         x[0, 70] = float("nan")
         assert torch.isnan(vnni_kernels.bind(kind, blocks, None, int8_rows=True)(x)).all(), kind
+
+
+@pytest.mark.parametrize("kind", INT8_TYPES)
+def test_two_rows_take_int8_tiles_each_row_bitwise_its_one_row_result(
+    vnni_kernels: Kernels, kind: str
+) -> None:
+    """Two rows (two sequences decoding) take the int8 path too where the layout has a tile
+    (Q4_1, Q4_0, Q8_0, Q5_0; the K-quants' float tiles): each row of the result bitwise what
+    the row alone gives, the bias added."""
+    blocks = random_blocks(kind, 45, 512, seed=10)
+    bias = torch.randn(45)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(11))
+    int8 = vnni_kernels.bind(kind, blocks, bias, int8_rows=True)
+    both = int8(x)
+    alone = torch.cat([int8(x[i : i + 1]) for i in range(2)])
+    plain = vnni_kernels.bind(kind, blocks, bias)(x)
+    if kind in ("Q4_K", "Q6_K"):
+        assert torch.equal(both, plain)
+    else:
+        assert torch.equal(both, alone)
+        assert_int8_product(both - bias, x, gguf_py(kind, blocks))
