@@ -88,7 +88,7 @@ class ComputePath:
     #: the attention backend's name (:func:`._attention.choose_attention`: ``torch-paged``,
     #: ``c-decode``)
     attention: str = "torch-paged"
-    #: what one-token steps multiply the quantised blocks by: ``int8`` (the activations
+    #: what steps of one or two tokens multiply the quantised blocks by: ``int8`` (the activations
     #: quantised per block of 32, integer dot products: the default mode with a fast dtype on a
     #: CPU with AVX-512 VNNI; ``_int8rows.c``) or ``float32``
     row_activations: str = "float32"

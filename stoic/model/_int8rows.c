@@ -1,5 +1,6 @@
-/* One-row products with int8 activations (AVX-512 VNNI: HAVE_INT8_ROWS below; elsewhere, and
- * outside the flag, the float32 one-row path of _qkernels.c and _kquants.c, as before).
+/* Products of one row (and two: tile_int8) with int8 activations (AVX-512 VNNI: HAVE_INT8_ROWS
+ * below; elsewhere, and outside the flag, the float32 paths of _qkernels.c and _kquants.c, as
+ * before).
  * Appended after _qkernels.c and _kquants.c into one library (_qkernels.py).
  *
  * A one-sequence decode step multiplies one row of activations by every matrix, and on 2 cores
@@ -28,14 +29,15 @@
  * (the default mode where ``--dtype auto`` picked bfloat16 for dense products), never with
  * ``--dtype float32`` nor in the fixed order (--deterministic), which keep their float paths.
  * The flag (INT8_ROWS, or'ed with a layout) reaches here like FIXED_ORDER: qmm_into sets
- * `int8_rows` for the calling thread; qmm_dispatch hands a one-row product of a layout this file
- * knows (S8, U4, Z4, Z5, K4, K6) to int8_mm; the others (U5/Q5_1, K5/Q5_K) keep their float
- * rows. Measured (docs/benchmarks.md, "int8 activations"): 0.40-0.76x the float rows' time per
- * matrix of the default model's Q4_1 and Q4_K_M files on one thread; K4/K6 ~1.0x (bound by their
- * bytes there).
+ * `int8_rows` for the calling thread; qmm_dispatch hands a product of one row of a layout this
+ * file knows (S8, U4, Z4, Z5, K4, K6), or of two rows (S8, U4, Z4, Z5), to int8_mm; the others
+ * (U5/Q5_1, K5/Q5_K; more rows) keep their float paths. Measured (docs/benchmarks.md, "int8
+ * activations"): 0.40-0.76x the float rows' time per matrix of the default model's Q4_1 and
+ * Q4_K_M files on one thread, two rows 0.51-0.81x; K4/K6 ~1.0x (bound by their bytes there).
  */
 
-#if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) &&                   \
+    defined(__AVX512BW__)
 #define HAVE_INT8_ROWS 1
 /* the widest row the int8 path takes (its copy of x lives on the stack: 40 KiB at this width) */
 #define INT8_MAX_BLOCKS 1024
@@ -46,7 +48,8 @@ static void quantize_x8(const float *x, int64_t nb, int permuted, int8_t *xq, fl
                         float *sx) {
     for (int64_t b = 0; b < nb; b++) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         const __m512 iv = _mm512_set1_ps(inv);
         /* rint: the default rounding (to nearest, ties to even) */
@@ -62,7 +65,8 @@ static void quantize_x8(const float *x, int64_t nb, int permuted, int8_t *xq, fl
             _mm_storeu_si128((__m128i *)(o + 16), q1);
         }
         /* a NaN in the block makes its scale NaN, so the products are NaN as the float ones */
-        const __mmask16 nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        const __mmask16 nan =
+            _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
         dx[b] = nan ? __builtin_nanf("") : amax / 127.0f;
         sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     }
@@ -268,7 +272,8 @@ static inline void tile_int8(int layout, int rows, const int8_t *xq, const float
             __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + (at + b) * QK));
             if (layout == S8) x8 = _mm256_sign_epi8(x8, sgn);
             const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
-            acc[k][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[at + b]), _mm256_cvtepi32_ps(p), acc[k][t]);
+            acc[k][t] =
+                _mm256_fmadd_ps(_mm256_set1_ps(d * dx[at + b]), _mm256_cvtepi32_ps(p), acc[k][t]);
             off[k][t] += m * sx[at + b];
         }
     }
@@ -349,8 +354,9 @@ static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8
 }
 #endif
 
-/* Whether this build has the int8 one-row products (AVX-512 VNNI): 1 or 0. A layout or'ed
- * with INT8_ROWS runs its one-row products here where it has, on the float path elsewhere. */
+/* Whether this build has the int8 products (AVX-512 VNNI): 1 or 0. A layout or'ed with
+ * INT8_ROWS runs its products of one or two rows here where it has, on the float path
+ * elsewhere. */
 int stoic_int8_rows(void) {
 #ifdef HAVE_INT8_ROWS
     return 1;

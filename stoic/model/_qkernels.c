@@ -14,8 +14,8 @@
  * m * sum(x): 14-15% faster), multiplying by the exact q * d + m, which the float copy holds
  * rounded to float32; factoring measured up to 25% slower at 8-64 rows.
  * Outside the fixed order, a layout or'ed with INT8_ROWS (the default mode with a fast dtype)
- * takes one row of x quantised to int8 instead where the build has AVX-512 VNNI (_int8rows.c: not
- * the float product; its numerics are stated there).
+ * takes one or two rows of x quantised to int8 instead where the build has AVX-512 VNNI
+ * (_int8rows.c: not the float product; its numerics are stated there).
  * The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) are in _kquants.c, built after this
  * file into the same library, on the same loops (DEFINE_MM, DEFINE_MM16); a matrix stacked
  * from parts of different types (a fused projection of a mixed file) is the MIXED layout.
@@ -121,9 +121,9 @@ static inline void dequant_z4(const uint8_t *wr, int64_t i, __m256 w[4]) {
  * and read by each product before its parallel region. */
 #define FIXED_ORDER 0x10000
 static _Thread_local int fixed_order;
-/* int8 activations for one-row products (the default mode's fast dtype; _int8rows.c): a layout
- * or'ed with INT8_ROWS sets `int8_rows` for the calling thread as FIXED_ORDER sets fixed_order;
- * the fixed order wins where both are set */
+/* int8 activations for products of one or two rows (the default mode's fast dtype;
+ * _int8rows.c): a layout or'ed with INT8_ROWS sets `int8_rows` for the calling thread as
+ * FIXED_ORDER sets fixed_order; the fixed order wins where both are set */
 #define INT8_ROWS 0x20000
 #define INT8_MAX_ROWS 2 /* steps of up to this many rows (_int8rows.c: one, or a tile of two) */
 static _Thread_local int int8_rows;
@@ -504,7 +504,7 @@ static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const ui
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads);
 
 /* the product, in the fixed order for this thread while a FIXED_ORDER layout runs (with int8
- * one-row products while an INT8_ROWS one does) */
+ * activations for one or two rows while an INT8_ROWS one does) */
 static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads) {
     const int before = fixed_order, before8 = int8_rows;
@@ -517,8 +517,8 @@ static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_
     return rc;
 }
 
-/* a one-row product with int8 activations (_int8rows.c, built after this file into the same
- * library): 0, or 1 where the build or the layout has none (the float path then runs) */
+/* a product of one or two rows with int8 activations (_int8rows.c, built after this file into
+ * the same library): 0, or 1 where the build or the layout has none (the float path then runs) */
 static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                    const float *bias, float *y, int64_t ldy, int threads);
 

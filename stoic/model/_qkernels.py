@@ -19,8 +19,8 @@ then bfloat16 dot products (``_bf16fixed.c``; :meth:`Kernels.bind` with ``fixed`
 float32 fixed order's time at 16-64 rows.
 
 With AVX512_VNNI (and BW, VL) it adds ``-mavx512bw -mavx512vl -mavx512vnni``: a product bound
-with ``int8_rows`` (a model in a fast dtype: :class:`Product`) then multiplies one row of
-activations quantised to int8 per block of 32 by integer dot products (``_int8rows.c``: 0.53-0.72x
+with ``int8_rows`` (a model in a fast dtype: :class:`Product`) then multiplies one or two rows
+of activations quantised to int8 per block of 32 by integer dot products (``_int8rows.c``: 0.53-0.72x
 the float32 row's time per matrix; not the float32 product).
 
 Where the kernels cannot run (not x86-64, no AVX2/FMA/F16C, no C compiler, a failed build)
@@ -82,7 +82,7 @@ _FIXED_ORDER = 0x10000
 #: the fixed order in bfloat16 (``_bf16fixed.c``; ``--deterministic`` where the CPU has
 #: AVX512_BF16): the pointer is a descriptor of the repacked blocks and their bfloat16 copy
 _BF16FIXED = 120
-#: or'ed with a layout: one-row products quantise the row of activations to int8 per block of
+#: or'ed with a layout: products of one or two rows quantise the activations to int8 per block of
 #: 32 and multiply with integer dot products (``INT8_ROWS`` in ``_qkernels.c``; ``_int8rows.c``)
 _INT8_ROWS = 0x20000
 _BASE_FLAGS = (
@@ -123,7 +123,7 @@ class Product:
     int64 descriptor the kernels read (layout ``BF16FIXED``) and the bfloat16 copy of the
     weights (None: every step de-quantises in registers); ``packed`` the repacked blocks.
 
-    ``int8_rows``: a product of one row quantises it to int8 per block of 32 (a scale each) and
+    ``int8_rows``: a product of one or two rows quantises them to int8 per block of 32 (a scale each) and
     multiplies by integer dot products where the kernels have them (:attr:`Kernels.int8_rows`;
     ``_int8rows.c`` states the numerics): not the float32 product, so only for a model in a fast
     dtype; ignored with ``fixed`` and by layouts without an int8 product (the K-quants)."""
@@ -255,7 +255,7 @@ class Kernels:
         #: whether fixed-order products compute in bfloat16 here (``_bf16fixed.c``: a CPU with
         #: AVX512_BF16); else in float32 on the blocks (FIXED_ORDER's tiles)
         self.bf16 = bool(lib.stoic_bf16_fixed())
-        #: whether one-row products can take int8 activations here (``_int8rows.c``: a CPU with
+        #: whether products of one or two rows can take int8 activations here (``_int8rows.c``: a CPU with
         #: AVX-512 VNNI; False for a library built before them)
         probe = getattr(lib, "stoic_int8_rows", None)
         if probe is not None:
@@ -300,7 +300,7 @@ class Kernels:
         in the fixed order (:class:`Product`): in bfloat16 where :attr:`bf16`, with
         (``bf16_copy``) a bfloat16 copy of the weights (2 bytes a weight) that steps of several
         rows read; without it they de-quantise in registers, bitwise the same results, slower.
-        ``int8_rows``: one-row products with int8 activations where :attr:`int8_rows`
+        ``int8_rows``: products of one or two rows with int8 activations where :attr:`int8_rows`
         (:class:`Product`).
 
         :raises ValueError: if the blocks or the bias do not fit.

@@ -109,7 +109,7 @@ class QuantizedMatrix:
         int8_rows: bool = False,
     ) -> Product:
         """The product by these blocks (and a float32 ``bias``), repacked once; ``fixed``: in
-        the fixed order, ``int8_rows``: one-row products on int8 activations where the kernels
+        the fixed order, ``int8_rows``: products of one or two rows on int8 activations where the kernels
         have them (:class:`._qkernels.Product`)."""
         return kernels.bind(self.kind, self.blocks, bias, fixed=fixed, int8_rows=int8_rows)
 
@@ -180,7 +180,7 @@ class QLinear:
 
     ``fixed``: the blocks' product sums each row in one order whatever the number of rows
     (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`; in bfloat16 where the kernels
-    can: :meth:`._qkernels.Kernels.bind`). ``int8_rows``: a step of one row multiplies the
+    can: :meth:`._qkernels.Kernels.bind`). ``int8_rows``: a step of one or two rows multiplies the
     blocks by its activations quantised to int8 where the kernels can (not the same numbers:
     the default mode with a fast dtype only; :class:`._qkernels.Product`).
     """
