@@ -165,8 +165,8 @@ def fuse_llama(
     them (:class:`QLinear`); bigger ones multiply by weights in ``dense_dtype`` (None: the
     model's). ``deterministic``: every step on the blocks in the fixed order and through the C
     layers (:mod:`._deterministic`; ``kernel_rows`` and ``dense_dtype`` are then not used).
-    ``int8_rows``: steps of one or two tokens multiply the blocks by int8 activations where the kernels
-    can (:class:`QLinear`; not with ``deterministic``).
+    ``int8_rows``: steps of one or two tokens multiply the blocks by int8 activations where the
+    kernels can (:class:`QLinear`; not with ``deterministic``).
 
     Mutates ``model``: its q/k/v and gate/up weights become views of the fused tensors (same
     values, same outputs).

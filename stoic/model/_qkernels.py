@@ -20,8 +20,8 @@ float32 fixed order's time at 16-64 rows.
 
 With AVX512_VNNI (and BW, VL) it adds ``-mavx512bw -mavx512vl -mavx512vnni``: a product bound
 with ``int8_rows`` (a model in a fast dtype: :class:`Product`) then multiplies one or two rows
-of activations quantised to int8 per block of 32 by integer dot products (``_int8rows.c``: 0.53-0.72x
-the float32 row's time per matrix; not the float32 product).
+of activations quantised to int8 per block of 32 by integer dot products (``_int8rows.c``:
+0.40-0.76x the float32 rows' time per matrix; not the float32 product).
 
 Where the kernels cannot run (not x86-64, no AVX2/FMA/F16C, no C compiler, a failed build)
 :func:`load_kernels` says why and the model runs on its de-quantised float weights, as before.
@@ -82,8 +82,9 @@ _FIXED_ORDER = 0x10000
 #: the fixed order in bfloat16 (``_bf16fixed.c``; ``--deterministic`` where the CPU has
 #: AVX512_BF16): the pointer is a descriptor of the repacked blocks and their bfloat16 copy
 _BF16FIXED = 120
-#: or'ed with a layout: products of one or two rows quantise the activations to int8 per block of
-#: 32 and multiply with integer dot products (``INT8_ROWS`` in ``_qkernels.c``; ``_int8rows.c``)
+#: or'ed with a layout: products of one or two rows quantise the activations to int8 per block
+#: of 32 and multiply with integer dot products (``INT8_ROWS`` in ``_qkernels.c``;
+#: ``_int8rows.c``)
 _INT8_ROWS = 0x20000
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
@@ -98,8 +99,8 @@ _AVX512_FLAGS = ("-mavx512f",)
 #: with AVX-512F and AVX512_BF16 too, ``--deterministic``'s products are bfloat16 dot products
 #: (``_bf16fixed.c``); without, they stay FIXED_ORDER's float32 tiles
 _BF16_FLAGS = ("-mavx512bf16",)
-#: with AVX-512F and AVX512_VNNI (and BW, VL), one-row products of a model in a fast dtype
-#: take int8 activations (``_int8rows.c``; :attr:`Kernels.int8_rows`)
+#: with AVX-512F and AVX512_VNNI (and BW, VL), products of one or two rows of a model in a
+#: fast dtype take int8 activations (``_int8rows.c``; :attr:`Kernels.int8_rows`)
 _VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
 _VNNI_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512_vnni")
 _COMPILE_TIMEOUT_S = 120.0
@@ -123,10 +124,11 @@ class Product:
     int64 descriptor the kernels read (layout ``BF16FIXED``) and the bfloat16 copy of the
     weights (None: every step de-quantises in registers); ``packed`` the repacked blocks.
 
-    ``int8_rows``: a product of one or two rows quantises them to int8 per block of 32 (a scale each) and
-    multiplies by integer dot products where the kernels have them (:attr:`Kernels.int8_rows`;
-    ``_int8rows.c`` states the numerics): not the float32 product, so only for a model in a fast
-    dtype; ignored with ``fixed`` and by layouts without an int8 product (the K-quants)."""
+    ``int8_rows``: a product of one or two rows quantises them to int8 per block of 32 (a scale
+    each) and multiplies by integer dot products where the kernels have them
+    (:attr:`Kernels.int8_rows`; ``_int8rows.c`` states the numerics): not the float32 product,
+    so only for a model in a fast dtype; ignored with ``fixed`` and by layouts without an int8
+    product (Q5_1, Q5_K; Q4_K and Q6_K at two rows)."""
 
     __slots__ = (
         "_bf16",
@@ -255,8 +257,8 @@ class Kernels:
         #: whether fixed-order products compute in bfloat16 here (``_bf16fixed.c``: a CPU with
         #: AVX512_BF16); else in float32 on the blocks (FIXED_ORDER's tiles)
         self.bf16 = bool(lib.stoic_bf16_fixed())
-        #: whether products of one or two rows can take int8 activations here (``_int8rows.c``: a CPU with
-        #: AVX-512 VNNI; False for a library built before them)
+        #: whether products of one or two rows can take int8 activations here (``_int8rows.c``:
+        #: a CPU with AVX-512 VNNI; False for a library built before them)
         probe = getattr(lib, "stoic_int8_rows", None)
         if probe is not None:
             probe.argtypes, probe.restype = [], i32

@@ -113,9 +113,9 @@ class ModelRunner:
             loaded.cache_root or default_cache_dir(),
         )
         dense = None if deterministic else loaded.dense_dtype
-        #: steps of one or two tokens multiply the blocks by int8 activations (``_int8rows.c``): in the
-        #: default mode where the model runs with a fast dense dtype (``--dtype auto`` chose
-        #: bfloat16) and the kernels have them (AVX-512 VNNI); ``--dtype float32`` and
+        #: steps of one or two tokens multiply the blocks by int8 activations (``_int8rows.c``):
+        #: in the default mode where the model runs with a fast dense dtype (``--dtype auto``
+        #: chose bfloat16) and the kernels have them (AVX-512 VNNI); ``--dtype float32`` and
         #: ``--deterministic`` keep their float32 products
         self.int8_rows = (
             dense is not None
