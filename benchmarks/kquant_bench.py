@@ -11,13 +11,17 @@ median of the rounds' B / A. One thread by default, timed by its CPU time (``--t
 
     python benchmarks/kquant_bench.py --baseline HEAD FILE.gguf [FILE.gguf ...] [--rows 1 32]
 
-Also checks that A and B compute the same products within float32 rounding of each other.
+Also checks that A and B compute the same products within float32 rounding of each other (B's
+products of one or two rows take int8 activations where its kernels have them, as the default
+mode binds them: those differ by design; ``--float-rows`` binds B without).
 
 ``--step 1 32``: the whole decode step instead (step_bench.py's ``Stream``: that many sequences
 of 128 tokens, 40 greedy steps), the model loaded twice, once on A's kernels and once on B's,
 steps alternating three at a time; per file and batch the median step of each, B / A, and
 whether both decoded the same tokens (they may not: the sums' order differs, and a near-tie of
-two logits can flip; float32 rounding either way).
+two logits can flip; float32 rounding either way; and B's int8 activations). ``--dtype`` is the
+models' (``auto``, the default mode: B's steps of one or two tokens on int8 activations where
+its kernels have them; ``float32``: the float path on both sides).
 """
 
 from __future__ import annotations
@@ -204,7 +208,8 @@ def main() -> None:
                     ya, yb = pa[0](x), pb[0](x)
                     scale = (ya.abs().max() + 1e-30).item()
                     if not torch.allclose(ya, yb, rtol=1e-4, atol=1e-5 * scale):
-                        print(f"  note: {path.name} {name} rows {m}: A and B differ")
+                        why = " (B's int8 activations: expected)" if pb[0].int8_rows else ""
+                        print(f"  note: {path.name} {name} rows {m}: A and B differ{why}")
                     ta, tb = [], []
                     for r in range(args.rounds + 1):
                         first, second = (pa, pb) if r % 2 == 0 else (pb, pa)
