@@ -11,13 +11,17 @@ median of the rounds' B / A. One thread by default, timed by its CPU time (``--t
 
     python benchmarks/kquant_bench.py --baseline HEAD FILE.gguf [FILE.gguf ...] [--rows 1 32]
 
-Also checks that A and B compute the same products within float32 rounding of each other.
+Also checks that A and B compute the same products within float32 rounding of each other (B's
+products of one or two rows take int8 activations where its kernels have them, as the default
+mode binds them: those differ by design; ``--float-rows`` binds B without).
 
 ``--step 1 32``: the whole decode step instead (step_bench.py's ``Stream``: that many sequences
 of 128 tokens, 40 greedy steps), the model loaded twice, once on A's kernels and once on B's,
 steps alternating three at a time; per file and batch the median step of each, B / A, and
 whether both decoded the same tokens (they may not: the sums' order differs, and a near-tie of
-two logits can flip; float32 rounding either way).
+two logits can flip; float32 rounding either way; and B's int8 activations). ``--dtype`` is the
+models' (``auto``, the default mode: B's steps of one or two tokens on int8 activations where
+its kernels have them; ``float32``: the float path on both sides).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def build(source: bytes, into: Path) -> Kernels:
     cc = _qkernels._compiler()
     assert cc is not None, "no C compiler"
     target = into / "libstoic_qkernels.so"
-    _qkernels._build(cc, source, target)
+    _qkernels._build(cc, source, target, _qkernels._flags())
     import ctypes
 
     return Kernels(target, ctypes.CDLL(str(target)))
@@ -64,14 +68,11 @@ def source_at(rev: str) -> bytes:
     """The C sources of the kernels at git revision ``rev``, joined in build order."""
     parts = []
     for name in _qkernels._SOURCES:
-        parts.append(
-            subprocess.run(
-                ["git", "show", f"{rev}:stoic/model/{name}"],
-                cwd=ROOT,
-                capture_output=True,
-                check=True,
-            ).stdout
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:stoic/model/{name}"], cwd=ROOT, capture_output=True
         )
+        if shown.returncode == 0:  # a file the revision has (_int8rows.c is newer than some)
+            parts.append(shown.stdout)
     return b"\n".join(parts)
 
 
@@ -85,12 +86,14 @@ def tensors(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
-def bind(kernels: Kernels, parts: list[tuple[str, torch.Tensor]]) -> Product:
+def bind(kernels: Kernels, parts: list[tuple[str, torch.Tensor]], int8: bool) -> Product:
+    """The product stoic binds for ``parts``; ``int8``: with int8 one-row activations where
+    the kernels have them (the default mode's fast dtype; a baseline without them ignores it)."""
     if len(parts) == 1:
-        return kernels.bind(parts[0][0], parts[0][1], None)
+        return kernels.bind(parts[0][0], parts[0][1], None, int8_rows=int8)
     if len({kind for kind, _ in parts}) == 1:
-        return kernels.bind(parts[0][0], torch.cat([b for _, b in parts]), None)
-    return kernels.bind_stack(parts, None)
+        return kernels.bind(parts[0][0], torch.cat([b for _, b in parts]), None, int8_rows=int8)
+    return kernels.bind_stack(parts, None, int8_rows=int8)
 
 
 def matrices(path: Path) -> dict[str, list[list[tuple[str, torch.Tensor]]]]:
@@ -115,7 +118,7 @@ def time_pass(products: list[Product], x: torch.Tensor) -> float:
     return clock() - started
 
 
-def steps(files: list[Path], a: Kernels, b: Kernels, batches: list[int]) -> None:
+def steps(files: list[Path], a: Kernels, b: Kernels, batches: list[int], dtype: str) -> None:
     """The decode-step A/B (``--step``)."""
     import step_bench
 
@@ -131,7 +134,7 @@ def steps(files: list[Path], a: Kernels, b: Kernels, batches: list[int]) -> None
         try:
             for name, lib in (("A", a), ("B", b)):
                 _qkernels.load_kernels = lambda root, lib=lib: lib  # type: ignore[misc]
-                runners[name] = ModelRunner(load_model(str(path), dtype="float32", device="cpu"))
+                runners[name] = ModelRunner(load_model(str(path), dtype=dtype, device="cpu"))
         finally:
             _qkernels.load_kernels = original
         for batch in batches:
@@ -171,13 +174,24 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="matrices to measure")
     parser.add_argument("--threads", type=int, default=1, help="1: CPU time; more: wall time")
     parser.add_argument("--step", type=int, nargs="*", default=None, help="decode-step batches")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="--step: the model's --dtype (auto: the default mode, whose one-row products take "
+        "int8 activations where the kernels have them; float32: the float path on both sides)",
+    )
+    parser.add_argument(
+        "--float-rows",
+        action="store_true",
+        help="per matrix: B's one-row products on float32 activations (as --dtype float32)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         a = build(source_at(args.baseline), Path(tmp) / "a")
         b = build(_qkernels._source(), Path(tmp) / "b")
         if args.step:
-            steps(args.files, a, b, args.step)
+            steps(args.files, a, b, args.step, args.dtype)
             return
         print(f"A: {args.baseline}; B: the working tree. threads {torch.get_num_threads()}")
         print("| file | matrix | types | rows | A us | B us | B/A |")
@@ -186,15 +200,16 @@ def main() -> None:
             for name, layers in matrices(path).items():
                 if args.only and name not in args.only:
                     continue
-                pa = [bind(a, parts) for parts in layers]
-                pb = [bind(b, parts) for parts in layers]
+                pa = [bind(a, parts, False) for parts in layers]
+                pb = [bind(b, parts, not args.float_rows) for parts in layers]
                 kinds = ", ".join(sorted({p.kind for p in pa}))
                 for m in args.rows:
                     x = torch.randn(m, pa[0].cols, generator=torch.Generator().manual_seed(m))
                     ya, yb = pa[0](x), pb[0](x)
                     scale = (ya.abs().max() + 1e-30).item()
                     if not torch.allclose(ya, yb, rtol=1e-4, atol=1e-5 * scale):
-                        print(f"  note: {path.name} {name} rows {m}: A and B differ")
+                        why = " (B's int8 activations: expected)" if pb[0].int8_rows else ""
+                        print(f"  note: {path.name} {name} rows {m}: A and B differ{why}")
                     ta, tb = [], []
                     for r in range(args.rounds + 1):
                         first, second = (pa, pb) if r % 2 == 0 else (pb, pa)

@@ -88,6 +88,10 @@ class ComputePath:
     #: the attention backend's name (:func:`._attention.choose_attention`: ``torch-paged``,
     #: ``c-decode``)
     attention: str = "torch-paged"
+    #: what steps of one or two tokens multiply the quantised blocks by: ``int8`` (the activations
+    #: quantised per block of 32, integer dot products: the default mode with a fast dtype on a
+    #: CPU with AVX-512 VNNI; ``_int8rows.c``) or ``float32``
+    row_activations: str = "float32"
 
     def card(self) -> dict[str, Any]:
         """Every field, as JSON-ready values (what ``/v1/models`` shows as ``compute``)."""
@@ -137,4 +141,5 @@ class ComputePath:
             kernel_types=tuple(summary["kernel_types"]),
             deterministic=bool(summary.get("deterministic", False)),
             attention=str(summary.get("attention", "torch-paged")),
+            row_activations=str(summary.get("row_activations", "float32")),
         )

@@ -155,6 +155,7 @@ def fuse_llama(
     kernel_rows: int = MAX_KERNEL_ROWS,
     dense_dtype: torch.dtype | None = None,
     deterministic: bool = False,
+    int8_rows: bool = False,
 ) -> FusedLlama | None:
     """The lean forward of ``model`` (a transformers causal LM), or None when its architecture is
     not one this module implements (the caller then keeps transformers' forward).
@@ -164,6 +165,8 @@ def fuse_llama(
     them (:class:`QLinear`); bigger ones multiply by weights in ``dense_dtype`` (None: the
     model's). ``deterministic``: every step on the blocks in the fixed order and through the C
     layers (:mod:`._deterministic`; ``kernel_rows`` and ``dense_dtype`` are then not used).
+    ``int8_rows``: steps of one or two tokens multiply the blocks by int8 activations where the
+    kernels can (:class:`QLinear`; not with ``deterministic``).
 
     Mutates ``model``: its q/k/v and gate/up weights become views of the fused tensors (same
     values, same outputs).
@@ -179,6 +182,7 @@ def fuse_llama(
         kernel_rows=kernel_rows,
         dense_dtype=dense_dtype,
         deterministic=deterministic,
+        int8_rows=int8_rows,
     )
 
 
@@ -199,9 +203,10 @@ class FusedLlama:
         kernel_rows: int = MAX_KERNEL_ROWS,
         dense_dtype: torch.dtype | None = None,
         deterministic: bool = False,
+        int8_rows: bool = False,
     ) -> None:
         if deterministic:  # every step on the blocks, no dense copy (:mod:`._deterministic`)
-            kernel_rows, dense_dtype = EVERY_ROW, None
+            kernel_rows, dense_dtype, int8_rows = EVERY_ROW, None, False
         #: each position's rotary values computed once (deterministic mode; None: per step)
         self._fixed_rotary = RotaryTable(base.rotary_emb) if deterministic else None
         #: Gemma's embedding module scales by sqrt(hidden) itself
@@ -238,6 +243,7 @@ class FusedLlama:
                 dense_dtype=dense_dtype,
                 pack_parts=parts,
                 fixed=deterministic,
+                int8_rows=int8_rows,
             )
 
         for i, layer in enumerate(base.layers[: config.num_hidden_layers]):

@@ -13,6 +13,9 @@
  * its sums. One row (a one-sequence decode step) factors each block instead (d * sum(q x) +
  * m * sum(x): 14-15% faster), multiplying by the exact q * d + m, which the float copy holds
  * rounded to float32; factoring measured up to 25% slower at 8-64 rows.
+ * Outside the fixed order, a layout or'ed with INT8_ROWS (the default mode with a fast dtype)
+ * takes one or two rows of x quantised to int8 instead where the build has AVX-512 VNNI
+ * (_int8rows.c: not the float product; its numerics are stated there).
  * The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) are in _kquants.c, built after this
  * file into the same library, on the same loops (DEFINE_MM, DEFINE_MM16); a matrix stacked
  * from parts of different types (a fused projection of a mixed file) is the MIXED layout.
@@ -118,6 +121,12 @@ static inline void dequant_z4(const uint8_t *wr, int64_t i, __m256 w[4]) {
  * and read by each product before its parallel region. */
 #define FIXED_ORDER 0x10000
 static _Thread_local int fixed_order;
+/* int8 activations for products of one or two rows (the default mode's fast dtype;
+ * _int8rows.c): a layout or'ed with INT8_ROWS sets `int8_rows` for the calling thread as
+ * FIXED_ORDER sets fixed_order; the fixed order wins where both are set */
+#define INT8_ROWS 0x20000
+#define INT8_MAX_ROWS 2 /* steps of up to this many rows (_int8rows.c: one, or a tile of two) */
+static _Thread_local int int8_rows;
 #define DEFINE_TILE(NAME, DEQUANT, ROWS, ALT)                                                  \
     static inline void NAME(const float *x, int64_t K, const uint8_t *wr, int64_t nb,         \
                             float *out, int64_t stride, float add) {                          \
@@ -494,15 +503,24 @@ static int qmm_mixed(const float *x, int64_t M, int64_t K, const int64_t *desc, 
 static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads);
 
-/* the product, in the fixed order for this thread while a FIXED_ORDER layout runs */
+/* the product, in the fixed order for this thread while a FIXED_ORDER layout runs (with int8
+ * activations for one or two rows while an INT8_ROWS one does) */
 static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads) {
-    const int before = fixed_order;
+    const int before = fixed_order, before8 = int8_rows;
     fixed_order = before || (type & FIXED_ORDER);
-    const int rc = qmm_dispatch(type & ~FIXED_ORDER, x, M, K, w, N, bias, y, ldy, threads);
+    int8_rows = before8 || (type & INT8_ROWS);
+    const int rc = qmm_dispatch(type & ~(FIXED_ORDER | INT8_ROWS), x, M, K, w, N, bias, y, ldy,
+                                threads);
     fixed_order = before;
+    int8_rows = before8;
     return rc;
 }
+
+/* a product of one or two rows with int8 activations (_int8rows.c, built after this file into
+ * the same library): 0, or 1 where the build or the layout has none (the float path then runs) */
+static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads);
 
 /* --deterministic's bfloat16 products (_bf16fixed.c, built after this file into the same
  * library): `w` points to a descriptor {int64 layout, int64 blocks, int64 bfloat16 copy or 0} */
@@ -515,6 +533,10 @@ static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const ui
     if (K % QK != 0 || M < 0 || N < 0) return -1;
     if (type == BF16FIXED) return bf16_mm((const int64_t *)w, x, M, K, N, bias, y, ldy, threads);
     if (type == MIXED) return qmm_mixed(x, M, K, (const int64_t *)w, N, bias, y, ldy, threads);
+    if (M >= 1 && M <= INT8_MAX_ROWS && int8_rows && !fixed_order) {
+        const int rc = int8_mm(type, x, M, K, w, N, bias, y, ldy, threads);
+        if (rc != 1) return rc;
+    }
     if (IS_KLAYOUT(type)) return kquant_mm(type, x, M, K, w, N, bias, y, ldy, threads);
 #ifdef HAVE_AVX512
     if (M <= MAX_ROWS_16 || fixed_order) switch (type) {

@@ -18,6 +18,11 @@ With AVX512_BF16 too it adds ``-mavx512bf16``: ``--deterministic``'s fixed-order
 then bfloat16 dot products (``_bf16fixed.c``; :meth:`Kernels.bind` with ``fixed``), 0.3-0.5x the
 float32 fixed order's time at 16-64 rows.
 
+With AVX512_VNNI (and BW, VL) it adds ``-mavx512bw -mavx512vl -mavx512vnni``: a product bound
+with ``int8_rows`` (a model in a fast dtype: :class:`Product`) then multiplies one or two rows
+of activations quantised to int8 per block of 32 by integer dot products (``_int8rows.c``:
+0.40-0.76x the float32 rows' time per matrix; not the float32 product).
+
 Where the kernels cannot run (not x86-64, no AVX2/FMA/F16C, no C compiler, a failed build)
 :func:`load_kernels` says why and the model runs on its de-quantised float weights, as before.
 """
@@ -77,6 +82,10 @@ _FIXED_ORDER = 0x10000
 #: the fixed order in bfloat16 (``_bf16fixed.c``; ``--deterministic`` where the CPU has
 #: AVX512_BF16): the pointer is a descriptor of the repacked blocks and their bfloat16 copy
 _BF16FIXED = 120
+#: or'ed with a layout: products of one or two rows quantise the activations to int8 per block
+#: of 32 and multiply with integer dot products (``INT8_ROWS`` in ``_qkernels.c``;
+#: ``_int8rows.c``)
+_INT8_ROWS = 0x20000
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);
@@ -90,6 +99,10 @@ _AVX512_FLAGS = ("-mavx512f",)
 #: with AVX-512F and AVX512_BF16 too, ``--deterministic``'s products are bfloat16 dot products
 #: (``_bf16fixed.c``); without, they stay FIXED_ORDER's float32 tiles
 _BF16_FLAGS = ("-mavx512bf16",)
+#: with AVX-512F and AVX512_VNNI (and BW, VL), products of one or two rows of a model in a
+#: fast dtype take int8 activations (``_int8rows.c``; :attr:`Kernels.int8_rows`)
+_VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
+_VNNI_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512_vnni")
 _COMPILE_TIMEOUT_S = 120.0
 _log = get_logger("stoic.model")
 get_threads = torch.get_num_threads
@@ -109,7 +122,13 @@ class Product:
 
     ``bf16``: a fixed-order product in bfloat16 (``_bf16fixed.c``): ``(descriptor, copy)``, the
     int64 descriptor the kernels read (layout ``BF16FIXED``) and the bfloat16 copy of the
-    weights (None: every step de-quantises in registers); ``packed`` the repacked blocks."""
+    weights (None: every step de-quantises in registers); ``packed`` the repacked blocks.
+
+    ``int8_rows``: a product of one or two rows quantises them to int8 per block of 32 (a scale
+    each) and multiplies by integer dot products where the kernels have them
+    (:attr:`Kernels.int8_rows`; ``_int8rows.c`` states the numerics): not the float32 product,
+    so only for a model in a fast dtype; ignored with ``fixed`` and by layouts without an int8
+    product (Q5_1, Q5_K; Q4_K and Q6_K at two rows)."""
 
     __slots__ = (
         "_bf16",
@@ -118,6 +137,7 @@ class Product:
         "_qmm",
         "cols",
         "fixed",
+        "int8_rows",
         "kind",
         "layout",
         "parts",
@@ -135,12 +155,15 @@ class Product:
         *,
         fixed: bool = False,
         bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        int8_rows: bool = False,
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
         self.fixed = fixed or bf16 is not None
+        self.int8_rows = int8_rows and not self.fixed
         self._bf16 = bf16
         self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if self.fixed else 0)
+        self.layout |= _INT8_ROWS if self.int8_rows else 0
         if bf16 is not None:
             self.layout = _BF16FIXED | _FIXED_ORDER
         self.rows: int = sum(p.rows for p in parts) if parts else int(packed.shape[0])
@@ -234,6 +257,12 @@ class Kernels:
         #: whether fixed-order products compute in bfloat16 here (``_bf16fixed.c``: a CPU with
         #: AVX512_BF16); else in float32 on the blocks (FIXED_ORDER's tiles)
         self.bf16 = bool(lib.stoic_bf16_fixed())
+        #: whether products of one or two rows can take int8 activations here (``_int8rows.c``:
+        #: a CPU with AVX-512 VNNI; False for a library built before them)
+        probe = getattr(lib, "stoic_int8_rows", None)
+        if probe is not None:
+            probe.argtypes, probe.restype = [], i32
+        self.int8_rows = bool(probe()) if probe is not None else False
         #: the layer kernels (:mod:`._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
@@ -265,6 +294,7 @@ class Kernels:
         *,
         fixed: bool = False,
         bf16_copy: bool = True,
+        int8_rows: bool = False,
     ) -> Product:
         """:meth:`mm` by these blocks and bias: the blocks are checked and repacked into the
         products' layout once (float32 scales; Q4_0/Q4_1 nibbles reordered: 0.625-1.125 bytes a
@@ -272,6 +302,8 @@ class Kernels:
         in the fixed order (:class:`Product`): in bfloat16 where :attr:`bf16`, with
         (``bf16_copy``) a bfloat16 copy of the weights (2 bytes a weight) that steps of several
         rows read; without it they de-quantise in registers, bitwise the same results, slower.
+        ``int8_rows``: products of one or two rows with int8 activations where :attr:`int8_rows`
+        (:class:`Product`).
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
@@ -293,7 +325,7 @@ class Kernels:
         bf16 = self._bf16_of(kind, packed, n, cols, bf16_copy) if fixed and self.bf16 else None
         return Product(
             self._qmm, kind, packed, cols, None if bias is None else bias.contiguous(),
-            fixed=fixed, bf16=bf16,
+            fixed=fixed, bf16=bf16, int8_rows=int8_rows and self.int8_rows,
         )  # fmt: skip
 
     def _bf16_of(
@@ -318,6 +350,7 @@ class Kernels:
         *,
         fixed: bool = False,
         bf16_copy: bool = True,
+        int8_rows: bool = False,
     ) -> Product:
         """:meth:`bind` for the matrix made of ``parts`` (``(kind, blocks)``, one below the
         other, of one width) whose types differ: one product, each part multiplied by its own
@@ -326,7 +359,7 @@ class Kernels:
         :raises ValueError: if a part does not fit, or the parts differ in width.
         """
         products = tuple(
-            self.bind(kind, blocks, None, fixed=fixed, bf16_copy=bf16_copy)
+            self.bind(kind, blocks, None, fixed=fixed, bf16_copy=bf16_copy, int8_rows=int8_rows)
             for kind, blocks in parts
         )
         if not products or len({p.cols for p in products}) != 1:
@@ -346,6 +379,7 @@ class Kernels:
             None if bias is None else bias.contiguous(),
             products,
             fixed=fixed,
+            int8_rows=int8_rows and self.int8_rows,
         )
 
     def dequantize(self, kind: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
@@ -383,7 +417,8 @@ def _flags() -> tuple[str, ...]:
     cpu = _cpu_flags()
     if "avx512f" not in cpu:
         return _BASE_FLAGS
-    return _BASE_FLAGS + _AVX512_FLAGS + (_BF16_FLAGS if "avx512_bf16" in cpu else ())
+    vnni = _VNNI_FLAGS if all(f in cpu for f in _VNNI_CPU_FLAGS) else ()
+    return _BASE_FLAGS + _AVX512_FLAGS + vnni + (_BF16_FLAGS if "avx512_bf16" in cpu else ())
 
 
 def _compiler() -> str | None:
@@ -397,7 +432,9 @@ def _compiler() -> str | None:
 #: ``_cops.c``: the bfloat16 prefill's elementwise operators; ``_bf16fixed.c``: the bfloat16
 #: fixed-order products of ``--deterministic``; ``_rows_attention.c``: prefill chunks' attention
 #: in deterministic mode)
-_SOURCES = ("_qkernels.c", "_kquants.c", "_cops.c", "_bf16fixed.c", "_rows_attention.c")
+_SOURCES = (
+    "_qkernels.c", "_kquants.c", "_int8rows.c", "_cops.c", "_bf16fixed.c", "_rows_attention.c",
+)  # fmt: skip
 
 
 def _source() -> bytes:
@@ -466,15 +503,26 @@ def load_kernels(cache_root: Path) -> Kernels:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelsUnavailable(f"cannot run {cc}: {e}") from e
     flags = _flags()
-    try:
-        target = _built(cc, source, version, flags, cache_root)
-    except KernelsUnavailable as e:
-        if not set(_BF16_FLAGS) <= set(flags):
-            raise
-        # a compiler too old for AVX512_BF16 (GCC < 10): the float32 fixed order serves
-        _log.warning("model.kernels.no_bf16", reason=str(e))
-        flags = tuple(f for f in flags if f not in _BF16_FLAGS)
-        target = _built(cc, source, version, flags, cache_root)
+    # a compiler too old for AVX512_BF16 (GCC < 10): the float32 fixed order serves; too old for
+    # AVX512_VNNI too (GCC < 8): one-row products stay float32
+    optional = [
+        (dropped, event)
+        for dropped, event in (
+            (_BF16_FLAGS, "model.kernels.no_bf16"),
+            (_VNNI_FLAGS, "model.kernels.no_vnni"),
+        )
+        if set(dropped) <= set(flags)
+    ]
+    while True:
+        try:
+            target = _built(cc, source, version, flags, cache_root)
+            break
+        except KernelsUnavailable as e:
+            if not optional:
+                raise
+            dropped, event = optional.pop(0)
+            _log.warning(event, reason=str(e))
+            flags = tuple(f for f in flags if f not in dropped)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:

@@ -100,10 +100,18 @@ class QuantizedMatrix:
             return MixedMatrix(tuple(found))
         return QuantizedMatrix(found[0].kind, torch.cat([p.blocks for p in found]), found[0].cols)
 
-    def bind(self, kernels: Kernels, bias: torch.Tensor | None, *, fixed: bool = False) -> Product:
+    def bind(
+        self,
+        kernels: Kernels,
+        bias: torch.Tensor | None,
+        *,
+        fixed: bool = False,
+        int8_rows: bool = False,
+    ) -> Product:
         """The product by these blocks (and a float32 ``bias``), repacked once; ``fixed``: in
-        the fixed order (:class:`._qkernels.Product`)."""
-        return kernels.bind(self.kind, self.blocks, bias, fixed=fixed)
+        the fixed order, ``int8_rows``: products of one or two rows on int8 activations where
+        the kernels have them (:class:`._qkernels.Product`)."""
+        return kernels.bind(self.kind, self.blocks, bias, fixed=fixed, int8_rows=int8_rows)
 
     def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
         """Whether these blocks hold ``weight`` (the de-quantised copy), judged on a sample of
@@ -140,8 +148,17 @@ class MixedMatrix:
     def cols(self) -> int:
         return self.parts[0].cols
 
-    def bind(self, kernels: Kernels, bias: torch.Tensor | None, *, fixed: bool = False) -> Product:
-        return kernels.bind_stack([(p.kind, p.blocks) for p in self.parts], bias, fixed=fixed)
+    def bind(
+        self,
+        kernels: Kernels,
+        bias: torch.Tensor | None,
+        *,
+        fixed: bool = False,
+        int8_rows: bool = False,
+    ) -> Product:
+        return kernels.bind_stack(
+            [(p.kind, p.blocks) for p in self.parts], bias, fixed=fixed, int8_rows=int8_rows
+        )
 
     def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
         """Whether each part holds its rows of ``weight`` (:meth:`QuantizedMatrix.matches`)."""
@@ -163,7 +180,9 @@ class QLinear:
 
     ``fixed``: the blocks' product sums each row in one order whatever the number of rows
     (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`; in bfloat16 where the kernels
-    can: :meth:`._qkernels.Kernels.bind`).
+    can: :meth:`._qkernels.Kernels.bind`). ``int8_rows``: a step of one or two rows multiplies the
+    blocks by its activations quantised to int8 where the kernels can (not the same numbers:
+    the default mode with a fast dtype only; :class:`._qkernels.Product`).
     """
 
     __slots__ = (
@@ -188,6 +207,7 @@ class QLinear:
         dense_dtype: torch.dtype | None = None,
         pack_parts: int = 1,
         fixed: bool = False,
+        int8_rows: bool = False,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -196,7 +216,7 @@ class QLinear:
         self._product: Product | None = None
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
-            self._product = self.quantized.bind(kernels, bias32, fixed=fixed)
+            self._product = self.quantized.bind(kernels, bias32, fixed=fixed, int8_rows=int8_rows)
         #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
         #: (None once packed: :attr:`_packed` holds the same numbers)
         self.dense_weight: torch.Tensor | None = weight
@@ -223,12 +243,15 @@ class QLinear:
         dense_dtype: torch.dtype | None = None,
         pack_parts: int = 1,
         fixed: bool = False,
+        int8_rows: bool = False,
     ) -> QLinear:
         """A :class:`QLinear` that uses ``quantized`` only if the blocks hold ``weight``
         (:meth:`QuantizedMatrix.matches`); otherwise the float path alone."""
         if quantized is not None and (kernels is None or not quantized.matches(kernels, weight)):
             quantized = None
-        return cls(weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts, fixed)
+        return cls(
+            weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts, fixed, int8_rows
+        )
 
     @property
     def product(self) -> Product | None:

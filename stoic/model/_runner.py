@@ -113,6 +113,16 @@ class ModelRunner:
             loaded.cache_root or default_cache_dir(),
         )
         dense = None if deterministic else loaded.dense_dtype
+        #: steps of one or two tokens multiply the blocks by int8 activations (``_int8rows.c``):
+        #: in the default mode where the model runs with a fast dense dtype (``--dtype auto``
+        #: chose bfloat16) and the kernels have them (AVX-512 VNNI); ``--dtype float32`` and
+        #: ``--deterministic`` keep their float32 products
+        self.int8_rows = (
+            dense is not None
+            and dense != torch.float32
+            and kernels is not None
+            and kernels.int8_rows
+        )
         #: steps of at most this many tokens run on the quantised blocks (if any)
         self.kernel_rows = (
             EVERY_ROW
@@ -129,6 +139,7 @@ class ModelRunner:
             max_rows=self.kernel_rows,
             dense_dtype=dense,
             fixed=deterministic,
+            int8_rows=self.int8_rows,
         )
         #: the model's own forward from stoic's hidden states to logits (:mod:`._logits`)
         self._logits = OutputLayer(model, self)
@@ -144,6 +155,7 @@ class ModelRunner:
                 kernel_rows=self.kernel_rows,
                 dense_dtype=dense,
                 deterministic=deterministic,
+                int8_rows=self.int8_rows,
             )
             if fused and not whole
             else None
@@ -234,6 +246,9 @@ class ModelRunner:
             "deterministic": self.deterministic,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "dense_dtype": str(self._dense_dtype()).removeprefix("torch."),
+            "row_activations": "int8"
+            if self.int8_rows and (done or head is not None)
+            else "float32",
         }
         if done or head is not None:
             _log.info("model.quantized", seconds=round(seconds, 2), **summary)

@@ -101,6 +101,7 @@ async def test_metrics_parse_and_count(
         "kernel_rows": str(compute.kernel_rows),
         "logits": compute.logits,
         "quantized_projections": f"{compute.quantized_projections}/{compute.projections}",
+        "row_activations": compute.row_activations,
     }
     assert compute.attention == "c-decode" and compute.architecture == "LlamaForCausalLM"
 

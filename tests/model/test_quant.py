@@ -166,6 +166,7 @@ def test_runner_uses_the_blocks_for_every_projection(
         "deterministic": False,
         "dtype": "float32",
         "dense_dtype": "float32",
+        "row_activations": "float32",
     }
     assert runner.compute_path == ComputePath.from_summary(runner.quantized)
     assert runner.compute_path.kernel_types == ("Q4_1", "Q8_0")

@@ -1,0 +1,366 @@
+/* Products of one row (and two: tile_int8) with int8 activations (AVX-512 VNNI: HAVE_INT8_ROWS
+ * below; elsewhere, and outside the flag, the float32 paths of _qkernels.c and _kquants.c, as
+ * before).
+ * Appended after _qkernels.c and _kquants.c into one library (_qkernels.py).
+ *
+ * A one-sequence decode step multiplies one row of activations by every matrix, and on 2 cores
+ * that is bound by instructions, not bytes: the float32 one-row loops (DEFINE_ROW16) widen each
+ * 4-bit weight to int32, convert it to float and multiply (~12 512-bit instructions per 32
+ * weights, which Zen 4 runs as twice as many 256-bit ones). Here, as ggml does (Q8_0 blocks of
+ * the activations, integer dot products), the row of x is quantised once per product, and a
+ * block of 32 weights costs one vpdpbusd (32 u8 x s8 products summed in fours into 8 int32
+ * lanes) and a handful of 256-bit instructions.
+ *
+ * Numerics. Per block b of 32 elements of x:
+ *     dx[b] = max|x| / 127,   xq[j] = rint(x[j] * (127 / max|x|))  (int8, |xq| <= 127;
+ *     a block of zeros: dx = 0, xq = 0),   sx[b] = dx[b] * sum_j xq[j]
+ * and a block of weights w_j = q_j d + m (q the block's unsigned integers) contributes
+ *     d dx[b] sum_j q_j xq[j] + m sx[b]
+ * (U4/Q4_1: q 0..15, m its offset; Z4/Q4_0: m = -8 d; Z5/Q5_0: q 0..31, m = -16 d; K4/Q4_K: per
+ * sub-block of 32, d and m its float32 scale and offset; S8/Q8_0: q signed, m = 0, and K6/Q6_K:
+ * q - 32 signed under a scale per 16 weights, both by vpdpbusd(|w|, sign(xq, w)): |w| <= 128
+ * fits u8 and xq * sign(w) an s8, since |xq| <= 127 — llama.cpp's trick, one extra instruction
+ * (vpsignb) where the alternative, (xq + 128) w minus 128 sum(w), takes a second vpdpbusd for
+ * sum(w) and a subtraction: a layout without stored weight sums, which S8 and K6 are).
+ * The integer sums are exact; the result is the float32 product of the de-quantised weights by
+ * x rounded to 8 bits per block (a relative error of up to 1/254 of each
+ * block's largest |x| per element), then float32 rounding of the per-block scaling and sums.
+ * So it is not the float path's result: it is used only where the model runs with a fast dtype
+ * (the default mode where ``--dtype auto`` picked bfloat16 for dense products), never with
+ * ``--dtype float32`` nor in the fixed order (--deterministic), which keep their float paths.
+ * The flag (INT8_ROWS, or'ed with a layout) reaches here like FIXED_ORDER: qmm_into sets
+ * `int8_rows` for the calling thread; qmm_dispatch hands a product of one row of a layout this
+ * file knows (S8, U4, Z4, Z5, K4, K6), or of two rows (S8, U4, Z4, Z5), to int8_mm; the others
+ * (U5/Q5_1, K5/Q5_K; more rows) keep their float paths. Measured (docs/benchmarks.md, "int8
+ * activations"): 0.40-0.76x the float rows' time per matrix of the default model's Q4_1 and
+ * Q4_K_M files on one thread, two rows 0.51-0.81x; K4/K6 ~1.0x (bound by their bytes there).
+ */
+
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) &&                   \
+    defined(__AVX512BW__)
+#define HAVE_INT8_ROWS 1
+/* the widest row the int8 path takes (its copy of x lives on the stack: 40 KiB at this width) */
+#define INT8_MAX_BLOCKS 1024
+
+/* x (nb blocks of 32) into xq (in the layout's order: `permuted`: each block as weights 0-7,
+ * 16-23, 8-15, 24-31, the order U4/Z4's nibbles come out in), dx and sx (above) */
+static void quantize_x8(const float *x, int64_t nb, int permuted, int8_t *xq, float *dx,
+                        float *sx) {
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        /* rint: the default rounding (to nearest, ties to even) */
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+        const __m128i q0 = _mm512_cvtepi32_epi8(i0), q1 = _mm512_cvtepi32_epi8(i1);
+        int8_t *o = xq + b * QK;
+        if (permuted) { /* q0: elements 0-15, q1: 16-31 -> 0-7, 16-23, 8-15, 24-31 */
+            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi64(q0, q1));
+            _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi64(q0, q1));
+        } else {
+            _mm_storeu_si128((__m128i *)o, q0);
+            _mm_storeu_si128((__m128i *)(o + 16), q1);
+        }
+        /* a NaN in the block makes its scale NaN, so the products are NaN as the float ones */
+        const __mmask16 nan =
+            _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        dx[b] = nan ? __builtin_nanf("") : amax / 127.0f;
+        sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    }
+}
+
+/* the 16 bytes of 4-bit values at q as 32 u8 (0..15): bytes 0-15 the low nibbles, 16-31 the
+ * high ones (U4/Z4: weights 0-7, 16-23, 8-15, 24-31; Z5: weights 0-31 in order) */
+static inline __m256i nibbles32(const uint8_t *q) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+    return _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 4), 0xF0),
+                            _mm256_set1_epi8(0x0F));
+}
+
+/* Block b of a row of weights by the quantised x: the 8 int32 lanes of sum q xq (each the sum
+ * of 4 products), the block's scale d and offset m. LAYOUT: U4, Z4, Z5 or S8 (a constant where
+ * it is inlined: one loop each). */
+static inline __m256i block_int8(int layout, const int8_t *xq, const uint8_t *wr, int64_t b,
+                                 float *d, float *m) {
+    const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+    if (layout == U4) {
+        const uint8_t *blk = wr + b * U4_BYTES;
+        memcpy(d, blk, 4);
+        memcpy(m, blk + 4, 4);
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 8), x8);
+    }
+    if (layout == Z4) {
+        const uint8_t *blk = wr + b * Z4_BYTES;
+        memcpy(d, blk, 4);
+        *m = -8.0f * *d; /* exact */
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles32(blk + 4), x8);
+    }
+    if (layout == Z5) {
+        const uint8_t *blk = wr + b * Z5_BYTES;
+        uint32_t clear; /* Z5 holds the fifth bits inverted */
+        memcpy(d, blk, 4);
+        memcpy(&clear, blk + 4, 4);
+        *m = -16.0f * *d; /* exact */
+        const __m256i lo = nibbles32(blk + 8);
+        const __m256i q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
+    }
+    const uint8_t *blk = wr + b * S8_BYTES; /* S8 */
+    memcpy(d, blk, 4);
+    *m = 0.0f;
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 4));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x8, w));
+}
+
+/* One row of weights by the quantised x: per block the lanes of sum q xq, scaled by d dx into
+ * one of two float accumulators (two blocks a pass: no chain of dependent additions, and both
+ * stay in registers), the offsets m sx in two scalar sums. */
+static inline float row_int8(int layout, const int8_t *xq, const float *dx, const float *sx,
+                             const uint8_t *wr, int64_t nb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float off0 = 0.0f, off1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        float d0, m0, d1, m1;
+        const __m256i p0 = block_int8(layout, xq, wr, b, &d0, &m0);
+        const __m256i p1 = block_int8(layout, xq, wr, b + 1, &d1, &m1);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
+        off0 += m0 * sx[b];
+        off1 += m1 * sx[b + 1];
+    }
+    if (b < nb) {
+        float d0, m0;
+        const __m256i p0 = block_int8(layout, xq, wr, b, &d0, &m0);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), _mm256_cvtepi32_ps(p0), acc0);
+        off0 += m0 * sx[b];
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
+}
+
+/* One row of x by a K4 row (Q4_K), a super-block at a time: chunk c of its qs holds sub-block
+ * 2c in its low nibbles and 2c + 1 in its high ones, each weight in order, so one load gives
+ * two sub-blocks of u8 values (0..15) for two vpdpbusd with x's blocks 8 sb + 2c and + 1; each
+ * sub-block's scale s[j] dx and the super-block's eight offsets m[j] sx in one 8-lane product,
+ * as row16_k4 does. */
+static inline float row_int8_k4(const int8_t *xq, const float *dx, const float *sx,
+                                const uint8_t *wr, int64_t nb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K4_BYTES;
+        const int8_t *xs = xq + sb * QK_K;
+        float s[8];
+        _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_loadu_ps((const float *)b), _mm256_loadu_ps(dx + 8 * sb)));
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(b + 32)), _mm256_loadu_ps(sx + 8 * sb), offset);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
+                                                   _mm256_loadu_si256((const __m256i *)(xs + 64 * c)));
+            const __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi,
+                                                   _mm256_loadu_si256((const __m256i *)(xs + 64 * c + 32)));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[2 * c]), _mm256_cvtepi32_ps(p0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[2 * c + 1]), _mm256_cvtepi32_ps(p1), acc1);
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + hsum(offset);
+}
+
+/* One row of x by a K6 row (Q6_K): signed values q - 32 (-32..31) under a scale per 16, so a
+ * block of 32 is two sub-blocks: lanes 0-3 of its vpdpbusd (|w| by sign(xq, w), as S8) sum
+ * the first, lanes 4-7 the second, scaled by [s0 x 4, s1 x 4] dx. */
+static inline float row_int8_k6(const int8_t *xq, const float *dx, const float *sx,
+                                const uint8_t *wr, int64_t nb) {
+    (void)sx;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *b = wr + sb * K6_BYTES;
+        for (int k = 0; k < 8; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 + 32 * k));
+            const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + sb * QK_K + 32 * k));
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w),
+                                                  _mm256_sign_epi8(x8, w));
+            const __m256 s2 = _mm256_castps128_ps256(
+                _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(b + 8 * k))));
+            const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(s2, pairs),
+                                               _mm256_set1_ps(dx[8 * sb + k]));
+            if (k & 1) acc1 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc1);
+            else acc0 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc0);
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+#define DEFINE_ROW_INT8(NAME, LAYOUT, BYTES_256)                                               \
+    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+                     const uint8_t *w, int64_t N, const float *bias, float *y, int threads) { \
+        const int64_t row_bytes = nb * (BYTES_256) / 8;                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++)                                                       \
+            y[n] = row_int8(LAYOUT, xq, dx, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f); \
+    }
+
+DEFINE_ROW_INT8(int8_u4, U4, 8 * U4_BYTES)
+DEFINE_ROW_INT8(int8_z4, Z4, 8 * Z4_BYTES)
+DEFINE_ROW_INT8(int8_z5, Z5, 8 * Z5_BYTES)
+DEFINE_ROW_INT8(int8_s8, S8, 8 * S8_BYTES)
+
+#define DEFINE_KROW_INT8(NAME, ROW, BYTES_256)                                                 \
+    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+                     const uint8_t *w, int64_t N, const float *bias, float *y, int threads) { \
+        const int64_t row_bytes = nb / 8 * (BYTES_256);                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++)                                                       \
+            y[n] = ROW(xq, dx, sx, w + n * row_bytes, nb) + (bias ? bias[n] : 0.0f);          \
+    }
+
+DEFINE_KROW_INT8(int8_k4, row_int8_k4, K4_BYTES)
+DEFINE_KROW_INT8(int8_k6, row_int8_k6, K6_BYTES)
+
+/* `rows` rows of x (up to INT8_TILE_ROWS) by one row of weights: each block's weights made
+ * ready once (nibbles split; S8: |w|), then every row's block exactly as row_int8 takes it (the
+ * same instructions, accumulators and order), so a row's result is bitwise its one-row result.
+ * Used at two rows only: over the default model's matrices (one thread) two rows took 0.59-0.87x
+ * the float 16-lane tiles' time, four 1.15-1.29x (those tiles de-quantise a block once for all
+ * the rows, and per row and block this loop's scaling costs more than their two products;
+ * docs/benchmarks.md). */
+#define INT8_TILE_ROWS 2
+static inline void tile_int8(int layout, int rows, const int8_t *xq, const float *dx,
+                             const float *sx, int64_t nb, const uint8_t *wr, float *out,
+                             int64_t stride, float add) {
+    __m256 acc[2][INT8_TILE_ROWS];
+    float off[2][INT8_TILE_ROWS];
+    for (int t = 0; t < rows; t++) {
+        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+        off[0][t] = off[1][t] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int k = (int)(b & 1);
+        float d, m = 0.0f;
+        __m256i q, sgn = _mm256_setzero_si256();
+        if (layout == U4) {
+            const uint8_t *blk = wr + b * U4_BYTES;
+            memcpy(&d, blk, 4);
+            memcpy(&m, blk + 4, 4);
+            q = nibbles32(blk + 8);
+        } else if (layout == Z4) {
+            const uint8_t *blk = wr + b * Z4_BYTES;
+            memcpy(&d, blk, 4);
+            m = -8.0f * d;
+            q = nibbles32(blk + 4);
+        } else if (layout == Z5) {
+            const uint8_t *blk = wr + b * Z5_BYTES;
+            uint32_t clear;
+            memcpy(&d, blk, 4);
+            memcpy(&clear, blk + 4, 4);
+            m = -16.0f * d;
+            const __m256i lo = nibbles32(blk + 8);
+            q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));
+        } else {
+            const uint8_t *blk = wr + b * S8_BYTES;
+            memcpy(&d, blk, 4);
+            sgn = _mm256_loadu_si256((const __m256i *)(blk + 4));
+            q = _mm256_abs_epi8(sgn);
+        }
+        for (int t = 0; t < rows; t++) {
+            const int64_t at = t * nb;
+            __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + (at + b) * QK));
+            if (layout == S8) x8 = _mm256_sign_epi8(x8, sgn);
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
+            acc[k][t] =
+                _mm256_fmadd_ps(_mm256_set1_ps(d * dx[at + b]), _mm256_cvtepi32_ps(p), acc[k][t]);
+            off[k][t] += m * sx[at + b];
+        }
+    }
+    for (int t = 0; t < rows; t++)
+        out[t * stride] = hsum(_mm256_add_ps(acc[0][t], acc[1][t])) + (off[0][t] + off[1][t]) + add;
+}
+
+#define DEFINE_TILES_INT8(NAME, LAYOUT, BYTES_256)                                             \
+    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+                     int64_t M, const uint8_t *w, int64_t N, const float *bias, float *y,     \
+                     int64_t ldy, int threads) {                                              \
+        const int64_t row_bytes = nb * (BYTES_256) / 8;                                       \
+        (void)M; /* INT8_TILE_ROWS */                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++) {                                                     \
+            const float add = bias ? bias[n] : 0.0f;                                          \
+            const uint8_t *wr = w + n * row_bytes;                                            \
+            tile_int8(LAYOUT, INT8_TILE_ROWS, xq, dx, sx, nb, wr, y + n, ldy, add);           \
+        }                                                                                     \
+    }
+
+DEFINE_TILES_INT8(tiles_u4, U4, 8 * U4_BYTES)
+DEFINE_TILES_INT8(tiles_z4, Z4, 8 * Z4_BYTES)
+DEFINE_TILES_INT8(tiles_z5, Z5, 8 * Z5_BYTES)
+DEFINE_TILES_INT8(tiles_s8, S8, 8 * S8_BYTES)
+
+/* y[M, N] (row stride ldy) with int8 activations: 0, or 1 where this layout, width or M has
+ * none here (the float path then runs) */
+static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads) {
+    const int64_t nb = K / QK;
+    const int super = layout == K4 || layout == K6; /* 256-weight super-blocks */
+    if (nb > INT8_MAX_BLOCKS || (super && nb % 8 != 0) ||
+        !(super || layout == U4 || layout == Z4 || layout == Z5 || layout == S8))
+        return 1;
+    if (M > 1) {
+        if (super || M != INT8_TILE_ROWS) return 1;
+        int8_t *xq = malloc((size_t)(M * nb * QK));
+        float *scales = malloc(sizeof(float) * (size_t)(2 * M * nb));
+        if (!xq || !scales) {
+            free(xq);
+            free(scales);
+            return -2;
+        }
+        float *dx = scales, *sx = scales + M * nb;
+        for (int64_t r = 0; r < M; r++)
+            quantize_x8(x + r * K, nb, layout == U4 || layout == Z4, xq + r * nb * QK, dx + r * nb,
+                        sx + r * nb);
+        switch (layout) {
+        case U4: tiles_u4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        case Z4: tiles_z4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        case Z5: tiles_z5(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        default: tiles_s8(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        }
+        free(xq);
+        free(scales);
+        return 0;
+    }
+    int8_t xq[INT8_MAX_BLOCKS * QK] __attribute__((aligned(64)));
+    float dx[INT8_MAX_BLOCKS], sx[INT8_MAX_BLOCKS];
+    quantize_x8(x, nb, layout == U4 || layout == Z4, xq, dx, sx);
+    switch (layout) {
+    case U4: int8_u4(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case Z4: int8_z4(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case Z5: int8_z5(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case K4: int8_k4(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    case K6: int8_k6(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    default: int8_s8(xq, dx, sx, nb, w, N, bias, y, threads); break;
+    }
+    return 0;
+}
+#else
+static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                   const float *bias, float *y, int64_t ldy, int threads) {
+    (void)layout, (void)x, (void)M, (void)K, (void)w, (void)N, (void)bias, (void)y, (void)ldy;
+    (void)threads;
+    return 1;
+}
+#endif
+
+/* Whether this build has the int8 products (AVX-512 VNNI): 1 or 0. A layout or'ed with
+ * INT8_ROWS runs its products of one or two rows here where it has, on the float path
+ * elsewhere. */
+int stoic_int8_rows(void) {
+#ifdef HAVE_INT8_ROWS
+    return 1;
+#else
+    return 0;
+#endif
+}
