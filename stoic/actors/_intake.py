@@ -131,7 +131,9 @@ class Intake(Actor[IntakeMsg]):
         """Check a continued request's ``generated`` tokens against its budget and vocabulary.
 
         :raises ~stoic.errors.InvalidRequest: a token outside the vocabulary, as many tokens
-            as ``max_tokens`` or more (nothing would be left to generate), or a constraint.
+            as ``max_tokens`` or more (nothing would be left to generate), a token that would
+            have ended the output (a stop or EOS token past ``min_tokens``: the engine never
+            generates past one), or a constraint.
         """
         generated = request.generated
         vocab = self._codec.vocab_size
@@ -147,7 +149,16 @@ class Intake(Actor[IntakeMsg]):
                 f"max_tokens={max_tokens}",
                 param="generated",
             )
-        if request.params.constraint is not None:
+        params = request.params
+        eos = self._codec.eos_token_ids
+        end = next((i for i, t in enumerate(generated, 1) if params.ends_at(t, i, eos)), None)
+        if end is not None:
+            raise InvalidRequest(
+                f"generated token {end} (id {generated[end - 1]}) is a stop token: the output "
+                "ended there, and nothing follows an end",
+                param="generated",
+            )
+        if params.constraint is not None:
             raise InvalidRequest(
                 "a request with generated tokens cannot be constrained", param="generated"
             )

@@ -72,6 +72,19 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    def ends_at(self, token_id: int, position: int, eos_token_ids: frozenset[int]) -> bool:
+        """Whether ``token_id``, generated as the ``position``-th token (counting from 1), ends
+        the sequence: one of ``stop_token_ids``, or of the model's ``eos_token_ids`` unless
+        ``ignore_eos``, once ``min_tokens`` tokens are generated (the one rule the scheduler
+        applies to each sampled token and the intake to a continuation's ``generated``)."""
+        return position >= self.min_tokens and token_id in self.stop_ids(eos_token_ids)
+
+    def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The token ids that end this request's output (once ``min_tokens`` are generated):
+        ``stop_token_ids``, and the model's ``eos_token_ids`` unless ``ignore_eos``."""
+        stops = frozenset(self.stop_token_ids)
+        return stops if self.ignore_eos else stops | eos_token_ids
+
     @property
     def counts_prompt(self) -> bool:
         """Whether sampling needs the prompt's tokens too (``repetition_penalty`` is on)."""

@@ -124,8 +124,7 @@ def adjust_logits(
     for i, chunk in enumerate(chunks):
         p = chunk.params
         if chunk.num_generated < p.min_tokens:  # EOS and stop tokens may not end it yet
-            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            for t in ids:
+            for t in sorted(p.stop_ids(eos_token_ids)):
                 if 0 <= t < vocab:
                     banned_rows.append(i)
                     banned_cols.append(t)

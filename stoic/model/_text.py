@@ -170,14 +170,18 @@ class TokenCodec:
     messages) and detokenisation, for the intake, the facade and a front end holding no model.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        #: the model's end-of-sequence token ids (:attr:`.LoadedModel.eos_token_ids`)
+        self.eos_token_ids = eos_token_ids
 
     @classmethod
     def of(cls, loaded: LoadedModel) -> TokenCodec:
         """The codec of a loaded model."""
-        return cls(loaded.tokenizer, vocab_size(loaded))
+        return cls(loaded.tokenizer, vocab_size(loaded), loaded.eos_token_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> TokenCodec:

@@ -217,10 +217,7 @@ class Sequence:
                 )
             )
         n = self.num_generated
-        is_stop = tid in self.params.stop_token_ids or (
-            not self.params.ignore_eos and tid in eos_ids
-        )
-        if is_stop and n >= self.params.min_tokens:
+        if self.params.ends_at(tid, n, eos_ids):
             self.finish_reason, self.stop_reason = "stop", tid
         elif token.grammar_complete:  # the constraint allows nothing more
             self.finish_reason = "stop"

@@ -127,3 +127,37 @@ async def test_bad_generated_tokens_are_refused_and_the_engine_still_serves(
             assert raised.value.param == "generated", generated[:3]
         assert (await engine.complete(PROMPT, params)).token_ids == expected
         await wait_idle(engine)
+
+
+async def test_generated_tokens_past_an_end_are_refused_and_before_min_tokens_continue(
+    tiny_model_dir: Path,
+) -> None:
+    """A ``generated`` token that would have ended the output (a stop token, or EOS without
+    ``ignore_eos``, once ``min_tokens`` are out: the rule the scheduler applies to each sampled
+    token) is refused, naming ``generated``; the same token before ``min_tokens``, or EOS with
+    ``ignore_eos``, is a token like any other and the continuation runs to ``max_tokens``."""
+    greedy = PARAMS["greedy"]
+    async with stoic.Engine.start(engine_config(tiny_model_dir, executor="thread")) as engine:
+        expected = (await engine.complete(PROMPT, greedy)).token_ids
+        stop = dataclasses.replace(greedy, stop_token_ids=(expected[3],))
+        eos = engine.tokenizer.eos_token_id
+        assert isinstance(eos, int)
+        no_ignore = dataclasses.replace(greedy, ignore_eos=False)
+        for p, generated in [(stop, expected[:5]), (no_ignore, (*expected[:2], eos))]:
+            with pytest.raises(InvalidRequest, match="stop token") as raised:
+                await engine.submit(PROMPT, p, generated=generated)
+            assert raised.value.param == "generated"
+        # the stop token before min_tokens: continued (the ban on it ends at min_tokens, so it
+        # may end the output from then on)
+        late = dataclasses.replace(stop, min_tokens=6)
+        out = await engine.complete(PROMPT, late, generated=expected[:5])
+        assert out.token_ids and len(out.token_ids) <= TOKENS - 5
+        if out.finish_reason == "stop":
+            assert out.token_ids[-1] == expected[3]
+        else:
+            assert len(out.token_ids) == TOKENS - 5
+        # EOS with ignore_eos: continued to max_tokens
+        out = await engine.complete(PROMPT, greedy, generated=(*expected[:2], eos))
+        assert out.finish_reason == "length"
+        assert len(out.token_ids) == TOKENS - 3
+        await wait_idle(engine)
