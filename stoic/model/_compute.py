@@ -92,6 +92,10 @@ class ComputePath:
     #: quantised per block of 32, integer dot products: the default mode with a fast dtype on a
     #: CPU with AVX-512 VNNI; ``_int8rows.c``) or ``float32``
     row_activations: str = "float32"
+    #: projections (of ``projections``) whose steps of more than ``kernel_rows`` tokens multiply
+    #: the blocks by int8 activations instead of a dense copy (``_gemm8.c``: the same mode and
+    #: CPUs as ``row_activations`` int8; every part of a type the layout holds, not Q6_K)
+    int8_batched_projections: int = 0
 
     def card(self) -> dict[str, Any]:
         """Every field, as JSON-ready values (what ``/v1/models`` shows as ``compute``)."""
@@ -142,4 +146,5 @@ class ComputePath:
             deterministic=bool(summary.get("deterministic", False)),
             attention=str(summary.get("attention", "torch-paged")),
             row_activations=str(summary.get("row_activations", "float32")),
+            int8_batched_projections=int(summary.get("int8_batched_projections", 0)),
         )

@@ -329,6 +329,13 @@ class FusedLlama:
         return sum(p.quantized is not None for p in linears), len(linears)
 
     @property
+    def int8_batched_projections(self) -> int:
+        """Projections whose products of more than ``kernel_rows`` rows take int8 activations
+        (:attr:`._quant.QLinear.batched_int8`), of :attr:`quantized_projections`' total."""
+        linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        return sum(p.batched_int8 for p in linears)
+
+    @property
     def quantized_kinds(self) -> set[str]:
         """The block types of the projections that run on quantised blocks."""
         linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]

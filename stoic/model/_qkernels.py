@@ -244,11 +244,16 @@ class Kernels:
             "stoic_rope_bf16": [ptr, i64, i64, i64, i64, ptr, ptr, i32],
             # gate gate_stride up up_stride M F out threads
             "stoic_silu_mul_bf16": [ptr, i64, ptr, i64, i64, i64, ptr, i32],
+            # type blocks N K q d m  /  q d m N K out  /  x x_bf16 M K w N bias y y_bf16 threads
+            "stoic_g8_decode": [i32, ptr, i64, i64, ptr, ptr, ptr],
+            "stoic_g8_pack": [ptr, ptr, ptr, i64, i64, ptr],
+            "stoic_g8_bytes": [i64, i64],
+            "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, ptr, ptr, i32, i32],
         }  # fmt: skip
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes = argtypes
-            fn.restype = i64 if name == "stoic_repacked_bytes" else i32
+            fn.restype = i64 if name in ("stoic_repacked_bytes", "stoic_g8_bytes") else i32
         self._qmm: Callable[..., int] = lib.stoic_qmm
         self._dequantize: Callable[..., int] = lib.stoic_dequantize
         self._repack: Callable[..., int] = lib.stoic_repack
@@ -263,6 +268,11 @@ class Kernels:
         if probe is not None:
             probe.argtypes, probe.restype = [], i32
         self.int8_rows = bool(probe()) if probe is not None else False
+        #: the batched int8 products' layout and product (:mod:`._gemm8` calls them)
+        self.g8_decode: Callable[..., int] = lib.stoic_g8_decode
+        self.g8_pack: Callable[..., int] = lib.stoic_g8_pack
+        self.g8_bytes: Callable[[int, int], int] = lib.stoic_g8_bytes
+        self.g8_mm: Callable[..., int] = lib.stoic_g8_mm
         #: the layer kernels (:mod:`._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
@@ -429,11 +439,13 @@ def _compiler() -> str | None:
 
 
 #: the C sources, built into one library in this order (``_kquants.c``: the K-quants' products;
+#: ``_int8rows.c``, ``_gemm8.c``: int8 activations for one or two rows, and for many;
 #: ``_cops.c``: the bfloat16 prefill's elementwise operators; ``_bf16fixed.c``: the bfloat16
 #: fixed-order products of ``--deterministic``; ``_rows_attention.c``: prefill chunks' attention
 #: in deterministic mode)
 _SOURCES = (
-    "_qkernels.c", "_kquants.c", "_int8rows.c", "_cops.c", "_bf16fixed.c", "_rows_attention.c",
+    "_qkernels.c", "_kquants.c", "_int8rows.c", "_gemm8.c", "_cops.c", "_bf16fixed.c",
+    "_rows_attention.c",
 )  # fmt: skip
 
 

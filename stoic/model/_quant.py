@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .._logging import get_logger
 from ..config import Quantization
+from ._gemm8 import Gemm8
 from ._gguf import GgufHeader, GgufTensor, read_gguf_header
 from ._packed import PackedLinear
 from ._qkernels import GGML_TYPES, Kernels, Product
@@ -88,6 +89,11 @@ class QuantizedMatrix:
     def rows(self) -> int:
         return int(self.blocks.shape[0])
 
+    @property
+    def pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """``(kind, blocks)`` of each part, top to bottom (this one matrix)."""
+        return [(self.kind, self.blocks)]
+
     @staticmethod
     def stack(parts: list[QuantizedMatrix | None]) -> QuantizedMatrix | MixedMatrix | None:
         """The matrices one below the other (a fused projection): one matrix of their type, a
@@ -145,6 +151,11 @@ class MixedMatrix:
         return sum(p.rows for p in self.parts)
 
     @property
+    def pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """``(kind, blocks)`` of each part, top to bottom."""
+        return [(p.kind, p.blocks) for p in self.parts]
+
+    @property
     def cols(self) -> int:
         return self.parts[0].cols
 
@@ -182,11 +193,15 @@ class QLinear:
     (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`; in bfloat16 where the kernels
     can: :meth:`._qkernels.Kernels.bind`). ``int8_rows``: a step of one or two rows multiplies the
     blocks by its activations quantised to int8 where the kernels can (not the same numbers:
-    the default mode with a fast dtype only; :class:`._qkernels.Product`).
+    the default mode with a fast dtype only; :class:`._qkernels.Product`), and so do products of
+    more than ``max_rows`` rows where every part's type has the batched layout
+    (:class:`._gemm8.Gemm8`, 1.25 bytes a weight); those then need no dense copy, and none is
+    made (their results come in ``dense_dtype`` as the copy's would).
     """
 
     __slots__ = (
         "_dense_dtype",
+        "_gemm8",
         "_packed",
         "_product",
         "bias",
@@ -214,16 +229,21 @@ class QLinear:
         self.quantized = quantized if kernels is not None else None
         self.max_rows = max_rows
         self._product: Product | None = None
+        self._gemm8: Gemm8 | None = None
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
             self._product = self.quantized.bind(kernels, bias32, fixed=fixed, int8_rows=int8_rows)
+            if int8_rows and not fixed and dense_dtype not in (None, torch.float32):
+                self._gemm8 = Gemm8.bind(kernels, self.quantized.pieces, bias32)
         #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
         #: (None once packed: :attr:`_packed` holds the same numbers)
         self.dense_weight: torch.Tensor | None = weight
         self.dense_bias = bias
         self._dense_dtype = weight.dtype
         self._packed: PackedLinear | None = None
-        if dense_dtype is not None and dense_dtype != weight.dtype:
+        if dense_dtype is not None and self._gemm8 is not None:
+            self._dense_dtype = dense_dtype  # what the int8 products return
+        elif dense_dtype is not None and dense_dtype != weight.dtype:
             copy = weight.detach().to(dense_dtype)
             self.dense_bias = None if bias is None else bias.detach().to(dense_dtype)
             self._dense_dtype = dense_dtype
@@ -268,6 +288,12 @@ class QLinear:
         """The dense copy packed for oneDNN (None: plain ``F.linear``)."""
         return self._packed
 
+    @property
+    def batched_int8(self) -> bool:
+        """Whether products of more than ``max_rows`` rows take int8 activations
+        (:class:`._gemm8.Gemm8`) rather than the dense weights."""
+        return self._gemm8 is not None
+
     def uses_kernel(self, rows: int) -> bool:
         return self._product is not None and rows <= self.max_rows
 
@@ -278,6 +304,9 @@ class QLinear:
         (one product of the whole width measured slower at many rows for the gated MLP); each
         result in ``x``'s dtype, or with ``native`` in the dense weights' (no conversion: what
         the next product multiplies anyway)."""
+        if self._gemm8 is not None:
+            y = self._int8_product(self._gemm8, x, self._dense_dtype if native else x.dtype)
+            return (y,) if parts == 1 else tuple(y.chunk(parts, -1))
         xin = x if x.dtype == self._dense_dtype else x.to(self._dense_dtype)
         w, b = self.dense_weight, self.dense_bias
         outs: tuple[torch.Tensor, ...]
@@ -295,6 +324,25 @@ class QLinear:
                 F.linear(xin, wp, bp) for wp, bp in zip(w.chunk(parts, 0), biases, strict=True)
             )
         return outs if native or xin is x else tuple(y.to(x.dtype) for y in outs)
+
+    @classmethod
+    def _int8_product(cls, gemm: Gemm8, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` (``[..., cols]``) by ``gemm``: ``[..., rows]`` in ``dtype`` (float32 and
+        bfloat16 read and written by the kernel itself, no converted copies)."""
+        flat = x.reshape(cls._rows(x), x.shape[-1])
+        out = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        if not flat.shape[0]:
+            return torch.empty(*x.shape[:-1], gemm.rows, dtype=dtype)
+        if flat.dtype not in (torch.float32, torch.bfloat16):
+            flat = flat.float()
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if torch._C._autograd._profiler_enabled():  # the product shows in torch.profiler's table
+            with torch.profiler.record_function("stoic::int8_mm"):
+                y = gemm(flat, out)
+        else:
+            y = gemm(flat, out)
+        return y.view(*x.shape[:-1], gemm.rows).to(dtype)
 
     @staticmethod
     def _rows(x: torch.Tensor) -> int:

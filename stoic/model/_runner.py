@@ -249,6 +249,9 @@ class ModelRunner:
             "row_activations": "int8"
             if self.int8_rows and (done or head is not None)
             else "float32",
+            "int8_batched_projections": self._fused.int8_batched_projections
+            if self._fused is not None
+            else 0,
         }
         if done or head is not None:
             _log.info("model.quantized", seconds=round(seconds, 2), **summary)

@@ -102,6 +102,7 @@ async def test_metrics_parse_and_count(
         "logits": compute.logits,
         "quantized_projections": f"{compute.quantized_projections}/{compute.projections}",
         "row_activations": compute.row_activations,
+        "int8_batched_projections": str(compute.int8_batched_projections),
     }
     assert compute.attention == "c-decode" and compute.architecture == "LlamaForCausalLM"
 

@@ -167,6 +167,7 @@ def test_runner_uses_the_blocks_for_every_projection(
         "dtype": "float32",
         "dense_dtype": "float32",
         "row_activations": "float32",
+        "int8_batched_projections": 0,
     }
     assert runner.compute_path == ComputePath.from_summary(runner.quantized)
     assert runner.compute_path.kernel_types == ("Q4_1", "Q8_0")

@@ -1,0 +1,247 @@
+/* Products of many rows with int8 activations (AVX-512 VNNI): the steps of more than
+ * `kernel_rows` tokens (prefill chunks, decode steps of 9 or more sequences) of the default
+ * mode with a fast dtype, which otherwise multiply by the bfloat16 dense copy.
+ * Appended after _qkernels.c, _kquants.c and _int8rows.c into one library (_qkernels.py).
+ *
+ * Why a layout of its own. The one-row loops (_int8rows.c) expand a block of weights for one row
+ * of x and reduce its products horizontally; for many rows that costs more than the float tiles
+ * (measured: four int8 rows 1.15-1.29x their time). Here, as ggml's repacked GEMMs do, the
+ * weights are laid out once at load so that one 64-byte load holds 4 consecutive weights of 16
+ * output columns: a vpdpbusd of it by 4 bytes of one row of x, broadcast, adds 64 products into
+ * that row's 16 int32 column sums, with no horizontal reduction and no expansion per row, and the
+ * load serves 8 rows. Measured against the bfloat16 product packed for oneDNN (docs/benchmarks.md,
+ * "int8 activations for batched steps"): 0.61-0.77x its time on one thread at 16-256 rows.
+ *
+ * G8, per tile of 16 output columns (rows of W; N padded to a multiple of 16 with zeros), per
+ * block b of 32 columns of x, 640 bytes:
+ *     u8 q[8][16][4]   q[g][n][k]: weight 32 b + 4 g + k of output column 16 t + n, unsigned
+ *     f32 d[16]        w = q * d + m, exactly the value the file's block gives (gguf-py's
+ *     f32 m[16]        de-quantisation), for every type stoic_g8_decode reads
+ * Types (stoic_g8_decode): Q4_0 (m = -8 d), Q4_1, Q5_0 (m = -16 d), Q5_1, Q8_0 (q + 128, m =
+ * -128 d), Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min). Q6_K (a
+ * scale per 16 weights) is not read: a matrix with a Q6_K part keeps the bfloat16 copy.
+ *
+ * Numerics: those of _int8rows.c (its header): each block of 32 of a row of x quantised to int8
+ * with its scale dx (and sx = dx * sum xq), the integer sums exact, then per block
+ * y += d dx sum(q xq) + m sx in float32. Not the float product: the default mode with a fast
+ * dtype only, never --dtype float32 nor --deterministic.
+ */
+
+#define G8_BYTES 640
+
+/* The natural-order unsigned q, d and m (w = q d + m) of N rows of GGML blocks of `type`
+ * (K weights a row): 0, or -1 for a type this file does not read. */
+int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *q, float *d,
+                    float *m) {
+    const int64_t nb = K / QK;
+    if (K % QK != 0) return -1;
+    if (type == Q4_K || type == Q5_K) {
+        if (K % 256 != 0) return -1;
+        const int64_t bytes = type == Q4_K ? 144 : 176;
+        for (int64_t i = 0; i < N * (K / 256); i++) {
+            const uint8_t *b = src + i * bytes;
+            const float dd = half_to_float(b), dmin = half_to_float(b + 2);
+            uint8_t sc[8], mn[8];
+            unpack_scales(b + 4, sc, mn);
+            const uint8_t *qh = b + 16, *qs = type == Q4_K ? b + 16 : b + 48;
+            for (int j = 0; j < 8; j++) {
+                d[i * 8 + j] = dd * (float)sc[j];
+                m[i * 8 + j] = -(dmin * (float)mn[j]);
+                uint8_t *o = q + (i * 8 + j) * QK;
+                for (int l = 0; l < QK; l++) {
+                    const uint8_t byte = qs[32 * (j / 2) + l];
+                    uint8_t v = (uint8_t)((j & 1) ? byte >> 4 : byte & 0x0F);
+                    if (type == Q5_K) v = (uint8_t)(v | (((qh[l] >> j) & 1) << 4));
+                    o[l] = v;
+                }
+            }
+        }
+        return 0;
+    }
+    for (int64_t i = 0; i < N * nb; i++) {
+        uint8_t *o = q + i * QK;
+        switch (type) {
+        case Q4_0:
+        case Q4_1: {
+            const int64_t bytes = type == Q4_0 ? 18 : 20;
+            const uint8_t *b = src + i * bytes, *qs = b + (type == Q4_0 ? 2 : 4);
+            d[i] = half_to_float(b);
+            m[i] = type == Q4_0 ? -8.0f * d[i] : half_to_float(b + 2);
+            for (int l = 0; l < 16; l++) {
+                o[l] = qs[l] & 0x0F;
+                o[l + 16] = qs[l] >> 4;
+            }
+            break;
+        }
+        case Q5_0:
+        case Q5_1: {
+            const int64_t bytes = type == Q5_0 ? 22 : 24, head = type == Q5_0 ? 2 : 4;
+            const uint8_t *b = src + i * bytes, *qs = b + head + 4;
+            uint32_t qh;
+            memcpy(&qh, b + head, 4);
+            d[i] = half_to_float(b);
+            m[i] = type == Q5_0 ? -16.0f * d[i] : half_to_float(b + 2);
+            for (int l = 0; l < 16; l++) {
+                o[l] = (uint8_t)((qs[l] & 0x0F) | (((qh >> l) & 1) << 4));
+                o[l + 16] = (uint8_t)((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4));
+            }
+            break;
+        }
+        case Q8_0: {
+            const uint8_t *b = src + i * 34;
+            d[i] = half_to_float(b);
+            m[i] = -128.0f * d[i]; /* exact: a power of two times a half */
+            for (int l = 0; l < QK; l++) o[l] = (uint8_t)((int)(int8_t)b[2 + l] + 128);
+            break;
+        }
+        default:
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* N rows of decoded q, d, m (stoic_g8_decode's, K weights a row) into G8 (out: the bytes of
+ * stoic_g8_bytes(N, K), zeroed padding) */
+int64_t stoic_g8_bytes(int64_t N, int64_t K) { return (N + 15) / 16 * (K / QK) * G8_BYTES; }
+
+int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, int64_t K,
+                  uint8_t *out) {
+    const int64_t nb = K / QK, tiles = (N + 15) / 16;
+    if (K % QK != 0) return -1;
+    memset(out, 0, (size_t)stoic_g8_bytes(N, K));
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = out + (t * nb + b) * G8_BYTES;
+            float *bd = (float *)(void *)(blk + 512), *bm = (float *)(void *)(blk + 576);
+            for (int n = 0; n < 16 && t * 16 + n < N; n++) {
+                const int64_t row = t * 16 + n;
+                const uint8_t *qr = q + row * K + b * QK;
+                for (int g = 0; g < 8; g++) memcpy(blk + g * 64 + n * 4, qr + g * 4, 4);
+                bd[n] = d[row * nb + b];
+                bm[n] = m[row * nb + b];
+            }
+        }
+    return 0;
+}
+
+#ifdef HAVE_INT8_ROWS
+/* 16 bfloat16 values at p as float32 (exact) */
+static inline __m512 g8_load_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 float32 values as bfloat16, rounded to nearest even (torch's conversion; a NaN stays a
+ * NaN), stored under `cols` */
+static inline void g8_store_bf16(uint16_t *p, __m512 v, __mmask16 cols) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_mask_storeu_epi16((void *)p, cols, _mm512_cvtepi32_epi16(r));
+}
+
+/* R rows of quantised x by one tile: y[r][16 columns] (`cols`: the valid ones) */
+static inline __attribute__((always_inline)) void g8_rows(const int R, const int8_t *xq,
+                                                          const float *dx, const float *sx,
+                                                          int64_t K, int64_t nb, const uint8_t *wt,
+                                                          void *y, int y_bf16, int64_t ldy,
+                                                          __mmask16 cols, const float *bias) {
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wt + b * G8_BYTES;
+        __m512i ia[8];
+        for (int r = 0; r < R; r++) ia[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(blk + g * 64));
+            for (int r = 0; r < R; r++) {
+                int32_t xv;
+                memcpy(&xv, xq + r * K + b * QK + g * 4, 4);
+                ia[r] = _mm512_dpbusd_epi32(ia[r], w, _mm512_set1_epi32(xv));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps((const void *)(blk + 512));
+        const __m512 m = _mm512_loadu_ps((const void *)(blk + 576));
+        for (int r = 0; r < R; r++) {
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+        }
+    }
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const __m512 v = _mm512_add_ps(acc[r], bv);
+        if (y_bf16)
+            g8_store_bf16((uint16_t *)y + r * ldy, v, cols);
+        else
+            _mm512_mask_storeu_ps((float *)y + r * ldy, cols, v);
+    }
+}
+
+#define G8_ROWS(R)                                                                              \
+    g8_rows(R, xq + r * K, dx + r * nb, sx + r * nb, K, nb, wt,                                 \
+            y_bf16 ? (void *)((uint16_t *)y + r * N + c0) : (void *)((float *)y + r * N + c0),  \
+            y_bf16, N, cols, bt)
+
+/* y[M, N] = x[M, K] @ W^T (+ bias) over W in G8, x and y float32 or (x_bf16, y_bf16) bfloat16:
+ * 0; 1 where this build has no VNNI (nothing computed); -2 if the scratch copy of x cannot be
+ * allocated */
+int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                const float *bias, void *y, int y_bf16, int threads) {
+    const int64_t nb = K / QK, tiles = (N + 15) / 16;
+    if (M <= 0) return 0;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *scales = malloc(sizeof(float) * (size_t)(2 * M * nb));
+    if (!xq || !scales) {
+        free(xq);
+        free(scales);
+        return -2;
+    }
+    float *dx = scales, *sx = scales + M * nb;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t r = 0; r < M; r++) {
+        if (!x_bf16) {
+            quantize_x8((const float *)x + r * K, nb, 0, xq + r * K, dx + r * nb, sx + r * nb);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) { /* a block widened to float32 (exact), then as above */
+            float block[QK] __attribute__((aligned(64)));
+            const uint16_t *xb = (const uint16_t *)x + r * K + b * QK;
+            _mm512_store_ps(block, g8_load_bf16(xb));
+            _mm512_store_ps(block + 16, g8_load_bf16(xb + 16));
+            quantize_x8(block, 1, 0, xq + r * K + b * QK, dx + r * nb + b, sx + r * nb + b);
+        }
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *wt = w + t * nb * G8_BYTES;
+        const int64_t c0 = t * 16;
+        const __mmask16 cols = N - c0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - c0)) - 1);
+        const float *bt = bias ? bias + c0 : NULL;
+        int64_t r = 0;
+        for (; r + 8 <= M; r += 8) G8_ROWS(8);
+        switch (M - r) {
+        case 7: G8_ROWS(7); break;
+        case 6: G8_ROWS(6); break;
+        case 5: G8_ROWS(5); break;
+        case 4: G8_ROWS(4); break;
+        case 3: G8_ROWS(3); break;
+        case 2: G8_ROWS(2); break;
+        case 1: G8_ROWS(1); break;
+        default: break;
+        }
+    }
+    free(xq);
+    free(scales);
+    return 0;
+}
+#else
+int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                const float *bias, void *y, int y_bf16, int threads) {
+    (void)x, (void)x_bf16, (void)M, (void)K, (void)w, (void)N, (void)bias, (void)y;
+    (void)y_bf16, (void)threads;
+    return 1;
+}
+#endif
