@@ -20,6 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "aiohttp", "pydantic", "structlog", "numpy", "asyncio")
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT at its default, whatever this process inherited (a
+    shell's background job starts with SIGINT ignored, and a Python started so installs no
+    handler of its own: the tests would see the shell's choice, not stoic's)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -28,6 +35,7 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         cwd=ROOT,
         check=False,
+        preexec_fn=_sigint_default,
     )
 
 
