@@ -165,8 +165,8 @@ def fuse_llama(
     them (:class:`QLinear`); bigger ones multiply by weights in ``dense_dtype`` (None: the
     model's). ``deterministic``: every step on the blocks in the fixed order and through the C
     layers (:mod:`._deterministic`; ``kernel_rows`` and ``dense_dtype`` are then not used).
-    ``int8_rows``: steps of one or two tokens multiply the blocks by int8 activations where the
-    kernels can (:class:`QLinear`; not with ``deterministic``).
+    ``int8_rows``: steps multiply the blocks by int8 activations where the kernels can
+    (:class:`QLinear`; with ``deterministic``, every step in the fixed order of the G8 layout).
 
     Mutates ``model``: its q/k/v and gate/up weights become views of the fused tensors (same
     values, same outputs).
@@ -205,8 +205,9 @@ class FusedLlama:
         deterministic: bool = False,
         int8_rows: bool = False,
     ) -> None:
-        if deterministic:  # every step on the blocks, no dense copy (:mod:`._deterministic`)
-            kernel_rows, dense_dtype, int8_rows = EVERY_ROW, None, False
+        if deterministic:  # every step on the blocks, no dense copy (:mod:`._deterministic`;
+            # with int8_rows on the G8 layout's fixed-order int8 products)
+            kernel_rows, dense_dtype = EVERY_ROW, None
         #: each position's rotary values computed once (deterministic mode; None: per step)
         self._fixed_rotary = RotaryTable(base.rotary_emb) if deterministic else None
         #: Gemma's embedding module scales by sqrt(hidden) itself

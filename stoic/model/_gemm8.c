@@ -182,14 +182,18 @@ static inline __attribute__((always_inline)) void g8_rows(const int R, const int
 
 #define G8_ROWS(R)                                                                              \
     g8_rows(R, xq + r * K, dx + r * nb, sx + r * nb, K, nb, wt,                                 \
-            y_bf16 ? (void *)((uint16_t *)y + r * N + c0) : (void *)((float *)y + r * N + c0),  \
-            y_bf16, N, cols, bt)
+            y_bf16 ? (void *)((uint16_t *)y + r * ldy + c0)                                     \
+                   : (void *)((float *)y + r * ldy + c0),                                       \
+            y_bf16, ldy, cols, bt)
 
-/* y[M, N] = x[M, K] @ W^T (+ bias) over W in G8, x and y float32 or (x_bf16, y_bf16) bfloat16:
- * 0; 1 where this build has no VNNI (nothing computed); -2 if the scratch copy of x cannot be
- * allocated */
-int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                const float *bias, void *y, int y_bf16, int threads) {
+/* y[M, N] (row stride ldy) = x[M, K] @ W^T (+ bias) over W in G8, x and y float32 or (x_bf16,
+ * y_bf16) bfloat16: 0; 1 where this build has no VNNI (nothing computed); -2 if the scratch copy
+ * of x cannot be allocated. Each row of y is computed in one order whatever M is and wherever
+ * the row falls in the 8-row tiles (its own int8 copy and scales, exact integer sums, then the
+ * blocks' scaled sums added in block order): bitwise the same alone or in any batch, so
+ * --deterministic multiplies on it too (the G8 layout of qmm_dispatch). */
+static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                 const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
     const int64_t nb = K / QK, tiles = (N + 15) / 16;
     if (M <= 0) return 0;
     int8_t *xq = malloc((size_t)(M * K));
@@ -238,10 +242,15 @@ int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     return 0;
 }
 #else
-int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                const float *bias, void *y, int y_bf16, int threads) {
+static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                 const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
     (void)x, (void)x_bf16, (void)M, (void)K, (void)w, (void)N, (void)bias, (void)y;
-    (void)y_bf16, (void)threads;
+    (void)y_bf16, (void)ldy, (void)threads;
     return 1;
 }
 #endif
+
+int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                const float *bias, void *y, int y_bf16, int threads) {
+    return g8_mm(x, x_bf16, M, K, w, N, bias, y, y_bf16, N, threads);
+}

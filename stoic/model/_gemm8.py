@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ._qkernels import GGML_TYPES, Kernels, get_threads
+from ._qkernels import G8_TYPES, GGML_TYPES, Kernels, get_threads
 
 __all__ = ["G8_TYPES", "Gemm8"]
 
 #: the dtypes of x and y the product reads and writes
 _DTYPES = (torch.float32, torch.bfloat16)
-#: the GGML types the layout is built from (Q6_K's scale per 16 weights does not fit it)
-G8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
 
 
 class Gemm8:
@@ -58,22 +56,12 @@ class Gemm8:
         """
         if not kernels.int8_rows or not parts or any(k not in G8_TYPES for k, _ in parts):
             return None
-        decoded = [_decode(kernels, kind, blocks) for kind, blocks in parts]
-        cols = decoded[0][0].shape[1]
-        if any(q.shape[1] != cols for q, _, _ in decoded):
-            raise ValueError(
-                f"cannot stack matrices of widths {[q.shape[1] for q, _, _ in decoded]}"
-            )
-        q, d, m = (torch.cat(t) if len(decoded) > 1 else t[0] for t in zip(*decoded, strict=True))
-        rows = q.shape[0]
+        packed = kernels.g8_layout(parts)
+        rows = sum(int(blocks.shape[0]) for _, blocks in parts)
+        ggml = GGML_TYPES[parts[0][0]]
+        cols = int(parts[0][1].shape[1]) // ggml.block_bytes * ggml.weights
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (rows,)):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {rows} outputs")
-        packed = torch.empty(kernels.g8_bytes(rows, cols), dtype=torch.uint8)
-        rc = kernels.g8_pack(
-            q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, cols, packed.data_ptr()
-        )
-        if rc != 0:
-            raise ValueError(f"cannot lay out a {rows} x {cols} matrix for int8 products")
         return cls(kernels, packed, rows, cols, None if bias is None else bias.contiguous())
 
     @property
@@ -109,24 +97,3 @@ class Gemm8:
         if rc != 0:  # 1 (no VNNI) cannot happen: bind checked it
             raise torch.OutOfMemoryError(f"int8 product failed ({rc})")
         return y
-
-
-def _decode(
-    kernels: Kernels, kind: str, blocks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The unsigned integers (uint8 ``[N, K]``), scales and offsets (float32 ``[N, K / 32]``)
-    of ``blocks`` (uint8 ``[N, K / weights * block_bytes]``): w = q d + m."""
-    ggml = GGML_TYPES[kind]
-    n, row_bytes = blocks.shape
-    if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or row_bytes % ggml.block_bytes:
-        raise ValueError(f"not {kind} blocks: {blocks.dtype} {tuple(blocks.shape)}")
-    cols = row_bytes // ggml.block_bytes * ggml.weights
-    q = torch.empty(n, cols, dtype=torch.uint8)
-    d = torch.empty(n, cols // 32, dtype=torch.float32)
-    m = torch.empty(n, cols // 32, dtype=torch.float32)
-    rc = kernels.g8_decode(
-        ggml.type_id, blocks.data_ptr(), n, cols, q.data_ptr(), d.data_ptr(), m.data_ptr()
-    )
-    if rc != 0:
-        raise ValueError(f"cannot decode {kind} blocks {tuple(blocks.shape)}")
-    return q, d, m

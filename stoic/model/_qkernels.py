@@ -46,7 +46,15 @@ import torch
 
 from .._logging import get_logger
 
-__all__ = ["GGML_TYPES", "GgmlType", "Kernels", "KernelsUnavailable", "Product", "load_kernels"]
+__all__ = [
+    "G8_TYPES",
+    "GGML_TYPES",
+    "GgmlType",
+    "Kernels",
+    "KernelsUnavailable",
+    "Product",
+    "load_kernels",
+]
 
 
 class GgmlType(NamedTuple):
@@ -86,6 +94,11 @@ _BF16FIXED = 120
 #: of 32 and multiply with integer dot products (``INT8_ROWS`` in ``_qkernels.c``;
 #: ``_int8rows.c``)
 _INT8_ROWS = 0x20000
+#: int8 activations over the G8 layout (``_gemm8.c``): any number of rows, each row in one order
+#: (the default mode's batched steps; ``--deterministic``'s every step where the CPU has VNNI)
+_G8 = 130
+#: the GGML types the G8 layout is built from (Q6_K's scale per 16 weights does not fit it)
+G8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);
@@ -127,8 +140,13 @@ class Product:
     ``int8_rows``: a product of one or two rows quantises them to int8 per block of 32 (a scale
     each) and multiplies by integer dot products where the kernels have them
     (:attr:`Kernels.int8_rows`; ``_int8rows.c`` states the numerics): not the float32 product,
-    so only for a model in a fast dtype; ignored with ``fixed`` and by layouts without an int8
-    product (Q5_1, Q5_K; Q4_K and Q6_K at two rows)."""
+    so only for a model in a fast dtype; ignored by layouts without an int8 product (Q5_1, Q5_K;
+    Q4_K and Q6_K at two rows).
+
+    ``g8``: a fixed-order product on int8 activations over the G8 layout (``_gemm8.c``; what
+    :meth:`Kernels.bind` makes of ``fixed`` with ``int8_rows``): every row, whatever their
+    number, quantised and summed in one order; ``rows`` then gives the matrix's rows (the
+    layout is padded)."""
 
     __slots__ = (
         "_bf16",
@@ -137,6 +155,7 @@ class Product:
         "_qmm",
         "cols",
         "fixed",
+        "g8",
         "int8_rows",
         "kind",
         "layout",
@@ -156,17 +175,28 @@ class Product:
         fixed: bool = False,
         bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         int8_rows: bool = False,
+        g8: bool = False,
+        rows: int | None = None,
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
-        self.fixed = fixed or bf16 is not None
-        self.int8_rows = int8_rows and not self.fixed
+        self.fixed = fixed or bf16 is not None or g8
+        self.g8: bool = g8 or (bool(parts) and all(p.g8 for p in parts))
+        self.int8_rows = (int8_rows and not self.fixed) or self.g8
         self._bf16 = bf16
         self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if self.fixed else 0)
-        self.layout |= _INT8_ROWS if self.int8_rows else 0
+        self.layout |= _INT8_ROWS if int8_rows and not self.fixed else 0
         if bf16 is not None:
             self.layout = _BF16FIXED | _FIXED_ORDER
-        self.rows: int = sum(p.rows for p in parts) if parts else int(packed.shape[0])
+        if g8:
+            self.layout = _G8 | _FIXED_ORDER
+        self.rows: int = (
+            rows
+            if rows is not None
+            else sum(p.rows for p in parts)
+            if parts
+            else int(packed.shape[0])
+        )
         self.cols = cols
 
     @property
@@ -313,7 +343,9 @@ class Kernels:
         (``bf16_copy``) a bfloat16 copy of the weights (2 bytes a weight) that steps of several
         rows read; without it they de-quantise in registers, bitwise the same results, slower.
         ``int8_rows``: products of one or two rows with int8 activations where :attr:`int8_rows`
-        (:class:`Product`).
+        (:class:`Product`); with ``fixed``, every product on int8 activations over the G8 layout
+        where :attr:`int8_rows` and ``kind`` is one of :data:`G8_TYPES` (batch-invariant, 1.25
+        bytes a weight, no bfloat16 copy), the bfloat16 or float32 fixed order otherwise.
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
@@ -327,6 +359,12 @@ class Kernels:
         ):
             raise ValueError(f"not {kind} blocks: {blocks.dtype} {tuple(blocks.shape)}")
         _check_bias(bias, n)
+        if fixed and int8_rows and self.int8_rows and kind in G8_TYPES:
+            g8 = self.g8_layout([(kind, blocks)])
+            return Product(
+                self._qmm, kind, g8, cols, None if bias is None else bias.contiguous(),
+                g8=True, rows=n,
+            )  # fmt: skip
         packed = torch.empty(
             n, cols // ggml.weights * self._packed_bytes(ggml.type_id), dtype=torch.uint8
         )
@@ -391,6 +429,50 @@ class Kernels:
             fixed=fixed,
             int8_rows=int8_rows and self.int8_rows,
         )
+
+    def g8_layout(self, parts: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """The matrix stacked from ``parts`` (``(kind, blocks)``, one below the other, each of
+        :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``): uint8, 1.25 bytes a weight.
+
+        :raises ValueError: if a part is of another type, its blocks do not fit it, or the parts
+            differ in width.
+        """
+        decoded = [self._g8_decode(kind, blocks) for kind, blocks in parts]
+        widths = [q.shape[1] for q, _, _ in decoded]
+        if not decoded or len(set(widths)) != 1:
+            raise ValueError(f"cannot stack matrices of widths {widths}")
+        q, d, m = (torch.cat(t) if len(decoded) > 1 else t[0] for t in zip(*decoded, strict=True))
+        rows, cols = q.shape
+        packed = torch.empty(self.g8_bytes(rows, cols), dtype=torch.uint8)
+        rc = self.g8_pack(q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, cols, packed.data_ptr())
+        if rc != 0:
+            raise ValueError(f"cannot lay out a {rows} x {cols} matrix for int8 products")
+        return packed
+
+    def _g8_decode(
+        self, kind: str, blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The unsigned integers (uint8 ``[N, K]``), scales and offsets (float32 ``[N, K / 32]``)
+        of ``blocks`` of ``kind``: w = q d + m."""
+        ggml = GGML_TYPES[kind]
+        n, row_bytes = blocks.shape
+        if (
+            kind not in G8_TYPES
+            or blocks.dtype != torch.uint8
+            or not blocks.is_contiguous()
+            or row_bytes % ggml.block_bytes
+        ):
+            raise ValueError(f"not {kind} blocks for int8 products: {tuple(blocks.shape)}")
+        cols = row_bytes // ggml.block_bytes * ggml.weights
+        q = torch.empty(n, cols, dtype=torch.uint8)
+        d = torch.empty(n, cols // 32, dtype=torch.float32)
+        m = torch.empty(n, cols // 32, dtype=torch.float32)
+        rc = self.g8_decode(
+            ggml.type_id, blocks.data_ptr(), n, cols, q.data_ptr(), d.data_ptr(), m.data_ptr()
+        )
+        if rc != 0:
+            raise ValueError(f"cannot decode {kind} blocks {tuple(blocks.shape)}")
+        return q, d, m
 
     def dequantize(self, kind: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
         """The float32 ``[N, cols]`` matrix ``blocks`` holds, as :meth:`mm` sees it."""

@@ -292,7 +292,7 @@ class QLinear:
     def batched_int8(self) -> bool:
         """Whether products of more than ``max_rows`` rows take int8 activations
         (:class:`._gemm8.Gemm8`) rather than the dense weights."""
-        return self._gemm8 is not None
+        return self._gemm8 is not None or (self._product is not None and self._product.g8)
 
     def uses_kernel(self, rows: int) -> bool:
         return self._product is not None and rows <= self.max_rows

@@ -113,13 +113,14 @@ class ModelRunner:
             loaded.cache_root or default_cache_dir(),
         )
         dense = None if deterministic else loaded.dense_dtype
-        #: steps of one or two tokens multiply the blocks by int8 activations (``_int8rows.c``):
-        #: in the default mode where the model runs with a fast dense dtype (``--dtype auto``
-        #: chose bfloat16) and the kernels have them (AVX-512 VNNI); ``--dtype float32`` and
-        #: ``--deterministic`` keep their float32 products
+        #: steps of one or two tokens multiply the blocks by int8 activations (``_int8rows.c``),
+        #: and bigger ones too (``_gemm8.c``): where the model runs with a fast dense dtype
+        #: (``--dtype auto`` chose bfloat16) and the kernels have them (AVX-512 VNNI); with
+        #: ``--deterministic`` every step on int8 activations over the G8 layout (each row in one
+        #: order: batch-invariant); ``--dtype float32`` keeps its float32 products
         self.int8_rows = (
-            dense is not None
-            and dense != torch.float32
+            loaded.dense_dtype is not None
+            and loaded.dense_dtype != torch.float32
             and kernels is not None
             and kernels.int8_rows
         )

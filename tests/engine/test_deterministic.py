@@ -76,9 +76,15 @@ async def reference() -> tuple[list[Outcome], list[Outcome]]:
     async with stoic.Engine.start(cfg) as engine:
         compute = engine.stats().compute
         assert compute is not None and compute.deterministic and compute.c_layers
-        # its products in bfloat16 where the CPU has AVX512_BF16, else float32 on the blocks
-        bf16 = "avx512_bf16" in _qkernels._cpu_flags() and "avx512f" in _qkernels._cpu_flags()
+        # its products on int8 activations (the G8 layout) where the CPU has AVX-512 VNNI,
+        # else in bfloat16 where it has AVX512_BF16, else float32 on the blocks
+        flags = _qkernels._cpu_flags()
+        vnni = "avx512f" in flags and all(f in flags for f in _qkernels._VNNI_CPU_FLAGS)
+        bf16 = "avx512_bf16" in flags and "avx512f" in flags and not vnni
         assert compute.dense_dtype == ("bfloat16" if bf16 else "float32")
+        assert compute.row_activations == ("int8" if vnni else "float32")
+        int8 = compute.int8_batched_projections
+        assert int8 == (compute.quantized_projections if vnni else 0)
         alone = [_outcome(await engine.complete(p, params)) for p, params in _requests()]
         return alone, await _batched(engine, _requests())
 

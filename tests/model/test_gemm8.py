@@ -71,6 +71,34 @@ def test_bad_shapes_are_refused_before_any_product(vnni_kernels: Kernels) -> Non
         Gemm8.bind(vnni_kernels, [("Q4_0", blocks)], torch.zeros(15))
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K"])
+def test_the_fixed_order_g8_product_gives_a_row_bitwise_alone_or_in_any_batch(
+    vnni_kernels: Kernels, kind: str
+) -> None:
+    """``--deterministic``'s products (``fixed`` with ``int8_rows``: the G8 layout through the
+    kernels' common entry, as the C layers call it): one row alone equals that row inside
+    batches of 2..64 rows, wherever it falls in the 8-row tiles, bitwise; the same numbers as
+    the default mode's batched product, and in a stack with a Q6_K part each part's columns."""
+    blocks = random_blocks(kind, 40, 512, seed=11)
+    fixed = vnni_kernels.bind(kind, blocks, torch.randn(40), fixed=True, int8_rows=True)
+    assert fixed.g8 and fixed.rows == 40
+    gen = torch.Generator().manual_seed(12)
+    for rows in (2, 3, 7, 8, 9, 16, 33, 64):
+        x = torch.randn(rows, 512, generator=gen)
+        batch = fixed(x)
+        for r in {0, rows // 2, rows - 1}:
+            assert torch.equal(fixed(x[r : r + 1].contiguous()), batch[r : r + 1]), (rows, r)
+    gemm = Gemm8.bind(vnni_kernels, [(kind, blocks)], None)
+    assert gemm is not None
+    x = torch.randn(5, 512, generator=gen)
+    unbiased = vnni_kernels.bind(kind, blocks, None, fixed=True, int8_rows=True)
+    assert torch.equal(unbiased(x), gemm(x))
+    q6 = ("Q6_K", random_blocks("Q6_K", 8, 512, seed=13))
+    stack = vnni_kernels.bind_stack([(kind, blocks), q6], None, fixed=True, int8_rows=True)
+    assert not stack.g8 and stack.parts[0].g8
+    assert torch.equal(stack(x), torch.cat([p(x) for p in stack.parts], dim=1))
+
+
 def test_bfloat16_in_and_out_are_the_float32_product_converted(vnni_kernels: Kernels) -> None:
     """bfloat16 x is read as its exact float32 values, and a bfloat16 y is the float32 product
     rounded as torch rounds (to nearest even): bitwise, with a bias."""

@@ -25,7 +25,7 @@ from stoic.model import (
     default_cache_dir,
     load_model,
 )
-from stoic.model._qkernels import Kernels, KernelsUnavailable, load_kernels
+from stoic.model._qkernels import G8_TYPES, Kernels, KernelsUnavailable, load_kernels
 
 #: the types whose one-row products take int8 activations
 INT8_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
@@ -90,17 +90,21 @@ def test_one_row_products_multiply_the_int8_row(
 def test_without_the_flag_or_with_more_rows_the_float_path_runs_bitwise(
     vnni_kernels: Kernels, kind: str
 ) -> None:
-    """``int8_rows`` changes products of one row (and of two, below) only: three rows, the
-    fixed order and a product bound without the flag give the float path's numbers bitwise; a
-    stack of int8 parts equals its parts."""
+    """``int8_rows`` changes products of one row (and of two, below) only: three rows and a
+    product bound without the flag give the float path's numbers bitwise; in the fixed order
+    the flag means the G8 layout's int8 products (``test_gemm8.py``) where the type has it,
+    and nothing where it has not (Q6_K: the fixed order's float numbers bitwise); a stack of
+    int8 parts equals its parts."""
     blocks = random_blocks(kind, 40, 256, seed=4)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
     plain = vnni_kernels.bind(kind, blocks, None)
     int8 = vnni_kernels.bind(kind, blocks, None, int8_rows=True)
     assert torch.equal(int8(x), plain(x))
     fixed = vnni_kernels.bind(kind, blocks, None, fixed=True, int8_rows=True)
-    assert not fixed.int8_rows
-    assert torch.equal(fixed(x[:1]), vnni_kernels.bind(kind, blocks, None, fixed=True)(x[:1]))
+    assert fixed.fixed and fixed.g8 == (kind in G8_TYPES) and fixed.int8_rows == fixed.g8
+    if not fixed.g8:
+        want = vnni_kernels.bind(kind, blocks, None, fixed=True)(x[:1])
+        assert torch.equal(fixed(x[:1]), want)
     assert not torch.equal(int8(x[:1]), plain(x[:1]))
     other = random_blocks("Q6_K", 8, 256, seed=7)
     stack = vnni_kernels.bind_stack(
