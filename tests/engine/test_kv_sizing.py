@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import functools
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -277,9 +278,13 @@ def test_ram_peak_sees_a_steps_allocation_after_a_reset() -> None:
     memory = HostMemory()
     before = memory.in_use()
     memory.reset_peak()
-    held = torch.ones(50_000_000)  # 200 MB, touched
+    # 200 MB of fresh anonymous pages, touched (a torch tensor could reuse heap pages earlier
+    # tests freed but the process still holds: no new resident memory to see)
+    held = mmap.mmap(-1, 200 * MIB)
+    for offset in range(0, 200 * MIB, mmap.PAGESIZE):
+        held[offset] = 1
     peak = memory.peak()
-    del held
+    held.close()
     assert peak - before >= 150 * MIB
     assert before <= memory.total() and memory.available() <= memory.total()
 
