@@ -126,12 +126,6 @@ int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, i
 }
 
 #ifdef HAVE_INT8_ROWS
-/* 16 bfloat16 values at p as float32 (exact) */
-static inline __m512 g8_load_bf16(const uint16_t *p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 /* 16 float32 values as bfloat16, rounded to nearest even (torch's conversion; a NaN stays a
  * NaN), stored under `cols` */
 static inline void g8_store_bf16(uint16_t *p, __m512 v, __mmask16 cols) {
@@ -196,28 +190,10 @@ static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
                  const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
     const int64_t nb = K / QK, tiles = (N + 15) / 16;
     if (M <= 0) return 0;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *scales = malloc(sizeof(float) * (size_t)(2 * M * nb));
-    if (!xq || !scales) {
-        free(xq);
-        free(scales);
-        return -2;
-    }
+    int8_t *xq;
+    float *scales;
+    if (quantize_rows8(x, x_bf16, M, K, 0, threads, &xq, &scales) != 0) return -2;
     float *dx = scales, *sx = scales + M * nb;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t r = 0; r < M; r++) {
-        if (!x_bf16) {
-            quantize_x8((const float *)x + r * K, nb, 0, xq + r * K, dx + r * nb, sx + r * nb);
-            continue;
-        }
-        for (int64_t b = 0; b < nb; b++) { /* a block widened to float32 (exact), then as above */
-            float block[QK] __attribute__((aligned(64)));
-            const uint16_t *xb = (const uint16_t *)x + r * K + b * QK;
-            _mm512_store_ps(block, g8_load_bf16(xb));
-            _mm512_store_ps(block + 16, g8_load_bf16(xb + 16));
-            quantize_x8(block, 1, 0, xq + r * K + b * QK, dx + r * nb + b, sx + r * nb + b);
-        }
-    }
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *wt = w + t * nb * G8_BYTES;

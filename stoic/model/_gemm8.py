@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._qkernels import G8_TYPES, GGML_TYPES, Kernels, get_threads
+from ._qkernels import G8_TYPES, GGML_TYPES, Kernels, _check_bias, get_threads
 
 __all__ = ["G8_TYPES", "Gemm8"]
 
@@ -60,8 +60,7 @@ class Gemm8:
         rows = sum(int(blocks.shape[0]) for _, blocks in parts)
         ggml = GGML_TYPES[parts[0][0]]
         cols = int(parts[0][1].shape[1]) // ggml.block_bytes * ggml.weights
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (rows,)):
-            raise ValueError(f"a bias of {tuple(bias.shape)} for {rows} outputs")
+        _check_bias(bias, rows)
         return cls(kernels, packed, rows, cols, None if bias is None else bias.contiguous())
 
     @property

@@ -72,6 +72,43 @@ static void quantize_x8(const float *x, int64_t nb, int permuted, int8_t *xq, fl
     }
 }
 
+/* M rows of x (float32, or bfloat16 with x_bf16: each block widened exactly first), K a multiple
+ * of 32, quantised as quantize_x8 does, row by row with `threads`: xq [M][K] and scales (dx
+ * [M][nb] then sx [M][nb]) allocated here (the caller frees both); -2 where they cannot be */
+static inline __m512 widen_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static int quantize_rows8(const void *x, int x_bf16, int64_t M, int64_t K, int permuted,
+                          int threads, int8_t **xq, float **scales) {
+    const int64_t nb = K / QK;
+    *xq = malloc((size_t)(M * K));
+    *scales = malloc(sizeof(float) * (size_t)(2 * M * nb));
+    if (!*xq || !*scales) {
+        free(*xq);
+        free(*scales);
+        return -2;
+    }
+    int8_t *q = *xq;
+    float *dx = *scales, *sx = *scales + M * nb;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (M > 1)")
+    for (int64_t r = 0; r < M; r++) {
+        if (!x_bf16) {
+            quantize_x8((const float *)x + r * K, nb, permuted, q + r * K, dx + r * nb, sx + r * nb);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) { /* a block widened to float32 (exact), then as above */
+            float block[QK] __attribute__((aligned(64)));
+            const uint16_t *xb = (const uint16_t *)x + r * K + b * QK;
+            _mm512_store_ps(block, widen_bf16(xb));
+            _mm512_store_ps(block + 16, widen_bf16(xb + 16));
+            quantize_x8(block, 1, permuted, q + r * K + b * QK, dx + r * nb + b, sx + r * nb + b);
+        }
+    }
+    return 0;
+}
+
 /* the 16 bytes of 4-bit values at q as 32 u8 (0..15): bytes 0-15 the low nibbles, 16-31 the
  * high ones (U4/Z4: weights 0-7, 16-23, 8-15, 24-31; Z5: weights 0-31 in order) */
 static inline __m256i nibbles32(const uint8_t *q) {
@@ -311,17 +348,11 @@ static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8
         return 1;
     if (M > 1) {
         if (super || M != INT8_TILE_ROWS) return 1;
-        int8_t *xq = malloc((size_t)(M * nb * QK));
-        float *scales = malloc(sizeof(float) * (size_t)(2 * M * nb));
-        if (!xq || !scales) {
-            free(xq);
-            free(scales);
+        int8_t *xq;
+        float *scales;
+        if (quantize_rows8(x, 0, M, K, layout == U4 || layout == Z4, 1, &xq, &scales) != 0)
             return -2;
-        }
         float *dx = scales, *sx = scales + M * nb;
-        for (int64_t r = 0; r < M; r++)
-            quantize_x8(x + r * K, nb, layout == U4 || layout == Z4, xq + r * nb * QK, dx + r * nb,
-                        sx + r * nb);
         switch (layout) {
         case U4: tiles_u4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
         case Z4: tiles_z4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;

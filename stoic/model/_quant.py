@@ -19,6 +19,7 @@ the float path, and so does a fused projection with one such part.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -337,11 +338,7 @@ class QLinear:
             flat = flat.float()
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        if torch._C._autograd._profiler_enabled():  # the product shows in torch.profiler's table
-            with torch.profiler.record_function("stoic::int8_mm"):
-                y = gemm(flat, out)
-        else:
-            y = gemm(flat, out)
+        y = _profiled("stoic::int8_mm", gemm, flat, out)
         return y.view(*x.shape[:-1], gemm.rows).to(dtype)
 
     @staticmethod
@@ -368,14 +365,18 @@ class QLinear:
             flat = flat.float()
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        if torch._C._autograd._profiler_enabled():  # the product shows in torch.profiler's table
-            with torch.profiler.record_function("stoic::quantized_mm"):
-                y = product(flat)
-        else:
-            y = product(flat)
+        y = _profiled("stoic::quantized_mm", product, flat)
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], product.rows)
+
+
+def _profiled(name: str, product: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``product(*args)``, shown as ``name`` in torch.profiler's table while it records."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return product(*args)
+    return product(*args)
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:
