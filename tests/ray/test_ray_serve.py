@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ pytest.importorskip("ray")
 from stoic import EngineConfig, FaultSpec
 from stoic.http import create_app
 from stoic.ray import RayEngine, ReplicaOptions, run_replicas
+from stoic.ray._ingress import MigratingStream
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -219,20 +221,34 @@ async def test_a_recovering_replica_is_not_replaced(deployed: Deployed) -> None:
     assert dict(replicas[victim].restarts_by_kind)["crash"] == 1
 
 
-async def test_kill_of_a_replica_mid_stream_migrates_every_stream(deployed: Deployed) -> None:
+async def test_kill_of_a_replica_mid_stream_migrates_every_stream(
+    deployed: Deployed, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kill -9 of a replica's process while streams run on it: every stream completes with its
     fault-free text (greedy float32), the client sees no error, and Serve starts a replacement."""
+    streams: list[MigratingStream] = []
+    submit = deployed.engine.submit
+
+    async def recording_submit(request: Any) -> MigratingStream:
+        stream = await submit(request)
+        streams.append(stream)
+        return stream
+
     async with deployed.client() as client:
         expected = await reference(client)
-        replicas = await deployed.replicas()
-        victim = sorted(replicas)[0]
-        pid = await deployed.pid_of(victim)
         started = [asyncio.Event() for _ in PROMPTS]
+        # the victim is the replica Serve gave the most streams (its router may give one
+        # replica all of them): a replica chosen beforehand may hold none
+        monkeypatch.setattr(deployed.engine, "submit", recording_submit)
         tasks = [
             asyncio.create_task(stream_text(client, p, e))
             for p, e in zip(PROMPTS, started, strict=True)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        held = Counter(s.replicas[-1] for s in streams)
+        assert sum(held.values()) == len(PROMPTS)
+        victim = held.most_common(1)[0][0]
+        pid = await deployed.pid_of(victim)
         migrated = deployed.engine.view.migrated
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
