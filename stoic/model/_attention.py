@@ -28,14 +28,14 @@ from typing import Any, Protocol
 
 import torch
 
-from ._cattention import DecodeAttention
+from ._cattention import PagedCAttention
 from ._cdecode import CDecoder
 from ._paged import ATTN_IMPLEMENTATION, StepMetadata, paged_attention
 from ._qkernels import Kernels
 
 __all__ = [
     "AttentionBackend",
-    "CDecodeAttention",
+    "CPagedAttention",
     "StepAttention",
     "TorchPagedAttention",
     "choose_attention",
@@ -114,20 +114,21 @@ class TorchPagedAttention:
         return _TorchStep(step)
 
 
-class CDecodeAttention:
-    """The decode tokens in C over the blocks in place (:class:`._cattention.DecodeAttention`),
-    prefill chunks in torch; a step the C kernel cannot take (no decodes, a window reached, a
-    cache not float32 on the CPU) runs all in torch."""
+class CPagedAttention:
+    """The decode tokens, and the prompt chunks where the build has the chunk kernel (AVX-512),
+    in C over the blocks in place (:class:`._cattention.PagedCAttention`); the rest in torch. A
+    step C takes nothing of (a window reached, a cache not float32 on the CPU) runs all in
+    torch."""
 
-    name = "c-decode"
+    name = "c-paged"
 
     def __init__(self, kernels: Kernels) -> None:
         self._kernels = kernels
 
     def plan(self, step: StepMetadata, tokens: int, *, windowed: bool = False) -> StepAttention:
-        if windowed or not DecodeAttention.applies(step):
+        if windowed or not PagedCAttention.applies(step, self._kernels):
             return _TorchStep(step)
-        return DecodeAttention(self._kernels, step, tokens)
+        return PagedCAttention(self._kernels, step, tokens)
 
 
 def choose_attention(
@@ -147,7 +148,7 @@ def choose_attention(
         and dtype == torch.float32
         and CDecoder.supports(torch.float32, head_dim, heads, kv_heads)
     ):
-        return CDecodeAttention(kernels)
+        return CPagedAttention(kernels)
     return TorchPagedAttention()
 
 

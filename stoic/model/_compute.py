@@ -86,7 +86,7 @@ class ComputePath:
     #: (each token's logits independent of its batch, chunking and cache)
     deterministic: bool = False
     #: the attention backend's name (:func:`._attention.choose_attention`: ``torch-paged``,
-    #: ``c-decode``)
+    #: ``c-paged``)
     attention: str = "torch-paged"
     #: what steps of one or two tokens multiply the quantised blocks by: ``int8`` (the activations
     #: quantised per block of 32, integer dot products: the default mode with a fast dtype on a

@@ -34,6 +34,7 @@ __all__ = [
     "empty_device_cache",
     "group_decodes",
     "paged_attention",
+    "write_kv",
 ]
 
 ATTN_IMPLEMENTATION = "stoic_paged"
@@ -306,13 +307,7 @@ def paged_attention(
     layer = int(getattr(module, "layer_idx", 0))
     cache = meta.cache
     k_pool, v_pool = cache.keys[layer], cache.values[layer]
-    head_dim = k_pool.shape[-1]
-    k_pool.view(-1, head_dim).index_copy_(
-        0, meta.write_index, key[0].reshape(-1, head_dim).to(k_pool.dtype)
-    )
-    v_pool.view(-1, head_dim).index_copy_(
-        0, meta.write_index, value[0].reshape(-1, head_dim).to(v_pool.dtype)
-    )
+    write_kv(cache, layer, meta.write_index, key, value)
 
     q = query[0]  # [heads, N, D]
     if not meta.prefills and len(meta.decodes) == 1:
@@ -332,6 +327,25 @@ def paged_attention(
             q, key, value, k_pool, v_pool, chunk, scaling, sliding_window, softcap
         )
     return out.unsqueeze(0)
+
+
+def write_kv(
+    cache: PagedKVCache,
+    layer: int,
+    write_index: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Write a step's new keys and values (``[1, kv_heads, N, head_dim]``) into ``layer``'s
+    pools at the flat pool positions ``write_index`` (:attr:`StepMetadata.write_index`)."""
+    k_pool, v_pool = cache.keys[layer], cache.values[layer]
+    head_dim = k_pool.shape[-1]
+    k_pool.view(-1, head_dim).index_copy_(
+        0, write_index, key[0].reshape(-1, head_dim).to(k_pool.dtype)
+    )
+    v_pool.view(-1, head_dim).index_copy_(
+        0, write_index, value[0].reshape(-1, head_dim).to(v_pool.dtype)
+    )
 
 
 def _prefill_attention(

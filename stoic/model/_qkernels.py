@@ -279,6 +279,10 @@ class Kernels:
             "stoic_g8_pack": [ptr, ptr, ptr, i64, i64, ptr],
             "stoic_g8_bytes": [i64, i64],
             "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, ptr, ptr, i32, i32],
+            # q k_pool v_pool table nblocks start_pos n heads kv_heads dh block scale out threads
+            "stoic_chunk_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32,
+                                      ptr, i32],
+            "stoic_chunk_attention_available": [],
         }  # fmt: skip
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -310,6 +314,10 @@ class Kernels:
         #: the attention of runs of rows that share a sequence's keys (prefill chunks in
         #: deterministic mode), each row bitwise as :attr:`attention` computes it
         self.prefill_attention: Callable[..., int] = lib.stoic_prefill_attention
+        #: a prompt chunk's causal attention over the pools in place (the default mode's prefill
+        #: chunks, :mod:`._cattention`), where :attr:`chunk_attention_available` (AVX-512)
+        self.chunk_attention: Callable[..., int] = lib.stoic_chunk_attention
+        self.chunk_attention_available = bool(lib.stoic_chunk_attention_available())
         #: the bfloat16 prefill's elementwise operators (:mod:`._cops` calls them)
         self.rms_norm_bf16: Callable[..., int] = lib.stoic_rms_norm_bf16
         self.rope_bf16: Callable[..., int] = lib.stoic_rope_bf16
@@ -524,10 +532,10 @@ def _compiler() -> str | None:
 #: ``_int8rows.c``, ``_gemm8.c``: int8 activations for one or two rows, and for many;
 #: ``_cops.c``: the bfloat16 prefill's elementwise operators; ``_bf16fixed.c``: the bfloat16
 #: fixed-order products of ``--deterministic``; ``_rows_attention.c``: prefill chunks' attention
-#: in deterministic mode)
+#: in deterministic mode; ``_chunk_attention.c``: prefill chunks' attention in the default mode)
 _SOURCES = (
     "_qkernels.c", "_kquants.c", "_int8rows.c", "_gemm8.c", "_cops.c", "_bf16fixed.c",
-    "_rows_attention.c",
+    "_rows_attention.c", "_chunk_attention.c",
 )  # fmt: skip
 
 

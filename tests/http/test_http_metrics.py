@@ -104,7 +104,7 @@ async def test_metrics_parse_and_count(
         "row_activations": compute.row_activations,
         "int8_batched_projections": str(compute.int8_batched_projections),
     }
-    assert compute.attention == "c-decode" and compute.architecture == "LlamaForCausalLM"
+    assert compute.attention == "c-paged" and compute.architecture == "LlamaForCausalLM"
 
 
 @pytest.mark.usefixtures("fault_cleanup")

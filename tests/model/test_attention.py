@@ -13,7 +13,7 @@ import torch
 
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
 from stoic.model._attention import (
-    CDecodeAttention,
+    CPagedAttention,
     TorchPagedAttention,
     choose_attention,
     interface_attention,
@@ -111,8 +111,8 @@ def test_the_c_paths_read_the_device_once_a_step(
     attention next to torch's prefill (mixed step) and the torch path (prefills) read one tensor
     back a step."""
     runner = ModelRunner(load_model("default", dtype="float32", device="cpu"), quantization="gguf")
-    assert runner.attention.name == "c-decode" and runner.compute_path.attention == "c-decode"
-    assert runner.compute_path.card()["attention"] == "c-decode"
+    assert runner.attention.name == "c-paged" and runner.compute_path.attention == "c-paged"
+    assert runner.compute_path.card()["attention"] == "c-paged"
     assert _reads_per_step(runner, monkeypatch) == [["tolist"]] * 4
 
 
@@ -178,7 +178,7 @@ def test_the_backend_is_chosen_by_device_dtype_and_kernels(kernels: Kernels) -> 
     shapes = {"heads": 9, "kv_heads": 3, "head_dim": 64}
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert isinstance(
-        choose_attention(kernels, device=cpu, dtype=torch.float32, **shapes), CDecodeAttention
+        choose_attention(kernels, device=cpu, dtype=torch.float32, **shapes), CPagedAttention
     )
     for chosen in (
         choose_attention(None, device=cpu, dtype=torch.float32, **shapes),

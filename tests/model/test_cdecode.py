@@ -95,7 +95,7 @@ def _run_torch_path(runner: ModelRunner, steps: list[StepBatch], c_attention: bo
     fused = runner._fused
     assert fused is not None
     saved = fused.c_decoder, fused.attention
-    assert fused.attention.name == "c-decode"
+    assert fused.attention.name == "c-paged"
     fused.c_decoder = None
     if not c_attention:
         fused.attention = TorchPagedAttention()
@@ -106,11 +106,12 @@ def _run_torch_path(runner: ModelRunner, steps: list[StepBatch], c_attention: bo
 
 
 def test_decode_attention_in_c_equals_torch_on_mixed_and_decode_steps(runner: ModelRunner) -> None:
-    """On the torch path (steps the C layers do not take), decode tokens attended by the C kernel
-    over the paged blocks give the hidden states and cached keys/values torch's gathered
-    attention gives, within float32 rounding: a decode-only step of three sequences of
-    different lengths, and mixed steps where a new prompt is prefilled (in two chunks, the
-    second attending to the first through the cache) next to those decodes."""
+    """On the torch path (steps the C layers do not take), decode tokens and prompt chunks
+    attended by the C kernels over the paged blocks give the hidden states and cached
+    keys/values torch's gathered attention (SDPA for the chunks) gives, within float32
+    rounding: a prefill of three prompts, a decode-only step of the three sequences, and mixed
+    steps where a new prompt is prefilled (in two chunks, the second attending to the first
+    through the cache) next to those decodes."""
     tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(4)]
     prompts = [tuple(range(100, 105)), tuple(range(300, 323)), tuple(range(700, 709))]
     steps = [

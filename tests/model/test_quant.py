@@ -162,7 +162,7 @@ def test_runner_uses_the_blocks_for_every_projection(
         "head": "Q8_0",
         "c_layers": True,
         "kernel_rows": MAX_KERNEL_ROWS,
-        "attention": "c-decode",
+        "attention": "c-paged",
         "deterministic": False,
         "dtype": "float32",
         "dense_dtype": "float32",

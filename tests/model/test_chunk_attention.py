@@ -1,0 +1,125 @@
+"""``stoic_chunk_attention`` (``_chunk_attention.c``): a prompt chunk's causal attention over its
+sequence's keys and values where they lie in the paged pools equals float64 softmax attention
+within float32 rounding: chunks from position 0 and after a cached prefix, lengths on and off
+the kernel's row (16) and key (16) tiles, GQA groups of 1, 3 and 8, head dims on the 64 and 128
+value routines and off them, blocks of 4 and 16 shuffled in the pools, one thread or two.
+Shapes it does not take are refused with nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stoic.model._qkernels import Kernels
+
+
+class Chunk:
+    """``n`` rows at positions ``start``.. of one sequence whose blocks lie shuffled in pools
+    of random keys and values (the chunk's own already written, as the caller does first)."""
+
+    def __init__(
+        self, start: int, n: int, heads: int, kv_heads: int, dh: int, block: int, seed: int = 0
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.start, self.n, self.heads, self.kv_heads, self.dh = start, n, heads, kv_heads, dh
+        self.block = block
+        length = start + n
+        self.nblocks = -(-length // block)
+        total = self.nblocks + 7  # other sequences' blocks around this one's
+        order = torch.randperm(total, generator=gen)[: self.nblocks]
+        self.table = (torch.arange(kv_heads)[:, None] * total + order[None, :]).contiguous()
+        self.k_pool = torch.randn(kv_heads * total, block, dh, generator=gen)
+        self.v_pool = torch.randn(kv_heads * total, block, dh, generator=gen)
+        self.q = torch.randn(n, heads, dh, generator=gen)
+        self.scale = dh**-0.5
+
+    def run(self, kernels: Kernels, threads: int, **override: int) -> tuple[int, torch.Tensor]:
+        out = torch.full((self.n, self.heads, self.dh), 7.0)
+        args = {
+            "nblocks": self.nblocks, "start": self.start, "n": self.n, "heads": self.heads,
+            "kv_heads": self.kv_heads, "dh": self.dh, "block": self.block, **override,
+        }  # fmt: skip
+        rc = kernels.chunk_attention(
+            self.q.data_ptr(), self.k_pool.data_ptr(), self.v_pool.data_ptr(),
+            self.table.data_ptr(), args["nblocks"], args["start"], args["n"], args["heads"],
+            args["kv_heads"], args["dh"], args["block"], self.scale, out.data_ptr(), threads,
+        )  # fmt: skip
+        return rc, out
+
+    def reference(self) -> torch.Tensor:
+        """float64 softmax attention, causal from the chunk's first position, ``[n, heads,
+        dh]``."""
+        length = self.start + self.n
+        rows = self.table.reshape(-1)
+        keys = self.k_pool[rows].view(self.kv_heads, -1, self.dh)[:, :length].double()
+        values = self.v_pool[rows].view(self.kv_heads, -1, self.dh)[:, :length].double()
+        group = self.heads // self.kv_heads
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        q = self.q.transpose(0, 1).double()  # [heads, n, dh]
+        scores = q @ keys.transpose(1, 2) * self.scale
+        allowed = torch.arange(length)[None, :] <= torch.arange(self.start, length)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return (scores.softmax(-1) @ values).transpose(0, 1).float()
+
+
+@pytest.fixture
+def c_kernels(kernels: Kernels) -> Kernels:
+    if not kernels.chunk_attention_available:
+        pytest.skip("this build has no AVX-512: prompt chunks keep SDPA")
+    return kernels
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("start", "n", "block"),
+    [(0, 2, 16), (0, 17, 4), (0, 225, 16), (150, 243, 16), (33, 40, 4), (511, 5, 16)],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "dh"), [(9, 3, 64), (8, 8, 128), (16, 2, 96)])
+def test_chunk_attention_equals_float64_causal_attention(
+    c_kernels: Kernels,
+    threads: int,
+    start: int,
+    n: int,
+    block: int,
+    heads: int,
+    kv_heads: int,
+    dh: int,
+) -> None:
+    chunk = Chunk(start, n, heads, kv_heads, dh, block)
+    rc, got = chunk.run(c_kernels, threads)
+    assert rc == 0
+    torch.testing.assert_close(got, chunk.reference(), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"dh": 24},  # not a multiple of 16
+        {"dh": 272},  # past the kernels' largest head
+        {"heads": 8},  # 8 query heads over 3 kv heads
+        {"nblocks": 1},  # the table holds fewer positions than the chunk reaches
+    ],
+)
+def test_shapes_the_kernel_does_not_take_are_refused_with_nothing_written(
+    c_kernels: Kernels, override: dict[str, int]
+) -> None:
+    chunk = Chunk(20, 30, 9, 3, 64, 16)
+    rc, out = chunk.run(c_kernels, 2, **override)
+    assert rc == -1
+    assert bool((out == 7.0).all())
+
+
+def test_a_nan_key_poisons_only_the_rows_that_see_it(c_kernels: Kernels) -> None:
+    """A NaN in key 40 (past the 8-key group and tile boundaries): rows at positions >= 40 are
+    NaN, every earlier row is finite and equals the reference."""
+    chunk = Chunk(30, 20, 9, 3, 64, 16)
+    block, offset = int(chunk.table[1, 40 // 16]), 40 % 16
+    chunk.k_pool[block, offset, 5] = float("nan")
+    rc, got = chunk.run(c_kernels, 2)
+    assert rc == 0
+    before = 40 - chunk.start  # rows before position 40
+    assert bool(torch.isfinite(got[:before]).all())
+    torch.testing.assert_close(got[:before], chunk.reference()[:before], rtol=1e-5, atol=2e-6)
+    kv1_heads = slice(3, 6)  # the query heads of kv head 1
+    assert bool(got[before:, kv1_heads].isnan().all())
+    assert bool(torch.isfinite(got[before:, :3]).all())
