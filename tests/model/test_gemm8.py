@@ -154,8 +154,12 @@ def test_the_default_model_prefills_on_int8_close_to_its_float_path(
     """The default model with a bfloat16 dense dtype (``--dtype auto`` on a CPU with fast
     bfloat16) multiplies a prefill of many tokens on int8 activations, every projection, with no
     bfloat16 copy, and says so; ``--dtype float32`` does not. After a 60-token prompt its
-    log-probabilities of the float path's 20 likeliest tokens are as close to the float path's as
-    the bfloat16 copy's were (measured: 0.18 nats apart at most, the copy's 0.17)."""
+    log-probabilities of the float path's 20 likeliest tokens stay within 0.35 nats of the float
+    path's. Measured: 0.18 nats at most (the bfloat16 copy's 0.17) with SDPA's bfloat16 prompt
+    attention; 0.25 (the copy's 0.09) with the C chunk attention in float32: two equally
+    accurate attentions (both within bfloat16 rounding of float64, tests/model/
+    test_chunk_attention.py) move this 30-layer bfloat16 model's logprobs by up to 0.9 nats,
+    so a bound relative to the copy's gap would test chance."""
     fast = ModelRunner(
         load_model("default", dtype="float32", dense_dtype="bfloat16", device="cpu"),
         quantization="gguf",
@@ -182,4 +186,5 @@ def test_the_default_model_prefills_on_int8_close_to_its_float_path(
         name: (_prefill_logprobs(r, prompt)[top] - want[top]).abs().max().item()
         for name, r in (("int8", fast), ("bfloat16", bf16))
     }
-    assert 0 < gaps["int8"] < max(0.15, 2 * gaps["bfloat16"]), gaps
+    assert 0 < gaps["int8"] < 0.35, gaps
+    assert 0 < gaps["bfloat16"] < 0.35, gaps
