@@ -11,11 +11,14 @@ tokens at ``--concurrency`` clients, greedy, EOS ignored) three ways:
 
 The table gives tokens/s, its share of the same system's quiet figure (the target: >= 40% next
 to the neighbour on 2 cores, 50% the ideal), TTFT and inter-token latency, and for stoic the
-compute-thread changes its log reports. Systems: ``stoic`` (``stoic serve`` defaults: the
+compute-thread changes its log reports. ``--model`` serves a GGUF file instead of the shipped
+model. Systems: ``stoic`` (``stoic serve`` defaults: the
 process executor, threads sized to the CPU budget and following contention), ``stoic-before``
 (``--threads <CPU count> --no-adapt-threads``: every step on all the machine's CPUs whatever the
 quota or the neighbours, as stoic ran before), ``stoic-deterministic`` (``--deterministic``:
-docs/operations.md, "Deterministic mode"; its "vs stoic" column is the mode's cost), and
+docs/operations.md, "Deterministic mode"; its "vs stoic" column is the mode's cost),
+``stoic-baseline`` (``stoic serve`` defaults from ``--baseline-tree``, a worktree of an earlier
+commit: a speed change measured quiet and next to the neighbour in one run), and
 llama.cpp's server with ``--llama-server PATH`` (built by ``benchmarks/build_llama_server.sh``;
 ``--threads`` = the CPU count, as its users run it). ``--concurrency`` takes several client
 counts, each measured in turn.
@@ -23,6 +26,9 @@ counts, each measured in turn.
     python benchmarks/contention_bench.py --llama-server "$(benchmarks/build_llama_server.sh)"
     python benchmarks/contention_bench.py --systems stoic stoic-deterministic \
         --conditions quiet neighbour --concurrency 1 32
+    git worktree add /tmp/before <commit>
+    python benchmarks/contention_bench.py --systems stoic stoic-baseline \
+        --baseline-tree /tmp/before --model FILE.gguf --conditions quiet neighbour
 """
 
 from __future__ import annotations
@@ -191,11 +197,16 @@ STOIC_FLAGS = {
 
 
 def make_system(work: Path, name: str, label: str, args: argparse.Namespace) -> System | None:
-    """System ``name`` (None: llama-server without ``--llama-server``)."""
+    """System ``name`` (None: llama-server without ``--llama-server``, stoic-baseline without
+    ``--baseline-tree``)."""
+    gguf = default_gguf_path() if args.model == "default" else Path(args.model)
+    model = [] if args.model == "default" else ["--model", str(gguf)]
     if name in STOIC_FLAGS:
-        return stoic_server(work, label, STOIC_FLAGS[name], log_level="info")
+        return stoic_server(work, label, [*STOIC_FLAGS[name], *model], log_level="info")
+    if name == "stoic-baseline" and args.baseline_tree:
+        return stoic_server(work, label, model, log_level="info", tree=args.baseline_tree)
     if name == "llama-server" and args.llama_server:
-        return llama_system(work, args.llama_server, default_gguf_path(), 16)
+        return llama_system(work, args.llama_server, gguf, 16)
     return None
 
 
@@ -231,7 +242,14 @@ if __name__ == "__main__":
         "--systems",
         nargs="+",
         default=["stoic", "stoic-before", "llama-server"],
-        choices=[*STOIC_FLAGS, "llama-server"],
+        choices=[*STOIC_FLAGS, "stoic-baseline", "llama-server"],
+    )
+    parser.add_argument("--model", default="default", help="a GGUF file (default: the shipped)")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="stoic-baseline: stoic serve's defaults from this source tree (a git worktree of "
+        "an earlier commit), next to this tree's in the same run",
     )
     parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
     parser.add_argument("--llama-server", help="path of a llama-server binary")

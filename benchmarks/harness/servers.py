@@ -54,6 +54,7 @@ class System:
     proc: subprocess.Popen[bytes] | None = None
     note: str = ""
     steps_file: Path | None = None  # stoic under timed_serve: step timings land here
+    env: dict[str, str] | None = None  # the environment to start it in (None: this one's)
 
     async def step_stats(self) -> dict[str, Any] | None:
         """Ask a timed stoic server for its step timings since the last call (and reset them)."""
@@ -85,7 +86,11 @@ class System:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
             )
 
     async def start(self, limit_s: float = 300.0) -> None:
@@ -167,14 +172,25 @@ def llama_system(work: Path, binary: str, gguf: Path, slots: int) -> System:
 
 
 def stoic_server(
-    work: Path, name: str, flags: Sequence[str] = (), *, log_level: str = "warning"
+    work: Path,
+    name: str,
+    flags: Sequence[str] = (),
+    *,
+    log_level: str = "warning",
+    tree: Path | None = None,
 ) -> System:
     """``stoic serve`` (this interpreter's) on a free port with its defaults and ``flags``; its log
-    goes to ``work``."""
+    goes to ``work``. ``tree``: the ``stoic`` package imported from that source tree (a git
+    worktree of another commit: a before/after in one run) instead of this environment's."""
     port = free_port()
-    argv = [str(BIN / "stoic"), "serve", "--port", str(port), "--log-level", log_level, *flags]
+    serve = ["serve", "--port", str(port), "--log-level", log_level, *flags]
+    argv = [str(BIN / "stoic"), *serve]
+    env = None
+    if tree is not None:
+        argv = [sys.executable, "-m", "stoic", *serve]
+        env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
-    return System(name, argv, port, "default", dict(GREEDY), work / f"{slug}.log")
+    return System(name, argv, port, "default", dict(GREEDY), work / f"{slug}.log", env=env)
 
 
 def open_log(path: Path) -> Any:
