@@ -28,6 +28,15 @@ __all__ = ["adjust_logits", "sample"]
 _NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
+def _argmax(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest index (a NaN's, where one is: torch's rule too). On the CPU
+    through NumPy, whose argmax is vectorised: 0.10 ms for 31 x 49,152 float32 against
+    torch's 1.45 ms (2 threads), a decode step's 2%."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32:
+        return torch.from_numpy(rows.numpy().argmax(axis=-1))
+    return rows.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     chunks: Sequence[SeqChunk],
@@ -45,7 +54,7 @@ def sample(
     raw = logits
     logits = adjust_logits(logits, chunks, eos_token_ids)
 
-    chosen = logits.argmax(dim=-1)
+    chosen = _argmax(logits)
     if not all(c.params.greedy for c in chunks):
         greedy = torch.tensor([c.params.greedy for c in chunks], device=device)
         temps = torch.tensor([c.params.temperature or 1.0 for c in chunks], device=device)
@@ -67,7 +76,7 @@ def sample(
                 gen = torch.Generator(device=device)
                 gen.manual_seed((seed * 1_000_003 + chunk.num_generated) % (2**63))
                 noise[i].exponential_(generator=gen)
-        drawn = (probs / noise).argmax(dim=-1)
+        drawn = _argmax(probs / noise)
         chosen = torch.where(greedy, chosen, drawn)
 
     want_logprobs = [c.params.logprobs for c in chunks]
