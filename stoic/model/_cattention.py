@@ -111,7 +111,7 @@ class PagedCAttention:
             k_pool, v_pool = cache.keys[layer], cache.values[layer]
             for chunk, table in zip(step.prefills, self._chunk_tables, strict=True):
                 rows = chunk.end - chunk.start
-                qc = q[0, :, chunk.start : chunk.end].transpose(0, 1).float().contiguous()
+                qc = _float32(q[0, :, chunk.start : chunk.end].transpose(0, 1))
                 got = torch.empty(rows, heads, dim)
                 rc = self._k.chunk_attention(
                     qc.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(),
@@ -120,14 +120,12 @@ class PagedCAttention:
                 )  # fmt: skip
                 if rc != 0:
                     raise torch.OutOfMemoryError(f"chunk attention kernel failed ({rc})")
-                out[chunk.start : chunk.end] = got.to(out.dtype)
+                out[chunk.start : chunk.end].copy_(got)
         if step.decodes:
             assert self._tables is not None and self._lens is not None and self._write is not None
             idx = self.q_index
             m = int(idx.numel())
-            qd = q[0].index_select(1, idx).transpose(0, 1).float().contiguous()
-            kd = k[0].index_select(1, idx).transpose(0, 1).float().contiguous()
-            vd = v[0].index_select(1, idx).transpose(0, 1).float().contiguous()
+            qd, kd, vd = (_float32(t[0].index_select(1, idx).transpose(0, 1)) for t in (q, k, v))
             got = torch.empty(m, heads, dim)
             rc = self._k.attention(
                 qd.data_ptr(), kd.data_ptr(), vd.data_ptr(),
@@ -140,3 +138,9 @@ class PagedCAttention:
                 raise torch.OutOfMemoryError(f"decode attention kernel failed ({rc})")
             out.index_copy_(0, idx, got.to(out.dtype))
         return out.unsqueeze(0)
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous float32 tensor, in one pass (``.float().contiguous()`` of a strided
+    bfloat16 view copies twice)."""
+    return torch.empty(t.shape, dtype=torch.float32).copy_(t)

@@ -338,14 +338,11 @@ def write_kv(
 ) -> None:
     """Write a step's new keys and values (``[1, kv_heads, N, head_dim]``) into ``layer``'s
     pools at the flat pool positions ``write_index`` (:attr:`StepMetadata.write_index`)."""
-    k_pool, v_pool = cache.keys[layer], cache.values[layer]
-    head_dim = k_pool.shape[-1]
-    k_pool.view(-1, head_dim).index_copy_(
-        0, write_index, key[0].reshape(-1, head_dim).to(k_pool.dtype)
-    )
-    v_pool.view(-1, head_dim).index_copy_(
-        0, write_index, value[0].reshape(-1, head_dim).to(v_pool.dtype)
-    )
+    for pool, new in ((cache.keys[layer], key[0]), (cache.values[layer], value[0])):
+        # one pass to the pool's dtype and a contiguous layout (``new`` is a strided view of
+        # the step's projection), then the scattered rows
+        rows = torch.empty(new.shape, dtype=pool.dtype, device=pool.device).copy_(new)
+        pool.view(-1, pool.shape[-1]).index_copy_(0, write_index, rows.view(-1, pool.shape[-1]))
 
 
 def _prefill_attention(

@@ -26,8 +26,10 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 LOGPROBS = SamplingParams(max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
 
-#: every way Python code reads a tensor's values back to the host
-_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+#: every way Python code reads a tensor's values back to the host (not ``numpy``: it takes CPU
+#: tensors only and raises for a device's, which must pass through one of these first; the
+#: sampler's argmax reads CPU logits through NumPy, on the host already)
+_READS = ("item", "tolist", "cpu", "__int__", "__float__", "__bool__", "__index__")
 
 
 @contextmanager
