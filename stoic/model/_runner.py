@@ -284,9 +284,13 @@ class ModelRunner:
         :raises RuntimeError: if ``cache`` was released (the executor was fenced).
         :raises torch.OutOfMemoryError: and anything else the forward pass raises.
         """
-        if self.threads is not None:
-            self.threads.before_step()
-        with self.progress.running():
+        governor = self.threads
+        if governor is not None:
+            governor.before_step()
+        # the governor looks again between layers: a step slowed many times over by a
+        # neighbour (each parallel region waiting for a displaced thread: seconds a step) shrinks
+        # its pool within a second, not at the next step
+        with self.progress.running(governor.before_step if governor is not None else None):
             return self._execute(batch, cache)
 
     @torch.inference_mode()

@@ -21,7 +21,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,6 +48,8 @@ class StepProgress:
         self._cells = view.cast("B")[:_WORD].cast("Q")
         #: seconds every tick waits after it counts (:meth:`throttle`); 0: none
         self._delay = 0.0
+        #: called at every tick of the running step (:meth:`running`'s ``checkpoint``)
+        self._checkpoint: Callable[[], object] | None = None
 
     @classmethod
     def shared(cls) -> tuple[StepProgress, int]:
@@ -86,10 +88,13 @@ class StepProgress:
         return int(self._cells[0])
 
     def tick(self) -> None:
-        """Count one unit of progress (then wait, if the step is throttled)."""
+        """Count one unit of progress (then wait, if the step is throttled), then call the running
+        step's checkpoint, if any."""
         self._cells[0] += 1
         if self._delay:
             time.sleep(self._delay)
+        if self._checkpoint is not None:
+            self._checkpoint()
 
     def throttle(self, seconds: float) -> None:
         """Make every tick wait ``seconds`` after it counts, until the next step (or the one
@@ -98,17 +103,22 @@ class StepProgress:
         self._delay = max(0.0, seconds)
 
     @contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self, checkpoint: Callable[[], object] | None = None) -> Iterator[None]:
         """Run one step: a tick at its start and at its end; :func:`tick` on this thread counts
-        here meanwhile. The throttle (if any) ends with it, whether it returns or raises."""
+        here meanwhile. The throttle (if any) ends with it, whether it returns or raises.
+        ``checkpoint``: called on the step's thread after every tick but the first (between
+        decoder layers: the thread governor, :class:`._threads.ThreadGovernor`, which can then
+        shrink a pool in the middle of a step slowed many times over)."""
         previous = getattr(_active, "progress", None)
         _active.progress = self
         try:
             self.tick()
+            self._checkpoint = checkpoint
             yield
             self.tick()
         finally:
             self._delay = 0.0
+            self._checkpoint = None
             _active.progress = previous
 
 

@@ -122,8 +122,8 @@ class ContentionProbe:
 
 class ThreadGovernor:
     """Sizes the calling thread's compute pools (torch's intra-op threads, which the C kernels
-    follow) to the CPUs this process gets; call :meth:`before_step` before each step, on the
-    thread that runs it.
+    follow) to the CPUs this process gets; call :meth:`before_step` before each step and between
+    its layers (the runner does, through the step's progress ticks), on the thread that runs it.
 
     :param budget: the most threads (:attr:`._cpu.CpuBudget.threads`).
     :param adapt: False: always ``budget`` threads (``--no-adapt-threads``).

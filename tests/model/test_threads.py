@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoic.model import ThreadGovernor
+from stoic.model import (
+    ModelRunner,
+    PagedKVCache,
+    SamplingParams,
+    SeqChunk,
+    StepBatch,
+    ThreadGovernor,
+    load_model,
+)
 from stoic.model._threads import HOLD, MAX_HOLD, ContentionProbe
 
 
@@ -256,3 +264,53 @@ def test_busy_neighbours_shrink_a_real_pool_and_their_end_grows_it_back() -> Non
     finally:
         stop.set()
         worker.join(10)
+
+
+def test_a_step_slowed_many_times_over_shrinks_its_pool_between_its_layers(
+    tiny_model_dir: Path,
+) -> None:
+    """The governor is consulted between a step's decoder layers, not only before the step: a
+    neighbour that arrives while a step runs (its window passes at the first layer) shrinks the
+    pool for the step's remaining layers, whose operators then run on the new count; the step
+    reports the count it ended on."""
+    h = Harness(budget=2, cpus=2)
+    applied = h.applied
+
+    def set_threads(n: int) -> None:
+        applied.append(n)
+        torch.set_num_threads(n)
+
+    h.governor = ThreadGovernor(
+        2,
+        probe=h.probe,  # type: ignore[arg-type]
+        clock=lambda: h.now,
+        set_threads=set_threads,
+    )
+    runner = ModelRunner(
+        load_model(str(tiny_model_dir), dtype="float32", device="cpu"), threads=h.governor
+    )
+    seen: list[int] = []
+    layers = runner._fused._layers if runner._fused is not None else []
+    assert len(layers) == 2
+    original = runner._fused.mlp_block if runner._fused is not None else None
+
+    def mlp_block(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        h.probe.others, h.now = 1.5, h.now + 1.0  # a neighbour, and a window passes
+        assert original is not None
+        return original(*args, **kwargs)
+
+    assert runner._fused is not None
+    runner._fused.mlp_block = mlp_block  # type: ignore[method-assign]
+    cache = PagedKVCache(runner.kv_spec(num_blocks=4, block_size=4))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    try:
+        out = runner.execute(
+            StepBatch((SeqChunk(0, (1, 2, 3, 4, 5), 0, (0, 1), True, params),), zero_blocks=(0, 1)),
+            cache,
+        )
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)
+    assert seen == [2, 1]  # the first layer on two threads, the second on one
+    assert applied == [2, 1] and h.governor.threads == 1
+    assert out.threads == 1
