@@ -37,7 +37,7 @@ class PagedCAttention:
     def __init__(self, kernels: Kernels, step: StepMetadata, tokens: int) -> None:
         self._k = kernels
         self._step = step
-        self._chunks_in_c = bool(step.prefills) and kernels.chunk_attention_available
+        self._chunks_in_c = bool(step.prefills) and _chunk_kernel(step, kernels)
         #: the step without its decode groups, for torch's attention over the prefill chunks
         #: (where the kernels have no chunk attention)
         self._prefills = (
@@ -71,9 +71,9 @@ class PagedCAttention:
         """Whether C attends some of a step's tokens: decodes, or prompt chunks where the
         kernels have the chunk kernel, over a float32 cache on the CPU."""
         spec = step.cache.spec
-        return (
-            bool(step.decodes) or (bool(step.prefills) and kernels.chunk_attention_available)
-        ) and (spec.dtype == torch.float32 and spec.device.type == "cpu")
+        return (bool(step.decodes) or (bool(step.prefills) and _chunk_kernel(step, kernels))) and (
+            spec.dtype == torch.float32 and spec.device.type == "cpu"
+        )
 
     def forward(
         self,
@@ -118,8 +118,10 @@ class PagedCAttention:
                     table.shape[1], chunk.start_pos, rows, heads, kv_heads, dim,
                     cache.spec.block_size, float(scaling), got.data_ptr(), threads,
                 )  # fmt: skip
+                if rc == -2:
+                    raise torch.OutOfMemoryError("chunk attention kernel: out of memory")
                 if rc != 0:
-                    raise torch.OutOfMemoryError(f"chunk attention kernel failed ({rc})")
+                    raise RuntimeError(f"chunk attention kernel refused its arguments ({rc})")
                 out[chunk.start : chunk.end].copy_(got)
         if step.decodes:
             assert self._tables is not None and self._lens is not None and self._write is not None
@@ -144,3 +146,11 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous float32 tensor, in one pass (``.float().contiguous()`` of a strided
     bfloat16 view copies twice)."""
     return torch.empty(t.shape, dtype=torch.float32).copy_(t)
+
+
+def _chunk_kernel(step: StepMetadata, kernels: Kernels) -> bool:
+    """Whether ``stoic_chunk_attention`` takes the step's prompt chunks: built here (AVX-512) and
+    a head dimension of its 16-lane vectors (a multiple of 16, at most 256: the decode kernel
+    takes multiples of 8, so a model of head dim 24 or 40 keeps SDPA for its chunks)."""
+    dim = step.cache.spec.head_dim
+    return kernels.chunk_attention_available and dim % 16 == 0 and dim <= 256

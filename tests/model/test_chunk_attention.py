@@ -3,13 +3,21 @@ sequence's keys and values where they lie in the paged pools equals float64 soft
 within float32 rounding: chunks from position 0 and after a cached prefix, lengths on and off
 the kernel's row (16) and key (16) tiles, GQA groups of 1, 3 and 8, head dims on the 64 and 128
 value routines and off them, blocks of 4 and 16 shuffled in the pools, one thread or two.
-Shapes it does not take are refused with nothing written."""
+Shapes it does not take are refused with nothing written; the ``c-paged`` backend hands such
+chunks to SDPA."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from stoic.model import PagedKVCache, SamplingParams, SeqChunk, StepBatch
+from stoic.model._attention import CPagedAttention, TorchPagedAttention
+from stoic.model._cattention import PagedCAttention
+from stoic.model._inputs import build_inputs
+from stoic.model._paged import KVCacheSpec
 from stoic.model._qkernels import Kernels
 
 
@@ -123,3 +131,47 @@ def test_a_nan_key_poisons_only_the_rows_that_see_it(c_kernels: Kernels) -> None
     kv1_heads = slice(3, 6)  # the query heads of kv head 1
     assert bool(got[before:, kv1_heads].isnan().all())
     assert bool(torch.isfinite(got[before:, :3]).all())
+
+
+@pytest.mark.parametrize("dim", [64, 24])
+def test_the_c_backend_equals_torch_on_a_mixed_step_whatever_the_head_dim(
+    kernels: Kernels, dim: int
+) -> None:
+    """The ``c-paged`` backend on a step of a prompt chunk after a cached prefix, a fresh one and
+    two decode tokens gives torch's attention within float32 rounding, and writes the same keys
+    and values: with a head dim of 64 the chunks take the C kernel, with 24 (a multiple of 8, not
+    of 16: the decode kernel's, not the chunk kernel's) SDPA, without an error."""
+    spec = KVCacheSpec(
+        num_layers=1, num_kv_heads=2, head_dim=dim, block_size=4, num_blocks=32,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0)
+    batch = StepBatch(
+        (
+            SeqChunk(0, tuple(range(9)), 6, tuple(range(0, 8)), True, params),
+            SeqChunk(1, (5,), 13, tuple(range(8, 16)), True, params, num_generated=1),
+            SeqChunk(2, tuple(range(11)), 0, tuple(range(16, 24)), True, params),
+            SeqChunk(3, (7,), 2, tuple(range(24, 32)), True, params, num_generated=1),
+        )
+    )
+    gen = torch.Generator().manual_seed(dim)
+    n = 9 + 1 + 11 + 1
+    q = torch.randn(1, 6, n, dim, generator=gen)
+    k = torch.randn(1, 2, n, dim, generator=gen)
+    v = torch.randn(1, 2, n, dim, generator=gen)
+    prior_k = torch.randn(2 * 32, 4, dim, generator=gen)
+    prior_v = torch.randn(2 * 32, 4, dim, generator=gen)
+    attn = SimpleNamespace(layer_idx=0, scaling=dim**-0.5)
+    results = {}
+    for backend in (CPagedAttention(kernels), TorchPagedAttention()):
+        cache = PagedKVCache(spec)
+        cache.keys[0].copy_(prior_k)
+        cache.values[0].copy_(prior_v)
+        step = build_inputs(batch, cache, torch.device("cpu")).meta
+        plan = backend.plan(step, n)
+        assert isinstance(plan, PagedCAttention) == (backend.name == "c-paged")
+        results[backend.name] = (plan.forward(attn, q, k, v, scaling=None), cache)
+    (got, got_cache), (want, want_cache) = results["c-paged"], results["torch-paged"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_cache.keys[0], want_cache.keys[0])
+    assert torch.equal(got_cache.values[0], want_cache.values[0])
