@@ -27,11 +27,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from step_bench import BLOCK, GREEDY
 
 from stoic.model import (
     ModelRunner,
     PagedKVCache,
-    SamplingParams,
     SeqChunk,
     StepBatch,
     default_cache_dir,
@@ -39,8 +39,6 @@ from stoic.model import (
 )
 from stoic.model._qkernels import Kernels, load_kernels
 
-GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
-BLOCK = 16
 #: (first position, rows) of the chunks the kernel table times
 CHUNKS = ((0, 225), (0, 256), (150, 243), (512, 256))
 #: query heads, kv heads, head dim of the kernel table (SmolLM2-135M's and the Qwen2 file's)

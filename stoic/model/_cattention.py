@@ -25,7 +25,7 @@ import torch
 
 from ._cdecode import block_tables
 from ._paged import StepMetadata, paged_attention, write_kv
-from ._qkernels import Kernels
+from ._qkernels import MAX_HEAD_DIM, Kernels
 
 __all__ = ["PagedCAttention"]
 
@@ -150,7 +150,8 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
 
 def _chunk_kernel(step: StepMetadata, kernels: Kernels) -> bool:
     """Whether ``stoic_chunk_attention`` takes the step's prompt chunks: built here (AVX-512) and
-    a head dimension of its 16-lane vectors (a multiple of 16, at most 256: the decode kernel
-    takes multiples of 8, so a model of head dim 24 or 40 keeps SDPA for its chunks)."""
+    a head dimension of its 16-lane vectors (a multiple of 16, at most :data:`MAX_HEAD_DIM`: the
+    decode kernel takes multiples of 8, so a model of head dim 24 or 40 keeps SDPA for its
+    chunks)."""
     dim = step.cache.spec.head_dim
-    return kernels.chunk_attention_available and dim % 16 == 0 and dim <= 256
+    return kernels.chunk_attention_available and dim % 16 == 0 and dim <= MAX_HEAD_DIM

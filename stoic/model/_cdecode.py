@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ._paged import StepMetadata
-from ._qkernels import Kernels, Product
+from ._qkernels import MAX_HEAD_DIM, Kernels, Product
 from ._quant import MAX_KERNEL_ROWS
 from ._stepprogress import tick
 
@@ -89,7 +89,7 @@ class CDecoder:
         return (
             dtype == torch.float32
             and head_dim % 8 == 0
-            and head_dim <= 256  # MAX_HEAD_DIM in _qkernels.c
+            and head_dim <= MAX_HEAD_DIM
             and heads % kv_heads == 0
         )
 

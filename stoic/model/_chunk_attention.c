@@ -1,6 +1,6 @@
 /* ---- Prompt chunks' attention in the default mode: the chunk's queries against its sequence's
  * keys and values where they lie in the paged pools. Built after _qkernels.c into the same
- * library (its exp8 and MAX_HEAD_DIM).
+ * library (its exp_nonpositive and MAX_HEAD_DIM).
  *
  * What it replaces: torch's SDPA over the chunk (its keys gathered from the pools first when
  * the chunk does not start at position 0). On the CPU, SDPA's flash kernel takes a tile of 512
@@ -26,14 +26,13 @@
 #define CA_TILE 16  /* keys a tile */
 
 #ifdef HAVE_AVX512
-/* e^x, 16 lanes (exp8 twice), 0 for x = -inf */
+/* e^x for x <= 0, 16 lanes (exp_nonpositive on each half: 0 below -87, so for -inf) */
 static inline __m512 ca_exp16(__m512 x) {
-    const __m256 lo = exp8(_mm512_castps512_ps256(x));
-    const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    const __mmask16 gone = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    const __m512 e = _mm512_castpd_ps(
+    const __m256 lo = exp_nonpositive(_mm512_castps512_ps256(x));
+    const __m256 hi =
+        exp_nonpositive(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(
         _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-    return _mm512_maskz_mov_ps((__mmask16)~gone, e);
 }
 
 /* the keys 0..len-1 of one kv head (pool rows table[0..]) into kt[tile][d][16], zeros past len */

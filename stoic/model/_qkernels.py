@@ -49,6 +49,7 @@ from .._logging import get_logger
 __all__ = [
     "G8_TYPES",
     "GGML_TYPES",
+    "MAX_HEAD_DIM",
     "GgmlType",
     "Kernels",
     "KernelsUnavailable",
@@ -99,6 +100,8 @@ _INT8_ROWS = 0x20000
 _G8 = 130
 #: the GGML types the G8 layout is built from (Q6_K's scale per 16 weights does not fit it)
 G8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
+#: the largest head dimension the attention kernels take (``MAX_HEAD_DIM`` in ``_qkernels.c``)
+MAX_HEAD_DIM = 256
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);
