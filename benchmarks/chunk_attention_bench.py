@@ -85,7 +85,7 @@ def _kernel_times(
         rc = kernels.chunk_attention(
             q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), nblocks,
             start, n, heads, kv_heads, dh, BLOCK, dh**-0.5, out.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), 0,
         )  # fmt: skip
         assert rc == 0, rc
 
@@ -115,17 +115,19 @@ def kernel_table(kernels: Kernels, rounds: int) -> None:
 
 
 class Bed:
-    """31 sequences decoding at context 200 on one runner and its cache, and fresh prompts."""
+    """31 sequences decoding at ``context`` (200) on one runner and its cache, and fresh
+    prompts."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, context: int = 200) -> None:
         self.runner = runner
+        self.context = context
         per = 40
         self.cache = PagedKVCache(runner.kv_spec(num_blocks=80 * per, block_size=BLOCK))
         self.tables = [tuple(range(i * per, (i + 1) * per)) for i in range(80)]
         self.last: dict[int, int] = {}
         self.k = 0
         for i in range(31):
-            chunk = SeqChunk(i, self._prompt(i, 200), 0, self.tables[i], True, GREEDY)
+            chunk = SeqChunk(i, self._prompt(i, context), 0, self.tables[i], True, GREEDY)
             out = runner.execute(StepBatch((chunk,)), self.cache)
             self.last[i] = out.sampled[i].token_id
 
@@ -136,8 +138,10 @@ class Bed:
     def _decodes(self) -> list[SeqChunk]:
         k = self.k
         return [
-            SeqChunk(i, (self.last[i],), 200 + k, self.tables[i], True, GREEDY, num_generated=k + 1)
-            for i in range(31)
+            SeqChunk(
+                i, (last,), self.context + k, self.tables[i], True, GREEDY, num_generated=k + 1
+            )
+            for i, last in self.last.items()
         ]
 
     def _fresh(self, n: int) -> SeqChunk:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from ._argtypes import non_negative_float, non_negative_int, port, positive_float, positive_int
 from ._http_args import add_http_args, add_responses_args
-from .config import EngineConfig, FaultSpec
+from .config import KV_CACHE_DTYPES, EngineConfig, FaultSpec
 from .errors import StoicError
 from .ray._cli import add_ray_args
 
@@ -55,7 +55,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="auto: bfloat16 on a GPU (float16 where bfloat16 is unsupported); on a CPU, float32 "
         "or bfloat16, whichever a short matrix-product probe measures faster (bfloat16 must "
         "win by 10%%; run once per CPU model and torch version, cached); a .gguf Llama model "
-        "decoding on its quantised weights keeps float32 activations and KV cache and takes the "
+        "decoding on its quantised weights keeps float32 activations (a bfloat16 KV cache: "
+        "--kv-cache-dtype) and takes the "
         "probe's choice for its prefill products only (bfloat16 tiles on a CPU with AMX). "
         "float32 for exact results (default %(default)s)",
     )
@@ -144,6 +145,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=d.block_size,
         help="tokens per KV block (default %(default)s)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=list(KV_CACHE_DTYPES),
+        help="what the KV cache holds. auto: bfloat16 for a .gguf model decoding on its quantised "
+        "weights with --dtype auto (the C attention widens it to float32; half the bytes a "
+        "decode step's attention reads: twice the tokens in the same memory), float32 with "
+        "--deterministic, else --dtype's type. float32 for exact results (default %(default)s)",
     )
     kv = g.add_mutually_exclusive_group()
     kv.add_argument(
@@ -282,6 +292,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         quantization=args.quantization,
         deterministic=args.deterministic,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,

@@ -163,6 +163,7 @@ async def _serve_until_stopped(
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
             dense_dtype=str(loaded.dense_dtype or loaded.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(loaded.cache_dtype).removeprefix("torch."),
             kv_blocks=stats.kv_blocks_total,
             kv_tokens=stats.kv_blocks_total * config.block_size,
             max_model_len=engine.max_model_len,

@@ -9,7 +9,14 @@ from typing import Literal, get_args
 
 from .errors import InsufficientMemory, InvalidRequest
 
-__all__ = ["FAULT_KINDS", "PROCESS_ONLY_FAULTS", "EngineConfig", "FaultKind", "FaultSpec"]
+__all__ = [
+    "FAULT_KINDS",
+    "KV_CACHE_DTYPES",
+    "PROCESS_ONLY_FAULTS",
+    "EngineConfig",
+    "FaultKind",
+    "FaultSpec",
+]
 
 FaultKind = Literal[
     "oom",
@@ -81,6 +88,10 @@ class FaultSpec:
 #: the de-quantised float weights)
 Quantization = Literal["auto", "gguf", "none"]
 
+#: ``--kv-cache-dtype``'s choices (``EngineConfig.kv_cache_dtype``; ``auto``:
+#: :mod:`stoic.model._precision`)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -106,6 +117,12 @@ class EngineConfig:
     #: dtype ``"auto"`` picks. A GGUF model of the C layers' families only (others are refused
     #: at start); prefill is slower (docs/operations.md, "Deterministic mode")
     deterministic: bool = False
+    #: what the KV cache holds: ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``.
+    #: ``"auto"``: bfloat16 for a GGUF model decoding on its quantised blocks in the C layers
+    #: with ``dtype="auto"`` (the C attention reads it widened to float32; half the bytes its
+    #: decode attention streams), except with ``deterministic``; else ``dtype``'s type
+    #: (:mod:`stoic.model._precision`)
+    kv_cache_dtype: str = "auto"
     #: tokens per KV block
     block_size: int = 16
     #: KV blocks; ``None``: the process that runs the model sizes the cache after loading the
@@ -176,6 +193,11 @@ class EngineConfig:
         if self.quantization not in ("auto", "gguf", "none"):
             raise ValueError(
                 f"quantization must be 'auto', 'gguf' or 'none', not {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"not {self.kv_cache_dtype!r}"
             )
         if self.recovery not in ("fail", "resume"):
             raise ValueError(f"recovery must be 'fail' or 'resume', not {self.recovery!r}")

@@ -112,6 +112,8 @@ class Engine:
                     cache_root=cfg.cache_dir,
                     served_name=cfg.served_model_name,
                     quantization=cfg.quantization,
+                    kv_cache_dtype=cfg.kv_cache_dtype,
+                    deterministic=cfg.deterministic,
                 )
             )
             if cfg.quantization == "gguf":  # refused here, not in a worker process starting
@@ -126,6 +128,7 @@ class Engine:
                     require_deterministic,
                     loaded.gguf,
                     loaded.dtype,
+                    loaded.cache_dtype,
                     loaded.device,
                     cfg.quantization,
                     cfg.cache_dir or default_cache_dir(),

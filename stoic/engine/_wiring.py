@@ -64,7 +64,7 @@ def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, sizing: CacheSizing
         loaded.config,
         num_blocks=sizing.num_blocks,
         block_size=config.block_size,
-        dtype=loaded.dtype,
+        dtype=loaded.cache_dtype,
         device=loaded.device,
     )
 

@@ -304,6 +304,11 @@ class ProcessBackend(StepBackend):
             dense_dtype=(
                 str(loaded.dense_dtype).removeprefix("torch.") if loaded.dense_dtype else None
             ),
+            kv_cache_dtype=(
+                config.kv_cache_dtype
+                if loaded.device.type == "cuda"
+                else str(loaded.cache_dtype).removeprefix("torch.")
+            ),
         )
         self._pool = WorkerPool(worker_spec, spares=self._spares)
         return await self._pool.start()

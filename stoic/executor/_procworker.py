@@ -82,6 +82,9 @@ class WorkerSpec:
     deterministic: bool = False
     #: the dense products' dtype the server resolved (``LoadedModel.dense_dtype``; None: ``dtype``)
     dense_dtype: str | None = None
+    #: the KV cache's dtype: the server's resolved one (``LoadedModel.kv_dtype``), or on a GPU
+    #: ``--kv-cache-dtype`` itself (``auto`` is the worker's to resolve there, as ``dtype``)
+    kv_cache_dtype: str | None = None
 
 
 def _die_with_parent(parent: int) -> None:
@@ -168,6 +171,8 @@ def worker_main(conn: Connection, parent: int) -> None:
         dtype=spec.dtype,
         cache_root=spec.cache_dir,
         dense_dtype=spec.dense_dtype,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        deterministic=spec.deterministic,
         tokenizer=False,  # the server detokenises; the stop ids come with the spec
     )
     loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids, gguf=spec.gguf)

@@ -117,8 +117,8 @@ class TorchPagedAttention:
 class CPagedAttention:
     """The decode tokens, and the prompt chunks where the build has the chunk kernel (AVX-512),
     in C over the blocks in place (:class:`._cattention.PagedCAttention`); the rest in torch. A
-    step C takes nothing of (a window reached, a cache not float32 on the CPU) runs all in
-    torch."""
+    step C takes nothing of (a window reached, a cache neither float32 nor bfloat16 on the
+    CPU) runs all in torch."""
 
     name = "c-paged"
 
@@ -140,8 +140,10 @@ def choose_attention(
     device: torch.device,
     dtype: torch.dtype,
 ) -> AttentionBackend:
-    """The attention backend of a model of these shapes on ``device`` with a ``dtype`` KV cache,
-    given the quantised ``kernels`` (None: none here); the one place a backend is chosen."""
+    """The attention backend of a model of these shapes on ``device`` computing in ``dtype``,
+    given the quantised ``kernels`` (None: none here); the one place a backend is chosen. The C
+    backend plans for torch any step whose KV cache it cannot read (not float32 or bfloat16:
+    :data:`._cattention.C_POOL_DTYPES`)."""
     if (
         kernels is not None
         and device.type == "cpu"

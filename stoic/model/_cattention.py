@@ -13,7 +13,8 @@ in place, each sequence over its own length. The formulas are the torch path's (
 results differ by float32 rounding, as the C layers' do).
 
 The step plan of :class:`._attention.CPagedAttention` (the quantised kernels, :mod:`._qkernels`,
-and a float32 KV cache on the CPU).
+and a float32 or bfloat16 KV cache on the CPU: ``--kv-cache-dtype``; a bfloat16 pool halves
+the bytes the decode attention streams, and the kernels widen it to float32 exactly).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from ._cdecode import block_tables
 from ._paged import StepMetadata, paged_attention, write_kv
 from ._qkernels import MAX_HEAD_DIM, Kernels
 
-__all__ = ["PagedCAttention"]
+__all__ = ["C_POOL_DTYPES", "PagedCAttention"]
+
+#: the KV cache types the C attention reads (a bfloat16 pool widened exactly to float32)
+C_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PagedCAttention:
@@ -38,6 +42,8 @@ class PagedCAttention:
         self._k = kernels
         self._step = step
         self._chunks_in_c = bool(step.prefills) and _chunk_kernel(step, kernels)
+        #: the pools' type as the kernels take it (0 float32, 1 bfloat16)
+        self._bf16 = int(step.cache.spec.dtype == torch.bfloat16)
         #: the step without its decode groups, for torch's attention over the prefill chunks
         #: (where the kernels have no chunk attention)
         self._prefills = (
@@ -69,10 +75,10 @@ class PagedCAttention:
     @staticmethod
     def applies(step: StepMetadata, kernels: Kernels) -> bool:
         """Whether C attends some of a step's tokens: decodes, or prompt chunks where the
-        kernels have the chunk kernel, over a float32 cache on the CPU."""
+        kernels have the chunk kernel, over a float32 or bfloat16 cache on the CPU."""
         spec = step.cache.spec
         return (bool(step.decodes) or (bool(step.prefills) and _chunk_kernel(step, kernels))) and (
-            spec.dtype == torch.float32 and spec.device.type == "cpu"
+            spec.dtype in C_POOL_DTYPES and spec.device.type == "cpu"
         )
 
     def forward(
@@ -116,7 +122,7 @@ class PagedCAttention:
                 rc = self._k.chunk_attention(
                     qc.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(),
                     table.shape[1], chunk.start_pos, rows, heads, kv_heads, dim,
-                    cache.spec.block_size, float(scaling), got.data_ptr(), threads,
+                    cache.spec.block_size, float(scaling), got.data_ptr(), threads, self._bf16,
                 )  # fmt: skip
                 if rc == -2:
                     raise torch.OutOfMemoryError("chunk attention kernel: out of memory")
@@ -134,7 +140,7 @@ class PagedCAttention:
                 cache.keys[layer].data_ptr(), cache.values[layer].data_ptr(),
                 self._write.data_ptr(), self._tables.data_ptr(), self._lens.data_ptr(),
                 m, heads, kv_heads, dim, cache.spec.block_size, self._tables.shape[2],
-                float(scaling), got.data_ptr(), threads,
+                float(scaling), got.data_ptr(), threads, self._bf16,
             )  # fmt: skip
             if rc != 0:
                 raise torch.OutOfMemoryError(f"decode attention kernel failed ({rc})")

@@ -132,6 +132,7 @@ class CDecoder:
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         tp, lp, wp = tables.data_ptr(), lens.data_ptr(), write.data_ptr()
         block = cache.spec.block_size
+        pool_bf16 = int(cache.spec.dtype == torch.bfloat16)  # the pools' type, as C takes it
         max_blocks = tables.shape[2]
         if torch._C._autograd._profiler_enabled():  # each kernel named in torch.profiler's table
             pre, attend, post = (
@@ -153,6 +154,7 @@ class CDecoder:
                     cache.keys[layer.cache_layer].data_ptr(),
                     cache.values[layer.cache_layer].data_ptr(),
                     wp, tp, lp, m, h, kvh, dim, block, max_blocks, layer.scaling, op, threads,
+                    pool_bf16,
                 )  # fmt: skip
             if rc == 0:
                 rc = post(

@@ -19,7 +19,7 @@
  * one pass over the values, 4 queries at a time for a head dimension of 64 (each value row read
  * once for 4 queries).
  *
- * float32 throughout; results differ from SDPA's by float32 rounding (tests/model/
+ * float32 arithmetic (a bfloat16 pool's keys and values widened exactly); results differ from SDPA's by float32 rounding (tests/model/
  * test_chunk_attention.py). Needs AVX-512 (returns 1 without: the caller keeps SDPA). */
 #define CA_ROWS 16  /* chunk rows a job */
 #define CA_GROUP 8  /* queries sharing one load of keys in the scores */
@@ -35,9 +35,10 @@ static inline __m512 ca_exp16(__m512 x) {
         _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* the keys 0..len-1 of one kv head (pool rows table[0..]) into kt[tile][d][16], zeros past len */
-static void ca_transpose(const float *k_pool, const int64_t *table, int64_t block, int64_t len,
-                         int64_t dh, float *kt) {
+/* the keys 0..len-1 of one kv head (pool rows table[0..]; bfloat16 with `bf16`) into
+ * kt[tile][d][16] as float32, zeros past len */
+static void ca_transpose(const void *k_pool, const int64_t *table, int64_t block, int64_t len,
+                         int64_t dh, float *kt, int bf16) {
     const int64_t tiles = (len + CA_TILE - 1) / CA_TILE;
     for (int64_t tile = 0; tile < tiles; tile++) {
         float *dst = kt + tile * dh * CA_TILE;
@@ -47,8 +48,17 @@ static void ca_transpose(const float *k_pool, const int64_t *table, int64_t bloc
                 for (int64_t d = 0; d < dh; d++) dst[d * CA_TILE + j] = 0.0f;
                 continue;
             }
-            const float *kp = k_pool + (table[t / block] * block + t % block) * dh;
-            for (int64_t d = 0; d < dh; d++) dst[d * CA_TILE + j] = kp[d];
+            const int64_t at = (table[t / block] * block + t % block) * dh;
+            if (bf16) {
+                const uint16_t *kp = (const uint16_t *)k_pool + at;
+                for (int64_t d = 0; d < dh; d++) {
+                    const uint32_t u = (uint32_t)kp[d] << 16;
+                    memcpy(dst + d * CA_TILE + j, &u, sizeof u);
+                }
+            } else {
+                const float *kp = (const float *)k_pool + at;
+                for (int64_t d = 0; d < dh; d++) dst[d * CA_TILE + j] = kp[d];
+            }
         }
     }
 }
@@ -107,11 +117,12 @@ static float ca_numerators(float *s, int64_t width) {
 }
 
 /* out[qi] = sum_t p[qi][t] v_t / totals[qi] for `count` queries, keys up to lens[qi]; LANES
- * 16-float vectors a head (a constant where inlined), G queries a pass over the values */
+ * 16-float vectors a head (a constant where inlined), G queries a pass over the values, a
+ * bfloat16 pool with `bf16` (a constant too) */
 static inline __attribute__((always_inline)) void
 ca_values(const int LANES, const int G, const float *p, int64_t count, const int64_t *lens,
-          const float *totals, const float *v_pool, const int64_t *table, int64_t block,
-          int64_t dh, int64_t width, float *const *outs) {
+          const float *totals, const void *v_pool, const int64_t *table, int64_t block,
+          int64_t dh, int64_t width, float *const *outs, const int bf16) {
     for (int64_t q0 = 0; q0 < count; q0 += G) {
         const int64_t g = count - q0 < G ? count - q0 : G;
         int64_t longest = 0;
@@ -120,9 +131,9 @@ ca_values(const int LANES, const int G, const float *p, int64_t count, const int
         for (int j = 0; j < G; j++)
             for (int i = 0; i < LANES; i++) acc[j][i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < longest; t++) {
-            const float *vp = v_pool + (table[t / block] * block + t % block) * dh;
+            const int64_t vp = (table[t / block] * block + t % block) * dh;
             __m512 v[4];
-            for (int i = 0; i < LANES; i++) v[i] = _mm512_loadu_ps(vp + 16 * i);
+            for (int i = 0; i < LANES; i++) v[i] = pool_load16(v_pool, vp + 16 * i, bf16);
             for (int j = 0; j < G; j++) {
                 if (j >= g) break;
                 const __m512 pj = _mm512_set1_ps(p[(q0 + j) * width + t]);
@@ -139,17 +150,17 @@ ca_values(const int LANES, const int G, const float *p, int64_t count, const int
 
 /* any head dimension (a multiple of 16 up to MAX_HEAD_DIM): one query a pass */
 static void ca_values_any(const float *p, int64_t count, const int64_t *lens, const float *totals,
-                          const float *v_pool, const int64_t *table, int64_t block, int64_t dh,
-                          int64_t width, float *const *outs) {
+                          const void *v_pool, const int64_t *table, int64_t block, int64_t dh,
+                          int64_t width, float *const *outs, int bf16) {
     const int64_t lanes = dh / 16;
     for (int64_t qi = 0; qi < count; qi++) {
         __m512 acc[MAX_HEAD_DIM / 16];
         for (int64_t i = 0; i < lanes; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < lens[qi]; t++) {
-            const float *vp = v_pool + (table[t / block] * block + t % block) * dh;
+            const int64_t vp = (table[t / block] * block + t % block) * dh;
             const __m512 pj = _mm512_set1_ps(p[qi * width + t]);
             for (int64_t i = 0; i < lanes; i++)
-                acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vp + 16 * i), acc[i]);
+                acc[i] = _mm512_fmadd_ps(pj, pool_load16(v_pool, vp + 16 * i, bf16), acc[i]);
         }
         const __m512 inv = _mm512_set1_ps(totals[qi]);
         for (int64_t i = 0; i < lanes; i++)
@@ -158,9 +169,9 @@ static void ca_values_any(const float *p, int64_t count, const int64_t *lens, co
 }
 
 /* one job: rows [r0, r0 + rows) of the chunk, kv head h and its `group` query heads */
-static int ca_job(const float *q, const float *kt, const float *v_pool, const int64_t *table,
+static int ca_job(const float *q, const float *kt, const void *v_pool, const int64_t *table,
                   int64_t start_pos, int64_t r0, int64_t rows, int64_t h, int64_t heads,
-                  int64_t group, int64_t dh, int64_t block, float scale, float *out) {
+                  int64_t group, int64_t dh, int64_t block, float scale, float *out, int bf16) {
     const int64_t count = rows * group, longest = start_pos + r0 + rows;
     const int64_t width = (longest + CA_TILE - 1) / CA_TILE * CA_TILE;
     float *qs = malloc(sizeof(float) * (size_t)(count * dh));
@@ -182,12 +193,16 @@ static int ca_job(const float *q, const float *kt, const float *v_pool, const in
         }
     ca_scores(qs, count, lens, kt, dh, width, scores);
     for (int64_t qi = 0; qi < count; qi++) totals[qi] = ca_numerators(scores + qi * width, width);
-    if (dh == 64)
-        ca_values(4, 4, scores, count, lens, totals, v_pool, table, block, dh, width, outs);
+    if (dh == 64 && bf16)
+        ca_values(4, 4, scores, count, lens, totals, v_pool, table, block, dh, width, outs, 1);
+    else if (dh == 64)
+        ca_values(4, 4, scores, count, lens, totals, v_pool, table, block, dh, width, outs, 0);
+    else if (dh == 128 && bf16)
+        ca_values(8, 2, scores, count, lens, totals, v_pool, table, block, dh, width, outs, 1);
     else if (dh == 128)
-        ca_values(8, 2, scores, count, lens, totals, v_pool, table, block, dh, width, outs);
+        ca_values(8, 2, scores, count, lens, totals, v_pool, table, block, dh, width, outs, 0);
     else
-        ca_values_any(scores, count, lens, totals, v_pool, table, block, dh, width, outs);
+        ca_values_any(scores, count, lens, totals, v_pool, table, block, dh, width, outs, bf16);
     free(qs), free(scores), free(totals), free(lens), free(outs);
     return 0;
 }
@@ -197,13 +212,13 @@ static int ca_job(const float *q, const float *kt, const float *v_pool, const in
  * q [n, heads, dh] float32, out likewise; row r attends the sequence's keys and values 0 ..
  * start_pos + r, which lie (already written) in the pools (each [rows, block, dh]): key t of kv
  * head g at pool row table[g * nblocks + t / block], offset t % block. Query head i reads kv
- * head i / (heads / kv_heads). Returns 0; 1 where this build has no AVX-512 (nothing
+ * head i / (heads / kv_heads). The pools are float32, or bfloat16 with `kv_bf16`. Returns 0; 1 where this build has no AVX-512 (nothing
  * computed); -1 for shapes it does not take (dh not a multiple of 16 or over MAX_HEAD_DIM,
  * heads not a multiple of kv_heads, the table too short); -2 out of memory. */
-int stoic_chunk_attention(const float *q, const float *k_pool, const float *v_pool,
+int stoic_chunk_attention(const float *q, const void *k_pool, const void *v_pool,
                           const int64_t *table, int64_t nblocks, int64_t start_pos, int64_t n,
                           int64_t heads, int64_t kv_heads, int64_t dh, int64_t block, float scale,
-                          float *out, int threads) {
+                          float *out, int threads, int kv_bf16) {
 #ifdef HAVE_AVX512
     if (dh % 16 || dh > MAX_HEAD_DIM || kv_heads <= 0 || heads % kv_heads || n < 0 ||
         start_pos < 0 || block <= 0 || nblocks * block < start_pos + n)
@@ -215,7 +230,8 @@ int stoic_chunk_attention(const float *q, const float *k_pool, const float *v_po
     if (!kt) return -2;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t h = 0; h < kv_heads; h++)
-        ca_transpose(k_pool, table + h * nblocks, block, len, dh, kt + h * tiles * dh * CA_TILE);
+        ca_transpose(k_pool, table + h * nblocks, block, len, dh, kt + h * tiles * dh * CA_TILE,
+                     kv_bf16);
     int failed = 0;
     /* the longest rows (last jobs) first: dynamic scheduling then evens out the threads */
     _Pragma("omp parallel for schedule(dynamic) num_threads(threads) reduction(|:failed)")
@@ -223,13 +239,14 @@ int stoic_chunk_attention(const float *q, const float *k_pool, const float *v_po
         const int64_t h = j % kv_heads, tile = jobs_per_head - 1 - j / kv_heads;
         const int64_t r0 = tile * CA_ROWS, rows = n - r0 < CA_ROWS ? n - r0 : CA_ROWS;
         failed |= ca_job(q, kt + h * tiles * dh * CA_TILE, v_pool, table + h * nblocks, start_pos,
-                         r0, rows, h, heads, group, dh, block, scale, out) != 0;
+                         r0, rows, h, heads, group, dh, block, scale, out, kv_bf16) != 0;
     }
     free(kt);
     return failed ? -2 : 0;
 #else
     (void)q, (void)k_pool, (void)v_pool, (void)table, (void)nblocks, (void)start_pos, (void)n;
     (void)heads, (void)kv_heads, (void)dh, (void)block, (void)scale, (void)out, (void)threads;
+    (void)kv_bf16;
     return 1;
 #endif
 }

@@ -55,7 +55,7 @@ class ComputePath:
     so the server can show it without loading weights of its own (``stoic_model_info``).
     """
 
-    #: activations and KV cache (``float32``, ``bfloat16``, ...)
+    #: activations (``float32``, ``bfloat16``, ...)
     dtype: str
     #: the weights of products over more than ``kernel_rows`` rows
     dense_dtype: str
@@ -92,6 +92,8 @@ class ComputePath:
     #: quantised per block of 32, integer dot products: the default mode with a fast dtype on a
     #: CPU with AVX-512 VNNI; ``_int8rows.c``) or ``float32``
     row_activations: str = "float32"
+    #: what the KV cache holds (``--kv-cache-dtype``; :mod:`._precision`)
+    kv_cache_dtype: str = "float32"
     #: projections (of ``projections``) whose steps of more than ``kernel_rows`` tokens multiply
     #: the blocks by int8 activations instead of a dense copy (``_gemm8.c``: the same mode and
     #: CPUs as ``row_activations`` int8; every part of a type the layout holds, not Q6_K)
@@ -132,6 +134,7 @@ class ComputePath:
         return cls(
             dtype=str(summary["dtype"]),
             dense_dtype=str(summary["dense_dtype"]),
+            kv_cache_dtype=str(summary["kv_cache_dtype"]),
             quantized_projections=int(summary["projections"]),
             projections=int(summary["of"]),
             head=None if summary["head"] is None else str(summary["head"]),

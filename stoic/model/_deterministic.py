@@ -111,13 +111,14 @@ def refuse(why: str) -> ModelUnavailable:
 def require_deterministic(
     gguf: Path | None,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     device: torch.device,
     quantization: Quantization,
     cache_root: Path,
 ) -> None:
     """Check, before any worker process starts, what can be known without the weights: a
     ``.gguf`` file of the C layers' architectures, kernels that run here, float32 activations
-    (the runner checks the rest: :func:`refusal`).
+    and KV cache (the runner checks the rest: :func:`refusal`).
 
     :raises ModelUnavailable: if the model cannot run deterministically (one line: why).
     """
@@ -135,6 +136,11 @@ def require_deterministic(
     if dtype != torch.float32:
         name = str(dtype).removeprefix("torch.")
         raise refuse(f"the C layers compute in float32, not {name} (--dtype auto or float32)")
+    if kv_dtype != torch.float32:
+        name = str(kv_dtype).removeprefix("torch.")
+        raise refuse(
+            f"its attention reads a float32 KV cache, not {name} (--kv-cache-dtype auto or float32)"
+        )
 
 
 def refusal(fused: Any, rotary: Any) -> str | None:

@@ -89,6 +89,13 @@ class LoadedModel:
     #: the weights' type in products over many rows (prefill chunks; :mod:`._precision`);
     #: None: ``dtype``
     dense_dtype: torch.dtype | None = None
+    #: the KV cache's type (``--kv-cache-dtype``, :mod:`._precision`); None: ``dtype``
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The type the KV pools hold."""
+        return self.kv_dtype or self.dtype
 
 
 def default_gguf_path() -> Path:
@@ -232,6 +239,8 @@ def load_model(
     tokenizer: bool = True,
     quantization: Quantization = "auto",
     dense_dtype: str | torch.dtype | None = None,
+    kv_cache_dtype: str | torch.dtype | None = "auto",
+    deterministic: bool = False,
 ) -> LoadedModel:
     """Load weights and tokenizer from local files (converting a GGUF file once).
 
@@ -240,9 +249,9 @@ def load_model(
     ``tokenizer=False`` the tokenizer is not loaded (``tokenizer`` is None): what that worker
     needs (``eos_token_ids`` then come from the generation config alone).
 
-    ``dtype`` and ``quantization`` resolve to the model's dtype and dense dtype
-    (:func:`._precision.resolve_precision`); an explicit ``dense_dtype`` (a worker process told
-    what its server resolved) overrides the latter.
+    ``dtype``, ``quantization``, ``kv_cache_dtype`` and ``deterministic`` resolve to the model's
+    dtype, dense dtype and KV cache dtype (:func:`._precision.resolve_precision`); an explicit
+    ``dense_dtype`` (a worker process told what its server resolved) overrides the second.
 
     :raises ModelUnavailable: if ``model`` cannot be found locally, or transformers cannot read
         its configuration, tokenizer or weights (one line: transformers' reason, what to do).
@@ -258,10 +267,19 @@ def load_model(
     if not weights and dev.type == "cuda" and dtype in (None, "auto"):
         # the server of a worker process must not ask the GPU (that creates a CUDA context
         # here): the worker resolves "auto" itself; bfloat16 (float16's size) stands in here
-        precision = Precision(torch.bfloat16)
+        explicit = None if kv_cache_dtype in (None, "auto") else kv_cache_dtype
+        precision = Precision(
+            torch.bfloat16, kv_dtype=None if explicit is None else parse_dtype(explicit)
+        )
     else:
         precision = resolve_precision(
-            dtype, dev, cache_root or default_cache_dir(), gguf=gguf_file, quantization=quantization
+            dtype,
+            dev,
+            cache_root or default_cache_dir(),
+            gguf=gguf_file,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            deterministic=deterministic,
         )
     dt = precision.dtype
     dense = parse_dtype(dense_dtype) if dense_dtype is not None else precision.dense_dtype
@@ -278,6 +296,7 @@ def load_model(
         device=str(dev),
         dtype=str(dt).removeprefix("torch."),
         dense_dtype=str(dense or dt).removeprefix("torch."),
+        kv_cache_dtype=str(precision.kv_dtype or dt).removeprefix("torch."),
     )
     tok: Any = None
     if tokenizer:
@@ -336,4 +355,5 @@ def load_model(
         gguf=gguf_file,
         cache_root=cache_root,
         dense_dtype=dense,
+        kv_dtype=precision.kv_dtype,
     )

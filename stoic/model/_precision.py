@@ -1,28 +1,40 @@
 """Which floating-point types a model runs in: ``--dtype`` resolved for the machine at hand.
 
-Two types are chosen, not one:
+Three types are chosen, not one:
 
-* the model's **dtype**: its activations, norms, embeddings and KV cache;
+* the model's **dtype**: its activations, norms and embeddings;
+* the **KV cache dtype** (``LoadedModel.kv_dtype``, ``--kv-cache-dtype``): what the paged pools
+  hold. ``None`` means the same as the dtype;
 * the **dense dtype** (``LoadedModel.dense_dtype``): the type of the weights that matrix products
   over many rows (prefill chunks, large decode batches) multiply by. ``None`` means the same as
   the dtype.
 
-``--dtype float32`` / ``bfloat16`` / ``float16`` set both to that type. ``--dtype auto`` on CUDA
-is bfloat16 (float16 where the GPU lacks it). On a CPU it measures (:mod:`._dtype_probe`):
+``--dtype float32`` / ``bfloat16`` / ``float16`` set all three to that type (an explicit
+``--kv-cache-dtype`` still sets the cache's). ``--dtype auto`` on CUDA is bfloat16 (float16
+where the GPU lacks it). On a CPU it measures (:mod:`._dtype_probe`):
 float32 or bfloat16, whichever multiplies faster here, cached per CPU model and torch version.
 For a GGUF model whose decode steps run on the file's quantised blocks in the C layers (a
 ``llama``, ``qwen2`` or ``phi3`` file: :data:`C_LAYER_FILES`)
 (:mod:`._quant`, ``--quantization`` not ``none``, the kernels buildable here), ``auto`` keeps
-the activations and the KV cache in float32, because the kernels and the C decode layers
+the activations in float32, because the kernels and the C decode layers
 compute in float32, and uses the probe's choice only as the dense dtype. On a CPU with AMX
 (bfloat16 tiles) that puts steps of few tokens on the 4-bit blocks with float32 arithmetic and
 prefill chunks on bfloat16 tiles, 5-6x faster than float32 there; where bfloat16 measures slower
 (AVX2 CPUs, AVX-512 ones without AMX) everything stays float32, as before. Full bfloat16 made
 decode steps slower on an AMX CPU (no C layers: they need float32; docs/benchmarks.md).
 
+For such a model ``auto`` also puts the KV cache in bfloat16 (``--kv-cache-dtype auto``;
+not with ``--deterministic``, whose rows kernel reads float32 pools): the C attention widens a
+bfloat16 key or value to float32 exactly and computes in float32, and its decode attention,
+which reads every sequence's keys and values from memory each step, is bound by those reads
+(a third of a 31-sequence decode step over float32 pools; over bfloat16 ones it took 0.74x the
+time, the step 0.81-0.94x: docs/benchmarks.md, "A bfloat16 KV cache"), and the same memory
+holds twice the tokens. llama.cpp keeps its cache in float16, vLLM in the model's dtype. Each
+key and value is rounded once, when written, to 8 significant bits.
+
 A bfloat16 dense dtype rounds each prefill product's inputs to bfloat16, as a bfloat16 model
-does: exact-output comparisons (greedy equal to transformers' ``generate``) take
-``--dtype float32``.
+does, and a bfloat16 cache its keys and values: exact-output comparisons (greedy equal to
+transformers' ``generate``) take ``--dtype float32`` (which keeps a float32 cache).
 """
 
 from __future__ import annotations
@@ -32,12 +44,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import Quantization
+from ..config import KV_CACHE_DTYPES, Quantization
 from ._dtype_probe import probe_cpu_dtype
 
 __all__ = [
     "C_LAYER_FILES",
     "DTYPE_NAMES",
+    "KV_CACHE_DTYPES",
     "Precision",
     "decodes_on_blocks",
     "parse_dtype",
@@ -62,10 +75,11 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class Precision:
-    """The model's dtype and the dense products' (None: the model's)."""
+    """The model's dtype, the dense products' and the KV cache's (None: the model's)."""
 
     dtype: torch.dtype
     dense_dtype: torch.dtype | None = None
+    kv_dtype: torch.dtype | None = None
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -121,14 +135,30 @@ def resolve_precision(
     *,
     gguf: Path | None = None,
     quantization: Quantization = "auto",
+    kv_cache_dtype: str | torch.dtype | None = "auto",
+    deterministic: bool = False,
 ) -> Precision:
-    """The model's dtype and dense dtype for ``--dtype dtype`` (see the module docstring).
+    """The model's dtype, dense dtype and KV cache dtype for ``--dtype dtype`` and
+    ``--kv-cache-dtype kv_cache_dtype`` (see the module docstring).
 
     :raises ValueError: for an unknown dtype name.
     """
     chosen = resolve_dtype(dtype, device, cache_root)
-    if dtype not in (None, "auto") or device.type != "cpu" or chosen == torch.float32:
-        return Precision(chosen)
-    if gguf is None or quantization == "none" or not decodes_on_blocks(gguf, device, cache_root):
-        return Precision(chosen)
-    return Precision(torch.float32, chosen)
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown KV cache dtype {kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    kv = None if kv_cache_dtype in (None, "auto") else parse_dtype(kv_cache_dtype)
+    on_blocks = (
+        dtype in (None, "auto")
+        and device.type == "cpu"
+        and gguf is not None
+        and quantization != "none"
+        and decodes_on_blocks(gguf, device, cache_root)
+    )
+    if not on_blocks:
+        return Precision(chosen, kv_dtype=None if kv == chosen else kv)
+    if kv is None and not deterministic:
+        kv = torch.bfloat16
+    dense = None if chosen == torch.float32 else chosen
+    return Precision(torch.float32, dense, None if kv == torch.float32 else kv)

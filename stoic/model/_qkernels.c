@@ -724,12 +724,47 @@ static float softmax_numerators(float *scores, int64_t len, float top) {
     return hsum(total8);
 }
 
+/* ---- The KV pools: float32, or bfloat16 (--kv-cache-dtype; half the bytes the decode
+ * attention streams, which bounds it). A bfloat16 element is a float32's upper half, so a load
+ * widens exactly (a shift); a write rounds to nearest even, as torch's conversion does. The
+ * kernels below take `bf16` as a constant of each caller, so each compiles twice. */
+static inline __m256 pool_load8(const void *pool, int64_t at, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)pool + at))), 16));
+    return _mm256_loadu_ps((const float *)pool + at);
+}
+
+#ifdef HAVE_AVX512
+static inline __m512 pool_load16(const void *pool, int64_t at, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + at))), 16));
+    return _mm512_loadu_ps((const float *)pool + at);
+}
+#endif
+
+/* 8 floats at src rounded to the nearest bfloat16s at dst, ties to even, a NaN to 0x7fc0
+ * (c10::BFloat16's rule) */
+static inline void bf16_of8(const float *src, uint16_t *dst) {
+    const __m256 x = _mm256_loadu_ps(src);
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128((__m128i *)dst,
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
 /* `count` query heads (q [count, dh], out likewise) over one sequence's keys and values of
  * one kv head: its `len` positions in the pool blocks of `table`. 0, or -2 out of memory. */
-static int attend8(const float *q, const float *k_pool, const float *v_pool,
-                   const int64_t *table, int64_t len, int64_t count, int64_t dh, int64_t block,
-                   float scale, float *out) {
+static inline __attribute__((always_inline)) int
+attend8_pool(const float *q, const void *k_pool, const void *v_pool, const int64_t *table,
+             int64_t len, int64_t count, int64_t dh, int64_t block, float scale, float *out,
+             int bf16) {
     const int64_t lanes = dh / 8;
+    const int whole = block % 8 == 0;
     float *scores = malloc(sizeof(float) * (size_t)(len > 0 ? len + 8 : 8));
     if (!scores) return -2;
     for (int64_t h = 0; h < count; h++) {
@@ -741,11 +776,14 @@ static int attend8(const float *q, const float *k_pool, const float *v_pool,
         int64_t t = 0;
         for (; t + 8 <= len; t += 8) {
             __m256 acc[8];
+            /* blocks of a multiple of 8 positions: the group's keys lie in one block */
+            const int64_t base = whole ? (table[t / block] * block + t % block) * dh : 0;
             for (int j = 0; j < 8; j++) {
-                const float *kp = k_pool + (table[(t + j) / block] * block + (t + j) % block) * dh;
-                __m256 a = _mm256_mul_ps(qr[0], _mm256_loadu_ps(kp));
+                const int64_t kp =
+                    whole ? base + j * dh : (table[(t + j) / block] * block + (t + j) % block) * dh;
+                __m256 a = _mm256_mul_ps(qr[0], pool_load8(k_pool, kp, bf16));
                 for (int64_t i = 1; i < lanes; i++)
-                    a = _mm256_fmadd_ps(qr[i], _mm256_loadu_ps(kp + 8 * i), a);
+                    a = _mm256_fmadd_ps(qr[i], pool_load8(k_pool, kp + 8 * i, bf16), a);
                 acc[j] = a;
             }
             const __m256 s8 = hsum8(acc);
@@ -754,10 +792,10 @@ static int attend8(const float *q, const float *k_pool, const float *v_pool,
         }
         float top = hmax(top8);
         for (; t < len; t++) {
-            const float *kp = k_pool + (table[t / block] * block + t % block) * dh;
-            __m256 a = _mm256_mul_ps(qr[0], _mm256_loadu_ps(kp));
+            const int64_t kp = (table[t / block] * block + t % block) * dh;
+            __m256 a = _mm256_mul_ps(qr[0], pool_load8(k_pool, kp, bf16));
             for (int64_t i = 1; i < lanes; i++)
-                a = _mm256_fmadd_ps(qr[i], _mm256_loadu_ps(kp + 8 * i), a);
+                a = _mm256_fmadd_ps(qr[i], pool_load8(k_pool, kp + 8 * i, bf16), a);
             scores[t] = hsum(a);
             top = scores[t] > top ? scores[t] : top;
         }
@@ -765,11 +803,15 @@ static int attend8(const float *q, const float *k_pool, const float *v_pool,
         /* one pass over the values, all of a row's lanes at once */
         __m256 acc[MAX_HEAD_DIM / 8];
         for (int64_t i = 0; i < lanes; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < len; j++) {
-            const float *vp = v_pool + (table[j / block] * block + j % block) * dh;
-            const __m256 p = _mm256_set1_ps(scores[j]);
-            for (int64_t i = 0; i < lanes; i++)
-                acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * i), acc[i]);
+        for (int64_t b0 = 0; b0 < len; b0 += block) { /* a block's values, in key order */
+            const int64_t base = table[b0 / block] * block * dh;
+            const int64_t end = b0 + block < len ? b0 + block : len;
+            for (int64_t j = b0; j < end; j++) {
+                const int64_t vp = base + (j - b0) * dh;
+                const __m256 p = _mm256_set1_ps(scores[j]);
+                for (int64_t i = 0; i < lanes; i++)
+                    acc[i] = _mm256_fmadd_ps(p, pool_load8(v_pool, vp + 8 * i, bf16), acc[i]);
+            }
         }
         float *o = out + h * dh;
         const __m256 inv = _mm256_set1_ps(total);
@@ -779,79 +821,162 @@ static int attend8(const float *q, const float *k_pool, const float *v_pool,
     return 0;
 }
 
+/* attend8 over float32 pools: also the deterministic rows kernel's reference order */
+static int attend8(const float *q, const float *k_pool, const float *v_pool,
+                   const int64_t *table, int64_t len, int64_t count, int64_t dh, int64_t block,
+                   float scale, float *out) {
+    return attend8_pool(q, k_pool, v_pool, table, len, count, dh, block, scale, out, 0);
+}
+
+static int attend8_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                        const int64_t *table, int64_t len, int64_t count, int64_t dh,
+                        int64_t block, float scale, float *out) {
+    return attend8_pool(q, k_pool, v_pool, table, len, count, dh, block, scale, out, 1);
+}
+
 #ifdef HAVE_AVX512
-/* attend8 in 16-lane registers (head_dim a multiple of 16): half the instructions a key,
- * which is what the 8-lane loop was bound by (a bfloat16 pool, half the bytes, measured only
- * 6% faster there) */
-static int attend16(const float *q, const float *k_pool, const float *v_pool,
-                    const int64_t *table, int64_t len, int64_t count, int64_t dh, int64_t block,
-                    float scale, float *out) {
-    const int64_t lanes = dh / 16;
-    float *scores = malloc(sizeof(float) * (size_t)(len > 0 ? len + 8 : 8));
+/* query heads one pass over a job's keys and values serves (each key loaded, and widened from
+ * bfloat16, once for them all) */
+#define ATT_HEADS 4
+
+/* attend8 in 16-lane registers (head_dim a multiple of 16): half the instructions a key, which
+ * is what the 8-lane loop was bound by; and up to ATT_HEADS query heads a pass, so that a key
+ * or value is read (from memory, then from L2 for the other heads) and widened once, not once a
+ * head. Each head's arithmetic is attend8's order, operation for operation (the rows kernel of
+ * _rows_attention.c relies on it): the same dot product chain per key, hsum8 per group of 8,
+ * the same maxima, numerators and value sums in key order. LANES: dh / 16 (a constant where
+ * inlined). */
+static inline __attribute__((always_inline)) int
+attend16_pool(const float *q, const void *k_pool, const void *v_pool, const int64_t *table,
+              int64_t len, int64_t count, int64_t dh, int64_t block, float scale, float *out,
+              int bf16, const int64_t LANES) {
+    const int whole = block % 8 == 0;
+    const int64_t width = len + 8; /* a head's row of scores, padded by softmax_numerators */
+    float *scores = malloc(sizeof(float) * (size_t)(ATT_HEADS * width));
     if (!scores) return -2;
-    for (int64_t h = 0; h < count; h++) {
-        const float *qv = q + h * dh;
-        __m512 qr[MAX_HEAD_DIM / 16];
-        for (int64_t i = 0; i < lanes; i++)
-            qr[i] = _mm512_mul_ps(_mm512_loadu_ps(qv + 16 * i), _mm512_set1_ps(scale));
-        __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t h0 = 0; h0 < count; h0 += ATT_HEADS) {
+        const int64_t n = count - h0 < ATT_HEADS ? count - h0 : ATT_HEADS;
+        __m512 qr[ATT_HEADS][MAX_HEAD_DIM / 16];
+        __m256 top8[ATT_HEADS];
+        float top[ATT_HEADS], total[ATT_HEADS];
+        for (int64_t g = 0; g < n; g++) {
+            for (int64_t i = 0; i < LANES; i++)
+                qr[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + (h0 + g) * dh + 16 * i),
+                                         _mm512_set1_ps(scale));
+            top8[g] = _mm256_set1_ps(-INFINITY);
+        }
         int64_t t = 0;
         for (; t + 8 <= len; t += 8) {
-            __m256 acc[8];
+            __m256 part[ATT_HEADS][8];
+            /* blocks of a multiple of 8 positions: the group's keys lie in one block */
+            const int64_t base = whole ? (table[t / block] * block + t % block) * dh : 0;
             for (int j = 0; j < 8; j++) {
-                const float *kp = k_pool + (table[(t + j) / block] * block + (t + j) % block) * dh;
-                __m512 a = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kp));
-                for (int64_t i = 1; i < lanes; i++)
-                    a = _mm512_fmadd_ps(qr[i], _mm512_loadu_ps(kp + 16 * i), a);
-                acc[j] = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+                const int64_t kp =
+                    whole ? base + j * dh : (table[(t + j) / block] * block + (t + j) % block) * dh;
+                __m512 key[MAX_HEAD_DIM / 16];
+                for (int64_t i = 0; i < LANES; i++) key[i] = pool_load16(k_pool, kp + 16 * i, bf16);
+                for (int64_t g = 0; g < n; g++) {
+                    __m512 a = _mm512_mul_ps(qr[g][0], key[0]);
+                    for (int64_t i = 1; i < LANES; i++) a = _mm512_fmadd_ps(qr[g][i], key[i], a);
+                    part[g][j] = _mm256_add_ps(
+                        _mm512_castps512_ps256(a),
+                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+                }
             }
-            const __m256 s8 = hsum8(acc);
-            _mm256_storeu_ps(scores + t, s8);
-            top8 = _mm256_max_ps(top8, s8);
+            for (int64_t g = 0; g < n; g++) {
+                const __m256 s8 = hsum8(part[g]);
+                _mm256_storeu_ps(scores + g * width + t, s8);
+                top8[g] = _mm256_max_ps(top8[g], s8);
+            }
         }
-        float top = hmax(top8);
+        for (int64_t g = 0; g < n; g++) top[g] = hmax(top8[g]);
         for (; t < len; t++) {
-            const float *kp = k_pool + (table[t / block] * block + t % block) * dh;
-            __m512 a = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kp));
-            for (int64_t i = 1; i < lanes; i++)
-                a = _mm512_fmadd_ps(qr[i], _mm512_loadu_ps(kp + 16 * i), a);
-            scores[t] = _mm512_reduce_add_ps(a);
-            top = scores[t] > top ? scores[t] : top;
+            const int64_t kp = (table[t / block] * block + t % block) * dh;
+            __m512 key[MAX_HEAD_DIM / 16];
+            for (int64_t i = 0; i < LANES; i++) key[i] = pool_load16(k_pool, kp + 16 * i, bf16);
+            for (int64_t g = 0; g < n; g++) {
+                __m512 a = _mm512_mul_ps(qr[g][0], key[0]);
+                for (int64_t i = 1; i < LANES; i++) a = _mm512_fmadd_ps(qr[g][i], key[i], a);
+                const float s = _mm512_reduce_add_ps(a);
+                scores[g * width + t] = s;
+                top[g] = s > top[g] ? s : top[g];
+            }
         }
-        const float total = softmax_numerators(scores, len, top);
-        __m512 acc[MAX_HEAD_DIM / 16];
-        for (int64_t i = 0; i < lanes; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < len; j++) {
-            const float *vp = v_pool + (table[j / block] * block + j % block) * dh;
-            const __m512 p = _mm512_set1_ps(scores[j]);
-            for (int64_t i = 0; i < lanes; i++)
-                acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vp + 16 * i), acc[i]);
+        for (int64_t g = 0; g < n; g++)
+            total[g] = softmax_numerators(scores + g * width, len, top[g]);
+        __m512 acc[ATT_HEADS][MAX_HEAD_DIM / 16];
+        for (int64_t g = 0; g < n; g++)
+            for (int64_t i = 0; i < LANES; i++) acc[g][i] = _mm512_setzero_ps();
+        for (int64_t b0 = 0; b0 < len; b0 += block) { /* a block's values, in key order */
+            const int64_t base = table[b0 / block] * block * dh;
+            const int64_t end = b0 + block < len ? b0 + block : len;
+            for (int64_t j = b0; j < end; j++) {
+                const int64_t vp = base + (j - b0) * dh;
+                __m512 value[MAX_HEAD_DIM / 16];
+                for (int64_t i = 0; i < LANES; i++)
+                    value[i] = pool_load16(v_pool, vp + 16 * i, bf16);
+                for (int64_t g = 0; g < n; g++) {
+                    const __m512 p = _mm512_set1_ps(scores[g * width + j]);
+                    for (int64_t i = 0; i < LANES; i++)
+                        acc[g][i] = _mm512_fmadd_ps(p, value[i], acc[g][i]);
+                }
+            }
         }
-        float *o = out + h * dh;
-        const __m512 inv = _mm512_set1_ps(total);
-        for (int64_t i = 0; i < lanes; i++) _mm512_storeu_ps(o + 16 * i, _mm512_div_ps(acc[i], inv));
+        for (int64_t g = 0; g < n; g++) {
+            float *o = out + (h0 + g) * dh;
+            const __m512 inv = _mm512_set1_ps(total[g]);
+            for (int64_t i = 0; i < LANES; i++)
+                _mm512_storeu_ps(o + 16 * i, _mm512_div_ps(acc[g][i], inv));
+        }
     }
     free(scores);
     return 0;
 }
+
+/* attend16_pool with its head dimension a constant for the common ones (registers, not
+ * memory, for the queries and sums) */
+#define ATTEND16_DIMS(BF16)                                                                       \
+    dh == 64    ? attend16_pool(q, k_pool, v_pool, table, len, count, dh, block, scale, out, BF16, 4) \
+    : dh == 128 ? attend16_pool(q, k_pool, v_pool, table, len, count, dh, block, scale, out, BF16, 8) \
+                : attend16_pool(q, k_pool, v_pool, table, len, count, dh, block, scale, out, BF16, dh / 16)
+
+static int attend16(const float *q, const float *k_pool, const float *v_pool,
+                    const int64_t *table, int64_t len, int64_t count, int64_t dh, int64_t block,
+                    float scale, float *out) {
+    return ATTEND16_DIMS(0);
+}
+
+static int attend16_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                         const int64_t *table, int64_t len, int64_t count, int64_t dh,
+                         int64_t block, float scale, float *out) {
+    return ATTEND16_DIMS(1);
+}
 #endif
 
-/* the M tokens' k and v [M, kv_heads, dh] into the pools: row write[h * M + m] of kv head h */
-static void write_pools(const float *k, const float *v, float *k_pool, float *v_pool,
-                        const int64_t *write, int64_t M, int64_t kv_heads, int64_t dh) {
+/* the M tokens' k and v [M, kv_heads, dh] into the pools (float32, or bfloat16 with `bf16`):
+ * row write[h * M + m] of kv head h */
+static void write_pools(const float *k, const float *v, void *k_pool, void *v_pool,
+                        const int64_t *write, int64_t M, int64_t kv_heads, int64_t dh, int bf16) {
     for (int64_t h = 0; h < kv_heads; h++)
         for (int64_t m = 0; m < M; m++) {
             const int64_t row = write[h * M + m];
-            memcpy(k_pool + row * dh, k + (m * kv_heads + h) * dh, sizeof(float) * (size_t)dh);
-            memcpy(v_pool + row * dh, v + (m * kv_heads + h) * dh, sizeof(float) * (size_t)dh);
+            const float *kr = k + (m * kv_heads + h) * dh, *vr = v + (m * kv_heads + h) * dh;
+            if (bf16) {
+                uint16_t *kd = (uint16_t *)k_pool + row * dh, *vd = (uint16_t *)v_pool + row * dh;
+                for (int64_t d = 0; d < dh; d += 8) /* dh a multiple of 8 */
+                    bf16_of8(kr + d, kd + d), bf16_of8(vr + d, vd + d);
+            } else {
+                memcpy((float *)k_pool + row * dh, kr, sizeof(float) * (size_t)dh);
+                memcpy((float *)v_pool + row * dh, vr, sizeof(float) * (size_t)dh);
+            }
         }
 }
 
 /* Writes the M tokens' k and v into the pools (row write[h * M + m] of a pool seen as
- * [rows, dh]), then attends: token m's query heads over lens[m] keys of its sequence, whose
- * blocks for kv head g are the pool rows tables[(m * kv_heads + g) * max_blocks + j] (each row
- * a block of `block` positions). out [M, heads, dh].
+ * [rows, dh]; float32 pools, or bfloat16 ones with `kv_bf16`), then attends: token m's query
+ * heads over lens[m] keys of its sequence, whose blocks for kv head g are the pool rows
+ * tables[(m * kv_heads + g) * max_blocks + j] (each row a block of `block` positions).
+ * out [M, heads, dh].
  *
  * One job is a token's kv head and the query heads that share it (all of them, or one each
  * when there are too few jobs for the threads): the job's keys and values come from memory
@@ -859,13 +984,13 @@ static void write_pools(const float *k, const float *v, float *k_pool, float *v_
  * horizontal reduction for 8 dot products), the exponentials 8 at a time. Decode attention
  * over 32 sequences of mixed lengths was a third of a step, reading each head's keys and
  * values anew with one horizontal sum and one expf a key. */
-int stoic_decode_attention(const float *q, const float *k, const float *v, float *k_pool,
-                           float *v_pool, const int64_t *write, const int64_t *tables,
+int stoic_decode_attention(const float *q, const float *k, const float *v, void *k_pool,
+                           void *v_pool, const int64_t *write, const int64_t *tables,
                            const int64_t *lens, int64_t M, int64_t heads, int64_t kv_heads,
                            int64_t dh, int64_t block, int64_t max_blocks, float scale, float *out,
-                           int threads) {
+                           int threads, int kv_bf16) {
     if (dh % 8 != 0 || dh > MAX_HEAD_DIM || heads % kv_heads != 0) return -1;
-    write_pools(k, v, k_pool, v_pool, write, M, kv_heads, dh);
+    write_pools(k, v, k_pool, v_pool, write, M, kv_heads, dh, kv_bf16);
     const int64_t group = heads / kv_heads;
     /* heads a job takes: the whole group, unless that leaves a thread idle */
     const int64_t per_job = M * kv_heads >= 2 * (int64_t)threads ? group : 1;
@@ -879,13 +1004,18 @@ int stoic_decode_attention(const float *q, const float *k, const float *v, float
         const int64_t h0 = g * group + first;
         const float *qm = q + (m * heads + h0) * dh;
         float *om = out + (m * heads + h0) * dh;
+        int rc;
 #ifdef HAVE_AVX512
         if (dh % 16 == 0) {
-            if (attend16(qm, k_pool, v_pool, table, lens[m], per_job, dh, block, scale, om)) failed = 1;
+            rc = kv_bf16 ? attend16_bf16(qm, k_pool, v_pool, table, lens[m], per_job, dh, block, scale, om)
+                         : attend16(qm, k_pool, v_pool, table, lens[m], per_job, dh, block, scale, om);
+            if (rc) failed = 1;
             continue;
         }
 #endif
-        if (attend8(qm, k_pool, v_pool, table, lens[m], per_job, dh, block, scale, om)) failed = 1;
+        rc = kv_bf16 ? attend8_bf16(qm, k_pool, v_pool, table, lens[m], per_job, dh, block, scale, om)
+                     : attend8(qm, k_pool, v_pool, table, lens[m], per_job, dh, block, scale, om);
+        if (rc) failed = 1;
     }
     return failed ? -2 : 0;
 }

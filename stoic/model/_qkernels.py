@@ -261,13 +261,13 @@ class Kernels:
             "stoic_layer_pre": [ptr, i64, i64, ptr, f32, i32, ptr, ptr, i64, i64, i64, ptr,
                                 ptr, ptr, ptr, ptr, i32],
             # q k v k_pool v_pool write tables lens M heads kv_heads dh block max_blocks scale
-            # out threads
+            # out threads kv_bf16 (the pools' type: 0 float32, 1 bfloat16)
             "stoic_decode_attention": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
-                                       i64, i64, i64, f32, ptr, i32],
+                                       i64, i64, i64, f32, ptr, i32, i32],
             # q k v k_pool v_pool write tables lens runs n_runs M heads kv_heads dh block
-            # max_blocks scale out threads
+            # max_blocks scale out threads kv_bf16 (0 only: float32 pools)
             "stoic_prefill_attention": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
-                                        i64, i64, i64, i64, i64, f32, ptr, i32],
+                                        i64, i64, i64, i64, i64, f32, ptr, i32, i32],
             # hidden attn M D A layout_o o norm eps layout_gu gate_up F layout_down down threads
             "stoic_layer_post": [ptr, ptr, i64, i64, i64, i32, ptr, ptr, f32, i32, ptr, i64,
                                  i32, ptr, i32],
@@ -283,8 +283,9 @@ class Kernels:
             "stoic_g8_bytes": [i64, i64],
             "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, ptr, ptr, i32, i32],
             # q k_pool v_pool table nblocks start_pos n heads kv_heads dh block scale out threads
+            # kv_bf16
             "stoic_chunk_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32,
-                                      ptr, i32],
+                                      ptr, i32, i32],
             "stoic_chunk_attention_available": [],
         }  # fmt: skip
         for name, argtypes in signatures.items():

@@ -210,7 +210,7 @@ static int attend_rows(const float *q, const float *k_pool, const float *v_pool,
 
 /* stoic_decode_attention's contract (the M tokens' k and v written into the pools, then token
  * m's query heads over lens[m] keys of the pool rows tables[(m * kv_heads + g) * max_blocks +
- * j]; out [M, heads, dh]), for tokens in `runs`: runs[2 i] is a run's first token, runs[2 i + 1]
+ * j]; out [M, heads, dh]; float32 pools), for tokens in `runs`: runs[2 i] is a run's first token, runs[2 i + 1]
  * its number of tokens, which share the first one's block tables (a prefill chunk's tokens; a
  * decode token is a run of one). Every token's result is bitwise stoic_decode_attention's.
  * 0; -1 for shapes the kernel lacks or a run outside [0, M); -2 out of memory. */
@@ -218,15 +218,19 @@ int stoic_prefill_attention(const float *q, const float *k, const float *v, floa
                             float *v_pool, const int64_t *write, const int64_t *tables,
                             const int64_t *lens, const int64_t *runs, int64_t n_runs, int64_t M,
                             int64_t heads, int64_t kv_heads, int64_t dh, int64_t block,
-                            int64_t max_blocks, float scale, float *out, int threads) {
-    if (dh % 8 != 0 || dh > MAX_HEAD_DIM || heads % kv_heads != 0 || n_runs < 0) return -1;
+                            int64_t max_blocks, float scale, float *out, int threads,
+                            int kv_bf16) {
+    /* float32 pools only: deterministic mode keeps a float32 KV cache (the rows' order is
+     * attend8's/attend16's over float32 keys) */
+    if (dh % 8 != 0 || dh > MAX_HEAD_DIM || heads % kv_heads != 0 || n_runs < 0 || kv_bf16)
+        return -1;
     int64_t tiles = 0;
     for (int64_t i = 0; i < n_runs; i++) {
         const int64_t first = runs[2 * i], n = runs[2 * i + 1];
         if (first < 0 || n < 1 || first + n > M) return -1;
         tiles += (n + ROWS_TILE - 1) / ROWS_TILE;
     }
-    write_pools(k, v, k_pool, v_pool, write, M, kv_heads, dh);
+    write_pools(k, v, k_pool, v_pool, write, M, kv_heads, dh, 0);
     int64_t *tile = malloc(sizeof(int64_t) * (size_t)(2 * tiles + 1));
     if (!tile) return -2;
     for (int64_t i = 0, t = 0; i < n_runs; i++)

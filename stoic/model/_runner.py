@@ -247,6 +247,7 @@ class ModelRunner:
             "deterministic": self.deterministic,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "dense_dtype": str(self._dense_dtype()).removeprefix("torch."),
+            "kv_cache_dtype": str(self.loaded.cache_dtype).removeprefix("torch."),
             "row_activations": "int8"
             if self.int8_rows and (done or head is not None)
             else "float32",
@@ -273,7 +274,7 @@ class ModelRunner:
             self._config,
             num_blocks=num_blocks,
             block_size=block_size,
-            dtype=self.loaded.dtype,
+            dtype=self.loaded.cache_dtype,
             device=self.loaded.device,
         )
 

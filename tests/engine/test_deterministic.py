@@ -203,6 +203,7 @@ class _Reader:
     ("overrides", "why"),
     [
         ({"dtype": "bfloat16"}, "compute in float32, not bfloat16"),
+        ({"kv_cache_dtype": "bfloat16"}, "reads a float32 KV cache, not bfloat16"),
         ({"quantization": "none"}, "--quantization none keeps no quantised blocks"),
         ({"executor": "process", "model": "tiny"}, "does not run on the C layers here"),
     ],
@@ -210,8 +211,8 @@ class _Reader:
 async def test_a_model_off_the_c_layers_is_refused_at_start_saying_why(
     tiny_model_dir: Path, overrides: dict[str, Any], why: str
 ) -> None:
-    """A model that cannot run deterministically (bfloat16 activations, no quantised blocks, a
-    model directory) is refused at start with one line naming why, before any worker process
+    """A model that cannot run deterministically (bfloat16 activations, a bfloat16 KV cache, no
+    quantised blocks, a model directory) is refused at start with one line naming why, before any worker process
     starts."""
     if overrides.get("model") == "tiny":
         overrides = {**overrides, "model": str(tiny_model_dir)}

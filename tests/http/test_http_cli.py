@@ -36,6 +36,7 @@ def test_cli_arguments_map_to_config() -> None:
             "--threads", "3",
             "--no-adapt-threads",
             "--deterministic",
+            "--kv-cache-dtype", "float32",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -46,6 +47,7 @@ def test_cli_arguments_map_to_config() -> None:
     assert config.enable_fault_injection and config.drain_timeout == 3.0
     assert (config.recovery, config.max_resumes) == ("resume", 5)
     assert config.quantization == "none" and config.deterministic
+    assert config.kv_cache_dtype == "float32"
     assert (config.threads, config.adapt_threads) == (3, False)
     assert config.faults == (
         FaultSpec(kind="error", after_steps=2),
@@ -68,6 +70,7 @@ def test_cli_arguments_map_to_config() -> None:
         ["serve", "--recovery", "retry"],
         ["serve", "--max-resumes", "-1"],
         ["serve", "--quantization", "int3"],
+        ["serve", "--kv-cache-dtype", "int8"],
         ["serve", "--threads", "0"],
         ["serve", "--fault", '{"kind": "error", "match": ""}'],
         ["serve", "--fault", '{"kind": "error", "match": "x", "after_steps": 1}'],

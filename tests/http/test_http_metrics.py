@@ -95,6 +95,7 @@ async def test_metrics_parse_and_count(
         "c_layers": str(compute.c_layers).lower(),
         "decoder": compute.decoder,
         "dense_dtype": compute.dense_dtype,
+        "kv_cache_dtype": compute.kv_cache_dtype,
         "deterministic": "false",
         "dtype": "float32",
         "head": compute.head or "none",

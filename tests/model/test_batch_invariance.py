@@ -218,7 +218,7 @@ def _attention(kernels: Kernels, lens: list[int], threads: int) -> torch.Tensor:
     rc = kernels.attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         write.data_ptr(), tables.data_ptr(), lens_t.data_ptr(), m, heads, kv_heads, dh, block,
-        blocks_each, 0.125, out.data_ptr(), threads,
+        blocks_each, 0.125, out.data_ptr(), threads, 0,
     )  # fmt: skip
     assert rc == 0
     return out

@@ -135,22 +135,27 @@ def test_decode_attention_in_c_equals_torch_on_mixed_and_decode_steps(runner: Mo
     )
 
 
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 24])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [(1,), (7, 8, 9, 33, 64, 130), (300,) * 3])
 def test_decode_attention_kernel_equals_float64_softmax_attention(
-    kernels: Any, threads: int, lens: tuple[int, ...], dim: int
+    kernels: Any, threads: int, lens: tuple[int, ...], dim: int, pool: torch.dtype
 ) -> None:
     """``stoic_decode_attention`` writes each token's key and value at its slot, then gives
     softmax(q k^T * scale) v over each sequence's own blocks (scattered in the pool), equal to
     float64 arithmetic within float32 rounding: for lengths below, at and across the 8-key
     tiles and 16-position blocks, one job per head (one token) and per kv head (many), and
     scores far enough apart (scale 3) that most exponentials underflow to 0; head_dim 64 (the
-    16-lane loop where the build has AVX-512) and 24 (the 8-lane one everywhere)."""
+    16-lane loop where the build has AVX-512) and 24 (the 8-lane one everywhere). Over bfloat16
+    pools (``--kv-cache-dtype bfloat16``) the new keys and values are written rounded as torch
+    rounds them (bitwise), and the attention is the same float64 arithmetic over the pools'
+    values: the kernel widens them exactly."""
     gen = torch.Generator().manual_seed(len(lens) * 10 + threads)
     heads, kv_heads, block, pool_blocks = 9, 3, 16, 200
     shape = (kv_heads * pool_blocks, block, dim)
-    k_pool, v_pool = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_pool = torch.randn(shape, generator=gen).to(pool)
+    v_pool = torch.randn(shape, generator=gen).to(pool)
     m, blocks = len(lens), max(-(-n // block) for n in lens)
     tables, write = scattered_block_tables(lens, kv_heads, pool_blocks, block, gen)
     q = torch.randn(m, heads, dim, generator=gen)
@@ -163,7 +168,7 @@ def test_decode_attention_kernel_equals_float64_softmax_attention(
     rc = kernels.attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         write.data_ptr(), tables.data_ptr(), lengths.data_ptr(), m, heads, kv_heads,
-        dim, block, blocks, 3.0, out.data_ptr(), threads,
+        dim, block, blocks, 3.0, out.data_ptr(), threads, int(pool == torch.bfloat16),
     )  # fmt: skip
     assert rc == 0
     for i, n in enumerate(lens):
@@ -171,8 +176,9 @@ def test_decode_attention_kernel_equals_float64_softmax_attention(
             rows = tables[i, g, : -(-n // block)]
             keys = k_pool[rows].reshape(-1, dim)[:n].double()
             values = v_pool[rows].reshape(-1, dim)[:n].double()
-            torch.testing.assert_close(keys[-1], k[i, g].double())  # written, then attended
-            torch.testing.assert_close(values[-1], v[i, g].double())
+            # written (rounded to the pool's type as torch rounds), then attended
+            assert torch.equal(keys[-1], k[i, g].to(pool).double())
+            assert torch.equal(values[-1], v[i, g].to(pool).double())
             for h in range(g * heads // kv_heads, (g + 1) * heads // kv_heads):
                 want = torch.softmax(keys @ q[i, h].double() * 3.0, 0) @ values
                 torch.testing.assert_close(out[i, h].double(), want, rtol=1e-5, atol=1e-5)
@@ -198,7 +204,7 @@ def test_a_nan_key_makes_its_sequences_attention_nan_and_no_other(kernels: Any) 
     rc = kernels.attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         write.data_ptr(), tables.data_ptr(), lengths.data_ptr(), 2, heads, kv_heads, dim, block,
-        tables.shape[2], 0.125, out.data_ptr(), 2,
+        tables.shape[2], 0.125, out.data_ptr(), 2, 0,
     )  # fmt: skip
     assert rc == 0
     assert torch.isnan(out[0, 3:6]).all()  # the query heads of kv head 1

@@ -8,6 +8,7 @@ chunks to SDPA."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,15 @@ class Chunk:
     of random keys and values (the chunk's own already written, as the caller does first)."""
 
     def __init__(
-        self, start: int, n: int, heads: int, kv_heads: int, dh: int, block: int, seed: int = 0
+        self,
+        start: int,
+        n: int,
+        heads: int,
+        kv_heads: int,
+        dh: int,
+        block: int,
+        seed: int = 0,
+        pool: torch.dtype = torch.float32,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.start, self.n, self.heads, self.kv_heads, self.dh = start, n, heads, kv_heads, dh
@@ -36,8 +45,8 @@ class Chunk:
         total = self.nblocks + 7  # other sequences' blocks around this one's
         order = torch.randperm(total, generator=gen)[: self.nblocks]
         self.table = (torch.arange(kv_heads)[:, None] * total + order[None, :]).contiguous()
-        self.k_pool = torch.randn(kv_heads * total, block, dh, generator=gen)
-        self.v_pool = torch.randn(kv_heads * total, block, dh, generator=gen)
+        self.k_pool = torch.randn(kv_heads * total, block, dh, generator=gen).to(pool)
+        self.v_pool = torch.randn(kv_heads * total, block, dh, generator=gen).to(pool)
         self.q = torch.randn(n, heads, dh, generator=gen)
         self.scale = dh**-0.5
 
@@ -51,12 +60,13 @@ class Chunk:
             self.q.data_ptr(), self.k_pool.data_ptr(), self.v_pool.data_ptr(),
             self.table.data_ptr(), args["nblocks"], args["start"], args["n"], args["heads"],
             args["kv_heads"], args["dh"], args["block"], self.scale, out.data_ptr(), threads,
+            int(self.k_pool.dtype == torch.bfloat16),
         )  # fmt: skip
         return rc, out
 
     def reference(self) -> torch.Tensor:
         """float64 softmax attention, causal from the chunk's first position, ``[n, heads,
-        dh]``."""
+        dh]`` (over the pools' values as they are: a bfloat16 pool's widen exactly)."""
         length = self.start + self.n
         rows = self.table.reshape(-1)
         keys = self.k_pool[rows].view(self.kv_heads, -1, self.dh)[:, :length].double()
@@ -83,6 +93,7 @@ def c_kernels(kernels: Kernels) -> Kernels:
     [(0, 2, 16), (0, 17, 4), (0, 225, 16), (150, 243, 16), (33, 40, 4), (511, 5, 16)],
 )
 @pytest.mark.parametrize(("heads", "kv_heads", "dh"), [(9, 3, 64), (8, 8, 128), (16, 2, 96)])
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
 def test_chunk_attention_equals_float64_causal_attention(
     c_kernels: Kernels,
     threads: int,
@@ -92,8 +103,11 @@ def test_chunk_attention_equals_float64_causal_attention(
     heads: int,
     kv_heads: int,
     dh: int,
+    pool: torch.dtype,
 ) -> None:
-    chunk = Chunk(start, n, heads, kv_heads, dh, block)
+    """Over float32 pools and bfloat16 ones (``--kv-cache-dtype bfloat16``: every value routine,
+    64, 128 and any other head dim, reads them widened)."""
+    chunk = Chunk(start, n, heads, kv_heads, dh, block, pool=pool)
     rc, got = chunk.run(c_kernels, threads)
     assert rc == 0
     torch.testing.assert_close(got, chunk.reference(), rtol=1e-5, atol=2e-6)
@@ -134,13 +148,16 @@ def test_a_nan_key_poisons_only_the_rows_that_see_it(c_kernels: Kernels) -> None
 
 
 @pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
 def test_the_c_backend_equals_torch_on_a_mixed_step_whatever_the_head_dim(
-    kernels: Kernels, dim: int
+    kernels: Kernels, dim: int, pool: torch.dtype
 ) -> None:
     """The ``c-paged`` backend on a step of a prompt chunk after a cached prefix, a fresh one and
     two decode tokens gives torch's attention within float32 rounding, and writes the same keys
     and values: with a head dim of 64 the chunks take the C kernel, with 24 (a multiple of 8, not
-    of 16: the decode kernel's, not the chunk kernel's) SDPA, without an error."""
+    of 16: the decode kernel's, not the chunk kernel's) SDPA, without an error. Over a bfloat16
+    cache, against torch over a float32 one holding the same values (keys and values that
+    bfloat16 holds exactly): the C attention computes in float32 over the widened pools."""
     spec = KVCacheSpec(
         num_layers=1, num_kv_heads=2, head_dim=dim, block_size=4, num_blocks=32,
         dtype=torch.float32, device=torch.device("cpu"),
@@ -157,14 +174,15 @@ def test_the_c_backend_equals_torch_on_a_mixed_step_whatever_the_head_dim(
     gen = torch.Generator().manual_seed(dim)
     n = 9 + 1 + 11 + 1
     q = torch.randn(1, 6, n, dim, generator=gen)
-    k = torch.randn(1, 2, n, dim, generator=gen)
-    v = torch.randn(1, 2, n, dim, generator=gen)
-    prior_k = torch.randn(2 * 32, 4, dim, generator=gen)
-    prior_v = torch.randn(2 * 32, 4, dim, generator=gen)
+    k, v, prior_k, prior_v = (
+        torch.randn(shape, generator=gen).to(pool).float()
+        for shape in ((1, 2, n, dim), (1, 2, n, dim), (2 * 32, 4, dim), (2 * 32, 4, dim))
+    )
     attn = SimpleNamespace(layer_idx=0, scaling=dim**-0.5)
     results = {}
     for backend in (CPagedAttention(kernels), TorchPagedAttention()):
-        cache = PagedKVCache(spec)
+        on = pool if backend.name == "c-paged" else torch.float32
+        cache = PagedKVCache(dataclasses.replace(spec, dtype=on))
         cache.keys[0].copy_(prior_k)
         cache.values[0].copy_(prior_v)
         step = build_inputs(batch, cache, torch.device("cpu")).meta
@@ -173,5 +191,5 @@ def test_the_c_backend_equals_torch_on_a_mixed_step_whatever_the_head_dim(
         results[backend.name] = (plan.forward(attn, q, k, v, scaling=None), cache)
     (got, got_cache), (want, want_cache) = results["c-paged"], results["torch-paged"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got_cache.keys[0], want_cache.keys[0])
-    assert torch.equal(got_cache.values[0], want_cache.values[0])
+    assert torch.equal(got_cache.keys[0].float(), want_cache.keys[0])
+    assert torch.equal(got_cache.values[0].float(), want_cache.values[0])

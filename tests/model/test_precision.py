@@ -1,6 +1,7 @@
-"""``--dtype`` resolved to the model's dtype and the dense products' dtype
-(:mod:`stoic.model._precision`): a GGUF Llama model decoding on its blocks keeps float32
-activations and takes bfloat16 only for products over many rows where bfloat16 is faster."""
+"""``--dtype`` and ``--kv-cache-dtype`` resolved to the model's dtype, the dense products' dtype
+and the KV cache's (:mod:`stoic.model._precision`): a GGUF Llama model decoding on its blocks
+keeps float32 activations, takes bfloat16 only for products over many rows where bfloat16 is
+faster, and a bfloat16 KV cache under ``auto``."""
 
 from __future__ import annotations
 
@@ -50,32 +51,55 @@ def test_auto_keeps_float32_activations_for_a_gguf_llama_decoding_on_blocks(
     """Where bfloat16 measures faster, a GGUF Llama (or Qwen2) file whose decode runs on its
     blocks in the C layers gets float32 activations and bfloat16 dense products; with ``--quantization none``, a model
     directory or another architecture (Qwen3), ``auto`` is the probe's choice; an explicit dtype is
-    taken as given; where float32 is faster nothing is bfloat16."""
+    taken as given; where float32 is faster only the KV cache is bfloat16."""
     root = default_cache_dir()
     gguf = default_gguf_path()
     probe_says(torch.bfloat16)
-    assert resolve_precision("auto", CPU, root, gguf=gguf) == Precision(
-        torch.float32, torch.bfloat16
-    )
-    assert resolve_precision(None, CPU, root, gguf=gguf, quantization="gguf") == Precision(
-        torch.float32, torch.bfloat16
-    )
+    fast = Precision(torch.float32, torch.bfloat16, torch.bfloat16)
+    assert resolve_precision("auto", CPU, root, gguf=gguf) == fast
+    assert resolve_precision(None, CPU, root, gguf=gguf, quantization="gguf") == fast
     assert resolve_precision("auto", CPU, root, gguf=gguf, quantization="none") == Precision(
         torch.bfloat16
     )
     assert resolve_precision("auto", CPU, root, gguf=None) == Precision(torch.bfloat16)
     qwen2 = write_gguf(tmp_path / "qwen2.gguf", architecture="qwen2")  # C layers too
-    assert resolve_precision("auto", CPU, root, gguf=qwen2) == Precision(
-        torch.float32, torch.bfloat16
-    )
+    assert resolve_precision("auto", CPU, root, gguf=qwen2) == fast
     other = write_gguf(tmp_path / "qwen3.gguf", architecture="qwen3")
     assert resolve_precision("auto", CPU, root, gguf=other) == Precision(torch.bfloat16)
     assert resolve_precision("float32", CPU, root, gguf=gguf) == Precision(torch.float32)
     assert resolve_precision("bf16", CPU, root, gguf=gguf) == Precision(torch.bfloat16)
     probe_says(torch.float32)
-    assert resolve_precision("auto", CPU, root, gguf=gguf) == Precision(torch.float32)
+    assert resolve_precision("auto", CPU, root, gguf=gguf) == Precision(
+        torch.float32, kv_dtype=torch.bfloat16
+    )
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_precision("float8", CPU, root, gguf=gguf)
+
+
+def test_the_kv_cache_is_bfloat16_only_where_auto_puts_the_model_on_its_blocks(
+    kernels: Kernels, probe_says: Any
+) -> None:
+    """``--kv-cache-dtype auto`` gives bfloat16 for a GGUF model decoding on its blocks with
+    ``--dtype auto`` (not with ``--deterministic``, whose rows kernel reads float32 pools), the
+    dtype's type everywhere else; an explicit choice is taken as given (None when it is the
+    dtype's own); an unknown name is refused."""
+    root, gguf = default_cache_dir(), default_gguf_path()
+    probe_says(torch.bfloat16)
+    assert resolve_precision("auto", CPU, root, gguf=gguf, deterministic=True) == Precision(
+        torch.float32, torch.bfloat16
+    )
+    assert resolve_precision("float32", CPU, root, gguf=gguf).kv_dtype is None
+    assert resolve_precision("auto", CPU, root, gguf=None).kv_dtype is None  # a directory
+    explicit = resolve_precision("auto", CPU, root, gguf=gguf, kv_cache_dtype="float32")
+    assert explicit == Precision(torch.float32, torch.bfloat16)
+    assert resolve_precision(
+        "float32", CPU, root, gguf=gguf, kv_cache_dtype="bfloat16"
+    ) == Precision(torch.float32, kv_dtype=torch.bfloat16)
+    assert resolve_precision(
+        "bfloat16", CPU, root, gguf=None, kv_cache_dtype="bfloat16"
+    ) == Precision(torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int8'"):
+        resolve_precision("auto", CPU, root, gguf=gguf, kv_cache_dtype="int8")
 
 
 def test_without_kernels_auto_is_the_probes_choice(

@@ -166,6 +166,7 @@ def test_runner_uses_the_blocks_for_every_projection(
         "deterministic": False,
         "dtype": "float32",
         "dense_dtype": "float32",
+        "kv_cache_dtype": "float32",
         "row_activations": "float32",
         "int8_batched_projections": 0,
     }

@@ -76,7 +76,7 @@ class Step:
         k_pool, v_pool = self.k_pool.clone(), self.v_pool.clone()
         out = torch.empty_like(self.q)
         rc = kernels.attention(
-            *self._args(k_pool, v_pool), *self._shape(), 0.125, out.data_ptr(), threads
+            *self._args(k_pool, v_pool), *self._shape(), 0.125, out.data_ptr(), threads, 0
         )
         assert rc == 0
         return out
@@ -90,7 +90,7 @@ class Step:
         out = torch.full_like(self.q, float("nan"))
         rc = kernels.prefill_attention(
             *self._args(k_pool, v_pool), runs.data_ptr(), int(runs.shape[0]), *self._shape(),
-            0.125, out.data_ptr(), threads,
+            0.125, out.data_ptr(), threads, 0,
         )  # fmt: skip
         assert rc == 0
         return out
@@ -139,6 +139,6 @@ def test_a_run_outside_the_step_is_refused(kernels: Kernels) -> None:
         out = torch.empty_like(step.q)
         rc = kernels.prefill_attention(
             *step._args(step.k_pool.clone(), step.v_pool.clone()), runs.data_ptr(), 1,
-            *step._shape(), 0.125, out.data_ptr(), 1,
+            *step._shape(), 0.125, out.data_ptr(), 1, 0,
         )  # fmt: skip
         assert rc == -1, bad
