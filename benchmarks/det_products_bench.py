@@ -100,7 +100,7 @@ def steps(batch: int, rounds: int, context: int) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from step_bench import Stream
 
-    loaded = load_model("default")
+    loaded = load_model("default", deterministic=True)  # a float32 KV cache, as the mode keeps
     init = _qkernels.Kernels.__init__
 
     def f32_init(self: Kernels, *args: object) -> None:

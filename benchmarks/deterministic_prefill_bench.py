@@ -236,7 +236,7 @@ def main() -> None:
         kernel(args.rounds * 6)
     if not (args.split or args.compare):
         return
-    loaded = load_model(args.model, dtype="auto", device="cpu")
+    loaded = load_model(args.model, dtype="auto", device="cpu", deterministic=True)
     runner = ModelRunner(loaded, deterministic=True)
     print(f"threads {torch.get_num_threads()}, budget {args.budget}")
     with torch.inference_mode():

@@ -143,7 +143,7 @@ def choose_attention(
     """The attention backend of a model of these shapes on ``device`` computing in ``dtype``,
     given the quantised ``kernels`` (None: none here); the one place a backend is chosen. The C
     backend plans for torch any step whose KV cache it cannot read (not float32 or bfloat16:
-    :data:`._cattention.C_POOL_DTYPES`)."""
+    :data:`._qkernels.C_POOL_DTYPES`)."""
     if (
         kernels is not None
         and device.type == "cpu"

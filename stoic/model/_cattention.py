@@ -26,12 +26,9 @@ import torch
 
 from ._cdecode import block_tables
 from ._paged import StepMetadata, paged_attention, write_kv
-from ._qkernels import MAX_HEAD_DIM, Kernels
+from ._qkernels import C_POOL_DTYPES, MAX_HEAD_DIM, Kernels
 
-__all__ = ["C_POOL_DTYPES", "PagedCAttention"]
-
-#: the KV cache types the C attention reads (a bfloat16 pool widened exactly to float32)
-C_POOL_DTYPES = (torch.float32, torch.bfloat16)
+__all__ = ["PagedCAttention"]
 
 
 class PagedCAttention:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ._paged import StepMetadata
-from ._qkernels import MAX_HEAD_DIM, Kernels, Product
+from ._qkernels import C_POOL_DTYPES, MAX_HEAD_DIM, Kernels, Product
 from ._quant import MAX_KERNEL_ROWS
 from ._stepprogress import tick
 
@@ -95,7 +95,10 @@ class CDecoder:
 
     def accepts(self, step: StepMetadata, tokens: int) -> bool:
         """Whether this step is one :meth:`forward` runs (decode only, few tokens; any with
-        :attr:`every_step`)."""
+        :attr:`every_step`) over a cache the kernels read (float32 or bfloat16 pools: a
+        float16 cache keeps torch's layers)."""
+        if step.cache.spec.dtype not in C_POOL_DTYPES:
+            return False
         if self.every_step:
             return tokens > 0
         return not step.prefills and bool(step.decodes) and 0 < tokens <= self.max_tokens

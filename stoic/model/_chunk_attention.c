@@ -127,12 +127,12 @@ ca_values(const int LANES, const int G, const float *p, int64_t count, const int
         const int64_t g = count - q0 < G ? count - q0 : G;
         int64_t longest = 0;
         for (int64_t j = 0; j < g; j++) longest = lens[q0 + j] > longest ? lens[q0 + j] : longest;
-        __m512 acc[4][4];
+        __m512 acc[4][8]; /* G <= 4 queries of LANES <= 8 vectors: (4, 4) and (2, 8) */
         for (int j = 0; j < G; j++)
             for (int i = 0; i < LANES; i++) acc[j][i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < longest; t++) {
             const int64_t vp = (table[t / block] * block + t % block) * dh;
-            __m512 v[4];
+            __m512 v[8];
             for (int i = 0; i < LANES; i++) v[i] = pool_load16(v_pool, vp + 16 * i, bf16);
             for (int j = 0; j < G; j++) {
                 if (j >= g) break;

@@ -47,6 +47,7 @@ import torch
 from .._logging import get_logger
 
 __all__ = [
+    "C_POOL_DTYPES",
     "G8_TYPES",
     "GGML_TYPES",
     "MAX_HEAD_DIM",
@@ -102,6 +103,8 @@ _G8 = 130
 G8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
 #: the largest head dimension the attention kernels take (``MAX_HEAD_DIM`` in ``_qkernels.c``)
 MAX_HEAD_DIM = 256
+#: the KV cache types the C attention reads (``kv_bf16``: a bfloat16 pool, widened exactly)
+C_POOL_DTYPES = (torch.float32, torch.bfloat16)
 _BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
     # a missing declaration is an error (the library would load and fail at its first call);

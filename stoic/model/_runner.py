@@ -166,6 +166,9 @@ class ModelRunner:
         )
         if why is None and deterministic and self._head.product is None:
             why = "the output layer has no quantised blocks the kernels compute on"
+        if why is None and deterministic and loaded.cache_dtype != torch.float32:
+            name = str(loaded.cache_dtype).removeprefix("torch.")
+            why = f"its attention reads a float32 KV cache, not {name} (--kv-cache-dtype float32)"
         if why is not None:
             raise refuse(why)
         #: the attention backend (:mod:`._attention`), chosen at load: the fused decoder's (by
