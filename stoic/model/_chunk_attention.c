@@ -1,6 +1,6 @@
 /* ---- Prompt chunks' attention in the default mode: the chunk's queries against its sequence's
  * keys and values where they lie in the paged pools. Built after _qkernels.c into the same
- * library (its exp_nonpositive and MAX_HEAD_DIM).
+ * library (its exp_nonpositive, pool_float, pool_load16 and MAX_HEAD_DIM).
  *
  * What it replaces: torch's SDPA over the chunk (its keys gathered from the pools first when
  * the chunk does not start at position 0). On the CPU, SDPA's flash kernel takes a tile of 512
@@ -19,8 +19,8 @@
  * one pass over the values, 4 queries at a time for a head dimension of 64 (each value row read
  * once for 4 queries).
  *
- * float32 arithmetic (a bfloat16 pool's keys and values widened exactly); results differ from SDPA's by float32 rounding (tests/model/
- * test_chunk_attention.py). Needs AVX-512 (returns 1 without: the caller keeps SDPA). */
+ * float32 arithmetic (a bfloat16 pool's keys and values widened exactly); results differ from
+ * SDPA's by float32 rounding (tests/model/test_chunk_attention.py). Needs AVX-512 (returns 1 without: the caller keeps SDPA). */
 #define CA_ROWS 16  /* chunk rows a job */
 #define CA_GROUP 8  /* queries sharing one load of keys in the scores */
 #define CA_TILE 16  /* keys a tile */
@@ -49,16 +49,7 @@ static void ca_transpose(const void *k_pool, const int64_t *table, int64_t block
                 continue;
             }
             const int64_t at = (table[t / block] * block + t % block) * dh;
-            if (bf16) {
-                const uint16_t *kp = (const uint16_t *)k_pool + at;
-                for (int64_t d = 0; d < dh; d++) {
-                    const uint32_t u = (uint32_t)kp[d] << 16;
-                    memcpy(dst + d * CA_TILE + j, &u, sizeof u);
-                }
-            } else {
-                const float *kp = (const float *)k_pool + at;
-                for (int64_t d = 0; d < dh; d++) dst[d * CA_TILE + j] = kp[d];
-            }
+            for (int64_t d = 0; d < dh; d++) dst[d * CA_TILE + j] = pool_float(k_pool, at + d, bf16);
         }
     }
 }
@@ -212,8 +203,8 @@ static int ca_job(const float *q, const float *kt, const void *v_pool, const int
  * q [n, heads, dh] float32, out likewise; row r attends the sequence's keys and values 0 ..
  * start_pos + r, which lie (already written) in the pools (each [rows, block, dh]): key t of kv
  * head g at pool row table[g * nblocks + t / block], offset t % block. Query head i reads kv
- * head i / (heads / kv_heads). The pools are float32, or bfloat16 with `kv_bf16`. Returns 0; 1 where this build has no AVX-512 (nothing
- * computed); -1 for shapes it does not take (dh not a multiple of 16 or over MAX_HEAD_DIM,
+ * head i / (heads / kv_heads). The pools are float32, or bfloat16 with `kv_bf16`. Returns 0; 1
+ * where this build has no AVX-512 (nothing computed); -1 for shapes it does not take (dh not a multiple of 16 or over MAX_HEAD_DIM,
  * heads not a multiple of kv_heads, the table too short); -2 out of memory. */
 int stoic_chunk_attention(const float *q, const void *k_pool, const void *v_pool,
                           const int64_t *table, int64_t nblocks, int64_t start_pos, int64_t n,

@@ -136,11 +136,17 @@ def require_deterministic(
     if dtype != torch.float32:
         name = str(dtype).removeprefix("torch.")
         raise refuse(f"the C layers compute in float32, not {name} (--dtype auto or float32)")
-    if kv_dtype != torch.float32:
-        name = str(kv_dtype).removeprefix("torch.")
-        raise refuse(
-            f"its attention reads a float32 KV cache, not {name} (--kv-cache-dtype auto or float32)"
-        )
+    if (why := cache_refusal(kv_dtype)) is not None:
+        raise refuse(why)
+
+
+def cache_refusal(kv_dtype: torch.dtype) -> str | None:
+    """Why a ``kv_dtype`` KV cache cannot run deterministically (None: it can): the rows kernel
+    (``_rows_attention.c``) reads float32 pools."""
+    if kv_dtype == torch.float32:
+        return None
+    name = str(kv_dtype).removeprefix("torch.")
+    return f"its attention reads a float32 KV cache, not {name} (--kv-cache-dtype auto or float32)"
 
 
 def refusal(fused: Any, rotary: Any) -> str | None:

@@ -37,7 +37,13 @@ from .._logging import get_logger
 from ..config import Quantization
 from ..errors import ModelUnavailable
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
-from ._precision import Precision, parse_dtype, resolve_dtype, resolve_precision
+from ._precision import (
+    Precision,
+    parse_dtype,
+    parse_kv_cache_dtype,
+    resolve_dtype,
+    resolve_precision,
+)
 from ._progress import heartbeat
 from ._source import (
     HINT,
@@ -267,10 +273,7 @@ def load_model(
     if not weights and dev.type == "cuda" and dtype in (None, "auto"):
         # the server of a worker process must not ask the GPU (that creates a CUDA context
         # here): the worker resolves "auto" itself; bfloat16 (float16's size) stands in here
-        explicit = None if kv_cache_dtype in (None, "auto") else kv_cache_dtype
-        precision = Precision(
-            torch.bfloat16, kv_dtype=None if explicit is None else parse_dtype(explicit)
-        )
+        precision = Precision(torch.bfloat16, kv_dtype=parse_kv_cache_dtype(kv_cache_dtype))
     else:
         precision = resolve_precision(
             dtype,

@@ -54,6 +54,7 @@ __all__ = [
     "Precision",
     "decodes_on_blocks",
     "parse_dtype",
+    "parse_kv_cache_dtype",
     "resolve_dtype",
     "resolve_precision",
 ]
@@ -92,6 +93,22 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
     return DTYPE_NAMES[dtype]
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``--kv-cache-dtype`` as a dtype; None for ``auto`` (or None: the rule of
+    :func:`resolve_precision` decides).
+
+    :raises ValueError: for a name not in :data:`KV_CACHE_DTYPES`.
+    """
+    if kv_cache_dtype in (None, "auto"):
+        return None
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown KV cache dtype {kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    assert kv_cache_dtype is not None
+    return parse_dtype(kv_cache_dtype)
 
 
 def resolve_dtype(
@@ -144,11 +161,7 @@ def resolve_precision(
     :raises ValueError: for an unknown dtype name.
     """
     chosen = resolve_dtype(dtype, device, cache_root)
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"unknown KV cache dtype {kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
-        )
-    kv = None if kv_cache_dtype in (None, "auto") else parse_dtype(kv_cache_dtype)
+    kv = parse_kv_cache_dtype(kv_cache_dtype)
     on_blocks = (
         dtype in (None, "auto")
         and device.type == "cpu"

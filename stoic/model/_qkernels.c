@@ -728,6 +728,14 @@ static float softmax_numerators(float *scores, int64_t len, float top) {
  * attention streams, which bounds it). A bfloat16 element is a float32's upper half, so a load
  * widens exactly (a shift); a write rounds to nearest even, as torch's conversion does. The
  * kernels below take `bf16` as a constant of each caller, so each compiles twice. */
+static inline float pool_float(const void *pool, int64_t at, int bf16) {
+    if (!bf16) return ((const float *)pool)[at];
+    const uint32_t u = (uint32_t)((const uint16_t *)pool)[at] << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 static inline __m256 pool_load8(const void *pool, int64_t at, int bf16) {
     if (bf16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(

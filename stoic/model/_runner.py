@@ -21,7 +21,7 @@ from ._batch import SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._compute import ComputePath, matrix_types
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
-from ._deterministic import refusal, refuse
+from ._deterministic import cache_refusal, refusal, refuse
 from ._fused import FusedLlama, fuse_llama
 from ._grammar import GrammarBackend
 from ._inputs import build_inputs
@@ -166,9 +166,8 @@ class ModelRunner:
         )
         if why is None and deterministic and self._head.product is None:
             why = "the output layer has no quantised blocks the kernels compute on"
-        if why is None and deterministic and loaded.cache_dtype != torch.float32:
-            name = str(loaded.cache_dtype).removeprefix("torch.")
-            why = f"its attention reads a float32 KV cache, not {name} (--kv-cache-dtype float32)"
+        if why is None and deterministic:
+            why = cache_refusal(loaded.cache_dtype)
         if why is not None:
             raise refuse(why)
         #: the attention backend (:mod:`._attention`), chosen at load: the fused decoder's (by
