@@ -211,6 +211,7 @@ class ThreadBackend(StepBackend):
         assert kv is not None, "the thread executor needs the KV tensors in this process"
         assert self._runner is not None, "prepare() first"
         self._kv = kv
+        self._worker.set_idle(kv.commit_idle)  # its pages, while no step is queued
         return Attached(os.getpid(), self._runner.compute_path)
 
     async def run_step(
@@ -236,6 +237,7 @@ class ThreadBackend(StepBackend):
 
     def detach(self) -> None:
         self._kv = None
+        self._worker.set_idle(None)
 
     def progress(self) -> int:
         return self._runner.progress.count if self._runner is not None else 0

@@ -194,6 +194,9 @@ def worker_main(conn: Connection, parent: int) -> None:
     _warm_up(runner, kv)
     _send(conn, ("ready", os.getpid(), runner.quantized, sizing))
     while True:
+        if kv.committing and not conn.poll(0):
+            kv.commit_idle()  # no step waiting: commit more of the cache's pages
+            continue
         try:
             message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):

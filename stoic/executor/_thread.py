@@ -21,6 +21,10 @@ T = TypeVar("T")
 _JOIN_TIMEOUT = 2.0
 
 
+def _nothing() -> None:
+    return None
+
+
 class StepWorker:
     """One dedicated daemon thread that runs callables in order.
 
@@ -31,11 +35,29 @@ class StepWorker:
         self._queue: queue.SimpleQueue[
             tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
         ] = queue.SimpleQueue()
+        self._idle: Callable[[], bool] | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
+    def set_idle(self, work: Callable[[], bool] | None) -> None:
+        """Short work for the thread while no callable is queued (the KV cache's pages:
+        :meth:`stoic.model.PagedKVCache.commit_idle`), called until it returns False or is
+        replaced; one call is the longest a queued callable waits for it. None: no more."""
+        self._idle = work
+        if work is not None:  # wake a thread waiting for a callable
+            self._queue.put((_nothing, concurrent.futures.Future()))
+
+    def _next(self) -> tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None:
+        while (idle := self._idle) is not None:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                if not idle() and self._idle is idle:
+                    self._idle = None
+        return self._queue.get()
+
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (item := self._next()) is not None:
             fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue
