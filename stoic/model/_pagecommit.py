@@ -1,20 +1,21 @@
 """Committing a host KV cache's pages in the step thread's idle time.
 
 A pool from ``torch.empty`` is address space only: each 4 KiB page is faulted in by the first
-step that writes it, inside that step. Where a first touch is dear that is most of a prompt
-chunk's cost: on this project's virtual machines (the host backs each page on its first touch,
-and takes freed memory back) it costs about 25 us a page, a 225-token chunk of the default model
-writes some 1,300 fresh pages, and that step took 285 ms against 185 ms over committed pages.
+step that writes it, inside that step. Where a first touch is dear that is a large part of a
+prompt chunk's cost: on this project's virtual machines (the host backs each page on its first touch,
+and takes freed memory back) it costs about 35 us a page, a 225-token chunk of the default model
+writes some 1,300 fresh pages, and that step took 1.25-1.65x its time over committed pages
+(``benchmarks/kv_commit_bench.py``).
 Every token a server has not yet held pays it until the whole cache has been used once.
 
 Committing the whole cache before reporting ready (llama.cpp clears its KV buffer at start)
 took 6-7 s a GiB there: a restarted worker would take twice as long to take over. Committing
-in a background thread, even at nice 19, slowed the steps it ran beside by 10-15% (it preempts
-one of the step's threads for a whole time slice). So the thread that runs the steps commits
-the pages itself while it has no step to run (:meth:`PageCommitter.advance`, a few hundred
-KiB a call, then it looks for a step again): a server idle for some seconds after start is
-committed by its first busy minute, a busy one commits nothing and pays the first touches as
-before, and no step waits more than one call's pages (under 2 ms at 25 us a page; about 0.05
+in a background thread, even at nice 19, slowed the steps it ran beside by 10-15% (when it ran it held
+a core for a whole time slice, which a step's threads then waited for). So the thread that runs the steps commits
+the pages itself while it has no step to run (:meth:`PageCommitter.advance`, 256 KiB a
+call, then it looks for a step again): a server idle for some seconds after start has
+its whole cache committed by then, a busy one commits nothing and pays the first touches as
+before, and no step waits more than one call's pages (about 2 ms at 35 us a page; about 0.05
 ms on a machine whose first touch costs 0.5 us).
 
 The call is ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): the kernel faults each page in,
