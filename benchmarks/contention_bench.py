@@ -49,9 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.cpu import cpu_model
 from harness.load import Result, run_load
 from harness.report import markdown
-from harness.servers import System, llama_system, stoic_server
-
-from stoic.model import default_gguf_path
+from harness.servers import System, llama_system, model_file, model_flags, stoic_server
 
 CONDITIONS = ("quiet", "neighbour", "quota")
 TOPICS = ("a lighthouse", "a bicycle", "the moon", "a library", "a river", "a clock", "snow")
@@ -199,8 +197,8 @@ STOIC_FLAGS = {
 def make_system(work: Path, name: str, label: str, args: argparse.Namespace) -> System | None:
     """System ``name`` (None: llama-server without ``--llama-server``, stoic-baseline without
     ``--baseline-tree``)."""
-    gguf = default_gguf_path() if args.model == "default" else Path(args.model)
-    model = [] if args.model == "default" else ["--model", str(gguf)]
+    gguf = model_file(args.model)
+    model = model_flags(gguf)
     if name in STOIC_FLAGS:
         return stoic_server(work, label, [*STOIC_FLAGS[name], *model], log_level="info")
     if name == "stoic-baseline" and args.baseline_tree:

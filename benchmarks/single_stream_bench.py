@@ -33,7 +33,14 @@ from harness import ROOT
 from harness.cpu import cpu_flags, cpu_model, versions
 from harness.load import Result, run_load
 from harness.report import fmt_ms, fmt_s, markdown
-from harness.servers import System, llama_system, stoic_server, transformers_system
+from harness.servers import (
+    System,
+    llama_system,
+    model_file,
+    model_flags,
+    stoic_server,
+    transformers_system,
+)
 
 LEVELS = (1, 8, 32)
 REQUESTS = {1: 8, 8: 32, 32: 64}
@@ -80,25 +87,14 @@ def table(results: list[tuple[str, Result]], baseline: str) -> str:
     return markdown(head, rows)
 
 
-def model_files(names: Sequence[str]) -> list[Path]:
-    """``--model``'s GGUF files, ``default`` the shipped one. :raises SystemExit: one missing."""
-    from stoic.model import default_gguf_path
-
-    files = [default_gguf_path() if n == "default" else Path(n) for n in names]
-    for f in files:
-        if not f.is_file():
-            raise SystemExit(f"--model: no such file: {f}")
-    return files
-
-
 def model_systems(args: argparse.Namespace, work: Path, gguf: Path, slots: int) -> list[System]:
     """The systems measured on ``gguf``: stoic serve with its defaults (and its options off),
     llama-server and transformers serve (the default model only) as asked."""
     import torch
 
-    from stoic.model import default_gguf_path, resolve_dtype
+    from stoic.model import resolve_dtype
 
-    model = [] if gguf == default_gguf_path() else ["--model", str(gguf)]
+    model = model_flags(gguf)
     work = work / gguf.stem
     systems = [stoic_server(work, "stoic serve", model)]
     if not args.no_options:
@@ -150,7 +146,7 @@ async def run(args: argparse.Namespace) -> str:
     work = Path(tempfile.mkdtemp(prefix="stoic-single-stream-"))
     levels = sorted(set(args.levels))
     requests = {c: args.requests or REQUESTS.get(c, 2 * c) for c in levels}
-    files = model_files(args.model)
+    files = [model_file(name) for name in args.model]
     results: list[tuple[str, Result]] = []
     failed: list[str] = []
     started = time.time()

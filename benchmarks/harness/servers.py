@@ -171,6 +171,26 @@ def llama_system(work: Path, binary: str, gguf: Path, slots: int) -> System:
     return System("llama.cpp server", argv, port, "default", dict(GREEDY), work / "llama.log")
 
 
+def model_file(name: str) -> Path:
+    """A benchmark's ``--model``: a GGUF file, ``default`` the shipped one.
+
+    :raises SystemExit: if the file does not exist.
+    """
+    from stoic.model import default_gguf_path
+
+    path = default_gguf_path() if name == "default" else Path(name)
+    if not path.is_file():
+        raise SystemExit(f"--model: no such file: {path}")
+    return path
+
+
+def model_flags(gguf: Path) -> list[str]:
+    """``stoic serve``'s flags for ``gguf``: none for the shipped model (its default)."""
+    from stoic.model import default_gguf_path
+
+    return [] if gguf == default_gguf_path() else ["--model", str(gguf)]
+
+
 def stoic_server(
     work: Path,
     name: str,
