@@ -193,8 +193,9 @@ def worker_main(conn: Connection, parent: int) -> None:
     kv = PagedKVCache(kv_spec)
     _warm_up(runner, kv)
     _send(conn, ("ready", os.getpid(), runner.quantized, sizing))
+    serving = False  # a warm spare commits no pages until it serves: it may never
     while True:
-        if kv.committing and not conn.poll(0):
+        if serving and kv.committing and not conn.poll(0):
             kv.commit_idle()  # no step waiting: commit more of the cache's pages
             continue
         try:
@@ -222,6 +223,7 @@ def worker_main(conn: Connection, parent: int) -> None:
                 _send(conn, ("reset",))
             case ("role", str(role), incarnation):
                 set_title(role, incarnation)
+                serving = role == "serving"
             case ("stop",):
                 return
             case _:

@@ -9,9 +9,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._logging import get_logger
+
 __all__ = ["StepWorker"]
 
 T = TypeVar("T")
+_log = get_logger("stoic.executor")
 
 #: how long leaving a StepWorker waits for its thread to end. In an orderly stop its callables
 #: are done and it ends at once; the wait matters because a thread that ran torch and is still
@@ -36,6 +39,7 @@ class StepWorker:
             tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
         ] = queue.SimpleQueue()
         self._idle: Callable[[], bool] | None = None
+        self._idle_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -43,7 +47,8 @@ class StepWorker:
         """Short work for the thread while no callable is queued (the KV cache's pages:
         :meth:`stoic.model.PagedKVCache.commit_idle`), called until it returns False or is
         replaced; one call is the longest a queued callable waits for it. None: no more."""
-        self._idle = work
+        with self._idle_lock:
+            self._idle = work
         if work is not None:  # wake a thread waiting for a callable
             self._queue.put((_nothing, concurrent.futures.Future()))
 
@@ -52,8 +57,16 @@ class StepWorker:
             try:
                 return self._queue.get_nowait()
             except queue.Empty:
-                if not idle() and self._idle is idle:
-                    self._idle = None
+                pass
+            try:
+                more = idle()
+            except Exception as exc:  # optional work: never the end of the step thread
+                _log.warning("executor.idle_work_failed", error=repr(exc))
+                more = False
+            if not more:
+                with self._idle_lock:  # unless set_idle replaced it meanwhile
+                    if self._idle is idle:
+                        self._idle = None
         return self._queue.get()
 
     def _loop(self) -> None:

@@ -71,3 +71,14 @@ async def test_idle_work_replaced_by_none_stops_at_once() -> None:
         stopped_at = runs
         await asyncio.sleep(0.05)
         assert runs == stopped_at
+
+
+async def test_idle_work_that_raises_is_dropped_and_the_thread_runs_steps_on() -> None:
+    def idle() -> bool:
+        raise RuntimeError("broken idle work")
+
+    with StepWorker("test-idle-raises") as worker:
+        worker.set_idle(idle)
+        # a thread the exception ended would never answer: the wait would time out
+        assert await asyncio.wait_for(worker.run(lambda: 7), 5) == 7
+        assert await asyncio.wait_for(worker.run(lambda: 8), 5) == 8
