@@ -55,7 +55,6 @@ def main() -> None:
     while committed.commit_idle():
         pass
     commit_s = time.perf_counter() - began
-    assert committed.pages is not None
     greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def step(cache: PagedKVCache, seq: int) -> tuple[float, int]:

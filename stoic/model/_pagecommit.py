@@ -2,28 +2,29 @@
 
 A pool from ``torch.empty`` is address space only: each 4 KiB page is faulted in by the first
 step that writes it, inside that step. Where a first touch is dear that is a large part of a
-prompt chunk's cost: on this project's virtual machines (the host backs each page on its first touch,
-and takes freed memory back) it costs about 35 us a page, a 225-token chunk of the default model
-writes some 1,300 fresh pages, and that step took 1.25-1.65x its time over committed pages
-(``benchmarks/kv_commit_bench.py``).
-Every token a server has not yet held pays it until the whole cache has been used once.
+prompt chunk's cost: on this project's virtual machines (the host backs each page on its first
+touch, and takes freed memory back) it costs about 35 us a page, a 225-token chunk of the
+default model writes some 1,300 fresh pages, and that step took 1.25-1.65x its time over
+committed pages (``benchmarks/kv_commit_bench.py``). Every token a server has not yet held pays
+it until the whole cache has been used once.
 
 Committing the whole cache before reporting ready (llama.cpp clears its KV buffer at start)
 took 6-7 s a GiB there: a restarted worker would take twice as long to take over. Committing
-in a background thread, even at nice 19, slowed the steps it ran beside by 10-15% (when it ran it held
-a core for a whole time slice, which a step's threads then waited for). So the thread that runs the steps commits
-the pages itself while it has no step to run (:meth:`PageCommitter.advance`, 256 KiB a
-call, then it looks for a step again): a server idle for some seconds after start has
-its whole cache committed by then, a busy one commits nothing and pays the first touches as
-before, and no step waits more than one call's pages (about 2 ms at 35 us a page; about 0.03
-ms on a machine whose first touch costs 0.5 us).
+in a background thread, even at nice 19, slowed the steps it ran beside by 10-15% (when it ran
+it held a core for a whole time slice, which a step's threads then waited for). So the thread
+that runs the steps commits the pages itself while it has no step to run
+(:meth:`PageCommitter.advance`, 256 KiB a call, then it looks for a step again): a server idle
+for some seconds after start has its whole cache committed by then, a busy one commits nothing
+and pays the first touches as before, and no step waits more than one call's pages (about 2 ms
+at 35 us a page; about 0.03 ms on a machine whose first touch costs 0.5 us).
 
 The call is ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): the kernel faults each page in,
 writable, without touching its contents, so it is right for pools that already hold live
 keys and values. Without it (another kernel or platform) nothing is committed ahead; a call
 the kernel refuses (``EINVAL``: a kernel before 5.14; ``ENOMEM``) ends the work with one
 ``kv_cache.commit_stopped`` warning. A warm spare commits nothing until it serves (the worker's
-``role``): it may never, and it would take the CPU beside the serving worker's steps.
+``role``): it may never, and it would take the CPU beside the serving worker's steps. A
+device's tensors have nothing to commit (their memory is allocated when asked).
 """
 
 from __future__ import annotations

@@ -105,21 +105,18 @@ class PagedKVCache:
             torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
         ]
         #: a host cache's pages, committed by the step thread while it has no step to run
-        #: (:mod:`._pagecommit`); None on a device (its memory is allocated when asked)
-        self.pages: PageCommitter | None = (
-            PageCommitter([*self.keys, *self.values]) if spec.device.type == "cpu" else None
-        )
+        #: (:mod:`._pagecommit`); nothing to commit on a device (memory allocated when asked)
+        self.pages = PageCommitter([*self.keys, *self.values])
 
     @property
     def committing(self) -> bool:
         """Whether pages are left to commit (:attr:`pages`; never once released)."""
-        return self.pages is not None and bool(self.keys) and self.pages.pending
+        return bool(self.keys) and self.pages.pending
 
     def commit_idle(self) -> bool:
         """Commit one call's worth of :attr:`pages`, the step thread's work while it has no step
         to run (a call is short: :data:`~._pagecommit.STEP_BYTES`); returns :attr:`committing`."""
         if self.committing:
-            assert self.pages is not None
             self.pages.advance()
         return self.committing
 
