@@ -96,7 +96,7 @@ class ComputePath:
     kv_cache_dtype: str = "float32"
     #: projections (of ``projections``) whose steps of more than ``kernel_rows`` tokens multiply
     #: the blocks by int8 activations instead of a dense copy (``_gemm8.c``: the same mode and
-    #: CPUs as ``row_activations`` int8; every part of a type the layout holds, not Q6_K)
+    #: CPUs as ``row_activations`` int8; every part of a type the layout holds)
     int8_batched_projections: int = 0
 
     def card(self) -> dict[str, Any]:

@@ -14,9 +14,9 @@ C layers (:mod:`._cdecode`), prefill chunks included:
 * every product in a fixed order: each output element by one instruction sequence whatever the
   number of rows, the tile it lands in or the thread count. Where the CPU has AVX-512 VNNI and
   the model runs with a fast dense dtype, on int8 activations, as the default mode's products
-  (``_gemm8.c``'s G8 layout for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K: each row of x
-  quantised per block of 32 on its own, exact integer sums, the blocks' scaled sums added in
-  block order; 1.25 bytes a weight, no bfloat16 copy). Otherwise (a Q6_K matrix, no VNNI),
+  (``_gemm8.c``'s G8 layouts for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K: each row of
+  x quantised per block of 32 on its own, exact integer sums, the blocks' scaled sums added in
+  block order; 1.125-1.5 bytes a weight, no bfloat16 copy). Otherwise (no VNNI),
   where the CPU has AVX512_BF16
   (``_bf16fixed.c``) in bfloat16 x bfloat16 -> float32, the fast dtype's products (what the
   default mode's bfloat16 copy computes for big steps): x rounded to bfloat16 once, the weights

@@ -9,34 +9,69 @@
  * weights are laid out once at load so that one 64-byte load holds 4 consecutive weights of 16
  * output columns: a vpdpbusd of it by 4 bytes of one row of x, broadcast, adds 64 products into
  * that row's 16 int32 column sums, with no horizontal reduction and no expansion per row; the
- * load serves 4 rows, and each broadcast of x 3 such loads (g8_tile). Measured against the bfloat16 product packed for oneDNN (docs/benchmarks.md,
- * "int8 activations for batched steps"): 0.61-0.77x its time on one thread at 16-256 rows.
+ * load serves 4 rows, and each broadcast of x 3 such loads (g8_tile). Measured against the
+ * bfloat16 product packed for oneDNN (docs/benchmarks.md, "int8 activations for batched
+ * steps"): 0.61-0.77x its time on one thread at 16-256 rows.
  *
  * G8, per tile of 16 output columns (rows of W; N padded to a multiple of 16 with zeros), per
  * block b of 32 columns of x, 640 bytes:
  *     u8 q[8][16][4]   q[g][n][k]: weight 32 b + 4 g + k of output column 16 t + n, unsigned
  *     f32 d[16]        w = q * d + m, exactly the value the file's block gives (gguf-py's
  *     f32 m[16]        de-quantisation), for every type stoic_g8_decode reads
- * Types (stoic_g8_decode): Q4_0 (m = -8 d), Q4_1, Q5_0 (m = -16 d), Q5_1, Q8_0 (q + 128, m =
- * -128 d), Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min). Q6_K (a
- * scale per 16 weights) is not read: a matrix with a Q6_K part keeps the bfloat16 copy.
+ * Three variants, the layout's bits over G8 (one for a whole matrix, whatever its parts):
+ *   +1 halves (H), a matrix with a Q6_K part (a scale per 16 weights): d[2][16] and m[2][16],
+ *      one pair for each half of a block (weights 0-15, 16-31); the tile sums each half's
+ *      products apart (groups 0-3, then 4-7) and scales each by its own d and m;
+ *   +2 symmetric (S), every block's m = -128 d (Q4_0, Q5_0, Q8_0 and Q6_K, whose unsigned
+ *      values are offset to centre on 128): no m stored; the tile starts each block's integer
+ *      sum at -128 sum(xq) instead of adding m sx afterwards, one float operation fewer a
+ *      block and column (the products are bound by those operations: 0.90x the time, and
+ *      0.90x the bytes);
+ *   so 640 (G8), 768 (H), 576 (S) or 640 (H and S) bytes a block.
+ * Types (stoic_g8_decode): Q4_0 (q + 120), Q4_1, Q5_0 (q + 112), Q5_1, Q8_0 (q + 128), Q6_K
+ * (q + 96, per sub-block of 16: d = d_super * scale), all m = -128 d; Q4_K and Q5_K (per
+ * sub-block of 32: d = d_super * scale, m = -dmin * min).
  *
  * Numerics: those of _int8rows.c (its header): each block of 32 of a row of x quantised to int8
- * with its scale dx (and sx = dx * sum xq), the integer sums exact, then per block
- * y += d dx sum(q xq) + m sx in float32. Not the float product: the default mode with a fast
- * dtype only, never --dtype float32 nor --deterministic.
+ * with its scale dx (and sx = dx * sum xq), the integer sums exact, then per block (per half of
+ * one with H: sx then dx times the half's sum of xq) y += d dx sum(q xq) + m sx in float32, or
+ * with S y += d dx (sum(q xq) - 128 sum(xq)), the sum exact. Not the float product: never with
+ * --dtype float32.
  */
 
+#include <omp.h>
+
 #define G8_BYTES 640
+#define G8_HALVES 1    /* the layout's bits over G8 (qmm_dispatch's G8 .. G8 + 3) */
+#define G8_SYMMETRIC 2
 #define G8_TR 4 /* rows of x a tile of the product */
 #define G8_TC 3 /* tiles of 16 output columns a tile of the product */
 
-/* The natural-order unsigned q, d and m (w = q d + m) of N rows of GGML blocks of `type`
- * (K weights a row): 0, or -1 for a type this file does not read. */
+/* The natural-order unsigned q, and d and m per 16 weights (w = q d + m; both halves of a
+ * block of 32 alike but for Q6_K; m = -128 d for the symmetric types), of N rows of GGML blocks
+ * of `type` (K weights a row): 0, or -1 for a type this file does not read. */
 int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *q, float *d,
                     float *m) {
     const int64_t nb = K / QK;
     if (K % QK != 0) return -1;
+    if (type == Q6_K) {
+        if (K % 256 != 0) return -1;
+        for (int64_t i = 0; i < N * (K / 256); i++) {
+            const uint8_t *b = src + i * 210;
+            const float dd = half_to_float(b + 208);
+            for (int j = 0; j < 16; j++) {
+                d[i * 16 + j] = dd * (float)(int8_t)b[192 + j];
+                m[i * 16 + j] = -128.0f * d[i * 16 + j]; /* exact: a power of two */
+            }
+            for (int w = 0; w < 256; w++) { /* weight 128h + 32r + l (_kquants.c's header) */
+                const int h = w >> 7, r = (w >> 5) & 3, l = w & 31;
+                const int lo = (b[64 * h + 32 * (r & 1) + l] >> (4 * (r >> 1))) & 0x0F;
+                const int hi = (b[128 + 32 * h + l] >> (2 * r)) & 0x03;
+                q[i * 256 + w] = (uint8_t)((lo | (hi << 4)) + 96); /* (q - 32) + 128 */
+            }
+        }
+        return 0;
+    }
     if (type == Q4_K || type == Q5_K) {
         if (K % 256 != 0) return -1;
         const int64_t bytes = type == Q4_K ? 144 : 176;
@@ -47,9 +82,10 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
             unpack_scales(b + 4, sc, mn);
             const uint8_t *qh = b + 16, *qs = type == Q4_K ? b + 16 : b + 48;
             for (int j = 0; j < 8; j++) {
-                d[i * 8 + j] = dd * (float)sc[j];
-                m[i * 8 + j] = -(dmin * (float)mn[j]);
-                uint8_t *o = q + (i * 8 + j) * QK;
+                const int64_t blk = i * 8 + j;
+                d[2 * blk] = d[2 * blk + 1] = dd * (float)sc[j];
+                m[2 * blk] = m[2 * blk + 1] = -(dmin * (float)mn[j]);
+                uint8_t *o = q + blk * QK;
                 for (int l = 0; l < QK; l++) {
                     const uint8_t byte = qs[32 * (j / 2) + l];
                     uint8_t v = (uint8_t)((j & 1) ? byte >> 4 : byte & 0x0F);
@@ -62,16 +98,18 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
     }
     for (int64_t i = 0; i < N * nb; i++) {
         uint8_t *o = q + i * QK;
+        float di, mi;
         switch (type) {
         case Q4_0:
         case Q4_1: {
             const int64_t bytes = type == Q4_0 ? 18 : 20;
             const uint8_t *b = src + i * bytes, *qs = b + (type == Q4_0 ? 2 : 4);
-            d[i] = half_to_float(b);
-            m[i] = type == Q4_0 ? -8.0f * d[i] : half_to_float(b + 2);
+            const uint8_t off = type == Q4_0 ? 120 : 0; /* (q - 8) + 128 */
+            di = half_to_float(b);
+            mi = type == Q4_0 ? -128.0f * di : half_to_float(b + 2);
             for (int l = 0; l < 16; l++) {
-                o[l] = qs[l] & 0x0F;
-                o[l + 16] = qs[l] >> 4;
+                o[l] = (uint8_t)((qs[l] & 0x0F) + off);
+                o[l + 16] = (uint8_t)((qs[l] >> 4) + off);
             }
             break;
         }
@@ -81,47 +119,82 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
             const uint8_t *b = src + i * bytes, *qs = b + head + 4;
             uint32_t qh;
             memcpy(&qh, b + head, 4);
-            d[i] = half_to_float(b);
-            m[i] = type == Q5_0 ? -16.0f * d[i] : half_to_float(b + 2);
+            const uint8_t off = type == Q5_0 ? 112 : 0; /* (q - 16) + 128 */
+            di = half_to_float(b);
+            mi = type == Q5_0 ? -128.0f * di : half_to_float(b + 2);
             for (int l = 0; l < 16; l++) {
-                o[l] = (uint8_t)((qs[l] & 0x0F) | (((qh >> l) & 1) << 4));
-                o[l + 16] = (uint8_t)((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4));
+                o[l] = (uint8_t)(((qs[l] & 0x0F) | (((qh >> l) & 1) << 4)) + off);
+                o[l + 16] = (uint8_t)(((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) + off);
             }
             break;
         }
         case Q8_0: {
             const uint8_t *b = src + i * 34;
-            d[i] = half_to_float(b);
-            m[i] = -128.0f * d[i]; /* exact: a power of two times a half */
+            di = half_to_float(b);
+            mi = -128.0f * di; /* exact: a power of two times a half */
             for (int l = 0; l < QK; l++) o[l] = (uint8_t)((int)(int8_t)b[2 + l] + 128);
             break;
         }
         default:
             return -1;
         }
+        d[2 * i] = d[2 * i + 1] = di;
+        m[2 * i] = m[2 * i + 1] = mi;
     }
     return 0;
 }
 
-/* N rows of decoded q, d, m (stoic_g8_decode's, K weights a row) into G8 (out: the bytes of
- * stoic_g8_bytes(N, K), zeroed padding) */
-int64_t stoic_g8_bytes(int64_t N, int64_t K) { return (N + 15) / 16 * (K / QK) * G8_BYTES; }
+/* The layout N rows of decoded d and m (K weights a row) take: G8, plus G8_HALVES where some
+ * block's halves differ, plus G8_SYMMETRIC where every m is -128 d (bit for bit) */
+int stoic_g8_layout(const float *d, const float *m, int64_t N, int64_t K) {
+    int halves = 0, symmetric = 1;
+    for (int64_t i = 0; i < N * (K / QK); i++) {
+        halves |= memcmp(d + 2 * i, d + 2 * i + 1, 4) || memcmp(m + 2 * i, m + 2 * i + 1, 4);
+        for (int h = 0; h < 2; h++) {
+            const float want = -128.0f * d[2 * i + h];
+            symmetric &= !memcmp(m + 2 * i + h, &want, 4);
+        }
+    }
+    return G8 + (halves ? G8_HALVES : 0) + (symmetric ? G8_SYMMETRIC : 0);
+}
 
+/* the bytes of a block of 16 rows by 32 weights in `layout`; 0 for another */
+static int64_t g8_block_bytes(int layout) {
+    if (layout < G8 || layout > G8 + 3) return 0;
+    const int bits = layout - G8;
+    const int64_t scales = bits & G8_HALVES ? 2 : 1, offsets = bits & G8_SYMMETRIC ? 0 : 1;
+    return 512 + 64 * scales * (1 + offsets);
+}
+
+/* the bytes of N rows of K weights in `layout` (stoic_g8_layout's); 0 for another */
+int64_t stoic_g8_bytes(int64_t N, int64_t K, int layout) {
+    return (N + 15) / 16 * (K / QK) * g8_block_bytes(layout);
+}
+
+/* N rows of decoded q, d, m (stoic_g8_decode's, K weights a row) into `layout` (out: the bytes
+ * of stoic_g8_bytes, zeroed padding): 0, or -1 for another layout, K not a multiple of 32, or
+ * one the rows do not fit (halves that differ, an m not -128 d) */
 int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, int64_t K,
-                  uint8_t *out) {
-    const int64_t nb = K / QK, tiles = (N + 15) / 16;
-    if (K % QK != 0) return -1;
-    memset(out, 0, (size_t)stoic_g8_bytes(N, K));
+                  int layout, uint8_t *out) {
+    const int64_t nb = K / QK, tiles = (N + 15) / 16, bytes = g8_block_bytes(layout);
+    if (K % QK != 0 || !bytes) return -1;
+    const int bits = layout - G8, fits = stoic_g8_layout(d, m, N, K) - G8;
+    if ((bits & G8_HALVES) < (fits & G8_HALVES) || (bits & G8_SYMMETRIC) > (fits & G8_SYMMETRIC))
+        return -1;
+    const int halves = bits & G8_HALVES ? 2 : 1, offsets = !(bits & G8_SYMMETRIC);
+    memset(out, 0, (size_t)stoic_g8_bytes(N, K, layout));
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *blk = out + (t * nb + b) * G8_BYTES;
-            float *bd = (float *)(void *)(blk + 512), *bm = (float *)(void *)(blk + 576);
+            uint8_t *blk = out + (t * nb + b) * bytes;
+            float *bd = (float *)(void *)(blk + 512), *bm = bd + 16 * halves;
             for (int n = 0; n < 16 && t * 16 + n < N; n++) {
                 const int64_t row = t * 16 + n;
                 const uint8_t *qr = q + row * K + b * QK;
                 for (int g = 0; g < 8; g++) memcpy(blk + g * 64 + n * 4, qr + g * 4, 4);
-                bd[n] = d[row * nb + b];
-                bm[n] = m[row * nb + b];
+                for (int h = 0; h < halves; h++) {
+                    bd[16 * h + n] = d[2 * (row * nb + b) + h];
+                    if (offsets) bm[16 * h + n] = m[2 * (row * nb + b) + h];
+                }
             }
         }
     return 0;
@@ -142,37 +215,55 @@ static inline void g8_store_bf16(uint16_t *p, __m512 v, __mmask16 cols) {
  * cols[c]: the valid columns of tile c): y[r][16 C columns]. Each x value loaded (broadcast)
  * feeds C multiply-adds and each load of weights R: 4 rows by 3 tiles measured 1.14x the
  * throughput of 8 rows by one (docs/benchmarks.md, "int8 activations for batched steps").
- * Every element's arithmetic is the same whatever R, C and the row's place in the tile. */
+ * H, S: the layout's halves and symmetric bits. sx: [R][nb] ([R][nb][2] with H) the float sx
+ * of each block (half), or with S the int32 -128 sum(xq). While it runs, the lines from *pf to
+ * pf_end go into L2, pf_lines a block (the next tiles this thread multiplies: they would
+ * otherwise come from memory at their first row tile). Every element's arithmetic is the same
+ * whatever R, C, the prefetches and the row's place in the tile. */
 static inline __attribute__((always_inline)) void
-g8_tile(const int R, const int C, const int8_t *xq, const float *dx, const float *sx, int64_t K,
-        int64_t nb, const uint8_t *wt, int64_t tstride, void *y, int y_bf16, int64_t ldy,
-        const __mmask16 *cols, const float *bias) {
+g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, const float *dx,
+        const void *sx, int64_t K, int64_t nb, const uint8_t *wt, int64_t tstride, void *y,
+        int y_bf16, int64_t ldy, const __mmask16 *cols, const float *bias, const uint8_t **pf,
+        const uint8_t *pf_end, int64_t pf_lines) {
+    const int64_t bytes = 512 + 64 * (H ? 2 : 1) * (S ? 1 : 2), parts = H ? 2 : 1;
     __m512 acc[G8_TR][G8_TC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wt + b * G8_BYTES;
-        __m512i ia[G8_TR][G8_TC];
-        for (int r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) ia[r][c] = _mm512_setzero_si512();
-        for (int g = 0; g < 8; g++) {
-            __m512i w[G8_TC];
-            for (int c = 0; c < C; c++)
-                w[c] = _mm512_loadu_si512((const void *)(blk + c * tstride + g * 64));
+        const uint8_t *blk = wt + b * bytes;
+        for (int64_t i = 0; i < pf_lines && *pf < pf_end; i++, *pf += 64)
+            _mm_prefetch((const char *)*pf, _MM_HINT_T1);
+        for (int h = 0; h < parts; h++) {
+            __m512i ia[G8_TR][G8_TC];
             for (int r = 0; r < R; r++) {
-                int32_t xv;
-                memcpy(&xv, xq + r * K + b * QK + g * 4, 4);
-                const __m512i xb = _mm512_set1_epi32(xv);
-                for (int c = 0; c < C; c++) ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], w[c], xb);
+                const int32_t *offset = (const int32_t *)sx + (r * nb + b) * parts + h;
+                const __m512i start = S ? _mm512_set1_epi32(*offset) : _mm512_setzero_si512();
+                for (int c = 0; c < C; c++) ia[r][c] = start;
             }
-        }
-        for (int c = 0; c < C; c++) {
-            const __m512 d = _mm512_loadu_ps((const void *)(blk + c * tstride + 512));
-            const __m512 m = _mm512_loadu_ps((const void *)(blk + c * tstride + 576));
-            for (int r = 0; r < R; r++) {
-                const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b]));
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][c]), scale, acc[r][c]);
-                acc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r][c]);
+            for (int g = 8 / parts * h; g < 8 / parts * (h + 1); g++) {
+                __m512i w[G8_TC];
+                for (int c = 0; c < C; c++)
+                    w[c] = _mm512_loadu_si512((const void *)(blk + c * tstride + g * 64));
+                for (int r = 0; r < R; r++) {
+                    int32_t xv;
+                    memcpy(&xv, xq + r * K + b * QK + g * 4, 4);
+                    const __m512i xb = _mm512_set1_epi32(xv);
+                    for (int c = 0; c < C; c++)
+                        ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], w[c], xb);
+                }
+            }
+            for (int c = 0; c < C; c++) {
+                const float *dm = (const float *)(const void *)(blk + c * tstride + 512);
+                const __m512 d = _mm512_loadu_ps(dm + 16 * h);
+                const __m512 m = S ? d : _mm512_loadu_ps(dm + 16 * parts + 16 * h);
+                for (int r = 0; r < R; r++) {
+                    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b]));
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][c]), scale, acc[r][c]);
+                    if (!S) {
+                        const float s = ((const float *)sx)[(r * nb + b) * parts + h];
+                        acc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), acc[r][c]);
+                    }
+                }
             }
         }
     }
@@ -190,70 +281,126 @@ g8_tile(const int R, const int C, const int8_t *xq, const float *dx, const float
 }
 
 /* all the rows of M by C tiles from tile t: G8_TR rows at a time, then the rest */
-#define G8_ROWS(R, C)                                                                           \
-    g8_tile(R, C, xq + r * K, dx + r * nb, sx + r * nb, K, nb, wt, tstride,                     \
+#define G8_ROWS(R, C, H, S)                                                                     \
+    g8_tile(R, C, H, S, xq + r * K, dx + r * nb, (const char *)sums + 4 * r * nb * (H ? 2 : 1), \
+            K, nb, wt, tstride,                                                                 \
             y_bf16 ? (void *)((uint16_t *)y + r * ldy + c0)                                     \
                    : (void *)((float *)y + r * ldy + c0),                                       \
-            y_bf16, ldy, cols, bt)
-#define G8_ALL_ROWS(C)                                                                          \
+            y_bf16, ldy, cols, bt, &pf, pf_end, pf_lines)
+#define G8_ALL_ROWS(C, H, S)                                                                    \
     do {                                                                                        \
         int64_t r = 0;                                                                          \
-        for (; r + G8_TR <= M; r += G8_TR) G8_ROWS(G8_TR, C);                                   \
+        for (; r + G8_TR <= M; r += G8_TR) G8_ROWS(G8_TR, C, H, S);                             \
         switch (M - r) {                                                                        \
-        case 3: G8_ROWS(3, C); break;                                                           \
-        case 2: G8_ROWS(2, C); break;                                                           \
-        case 1: G8_ROWS(1, C); break;                                                           \
+        case 3: G8_ROWS(3, C, H, S); break;                                                     \
+        case 2: G8_ROWS(2, C, H, S); break;                                                     \
+        case 1: G8_ROWS(1, C, H, S); break;                                                     \
         default: break;                                                                         \
         }                                                                                       \
     } while (0)
+#define G8_GROUP(H, S)                                                                          \
+    do {                                                                                        \
+        if (count == G8_TC)                                                                     \
+            G8_ALL_ROWS(G8_TC, H, S);                                                           \
+        else if (count == 2)                                                                    \
+            G8_ALL_ROWS(2, H, S);                                                               \
+        else                                                                                    \
+            G8_ALL_ROWS(1, H, S);                                                               \
+    } while (0)
 
-/* y[M, N] (row stride ldy) = x[M, K] @ W^T (+ bias) over W in G8, x and y float32 or (x_bf16,
- * y_bf16) bfloat16: 0; 1 where this build has no VNNI (nothing computed); -2 if the scratch copy
- * of x cannot be allocated. Each row of y is computed in one order whatever M is and wherever
- * the row falls in the tiles (its own int8 copy and scales, exact integer sums, then the
- * blocks' scaled sums added in block order): bitwise the same alone or in any batch, so
- * --deterministic multiplies on it too (the G8 layout of qmm_dispatch). */
+/* What the tiles add per block (per half with H) besides the integer sums, from x's int8 copy
+ * and scales: S, the int32 -128 sum(xq); else the float sx (dx sum(xq): quantize_rows8's sx
+ * without H). [M][nb] or [M][nb][2]; NULL where it cannot be allocated. */
+static void *g8_sums(const int8_t *xq, const float *dx, int64_t M, int64_t nb, int halves,
+                     int symmetric) {
+    void *out = malloc(4 * (size_t)(M * nb * halves));
+    if (!out) return NULL;
+    for (int64_t i = 0; i < M * nb; i++)
+        for (int h = 0; h < halves; h++) {
+            int32_t sum = 0;
+            for (int l = 0; l < QK / halves; l++) sum += xq[i * QK + QK / halves * h + l];
+            if (symmetric)
+                ((int32_t *)out)[halves * i + h] = -128 * sum;
+            else
+                ((float *)out)[halves * i + h] = dx[i] * (float)sum;
+        }
+    return out;
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] @ W^T (+ bias) over W in `layout` (G8 .. G8 + 3), x and
+ * y float32 or (x_bf16, y_bf16) bfloat16: 0; 1 where this build has no VNNI (nothing
+ * computed); -1 for another layout; -2 if the scratch copy of x cannot be allocated.
+ * Each row of y is computed in one order whatever M is and wherever the row falls in the tiles
+ * (its own int8 copy and scales, exact integer sums, then the blocks' scaled sums added in
+ * block order): bitwise the same alone or in any batch, so --deterministic multiplies on it too
+ * (the G8 layouts of qmm_dispatch).
+ *
+ * Each thread takes a run of groups of G8_TC tiles and, while it runs a group's rows, brings
+ * the next group's weights into L2 (g8_tile): a 32-row product over weights that come from
+ * memory, as a step's do (the model's weights are larger than the caches), took 0.90x the
+ * time (docs/benchmarks.md). */
 static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
+                 int layout, const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
     const int64_t nb = K / QK, tiles = (N + 15) / 16, groups = (tiles + G8_TC - 1) / G8_TC;
-    const int64_t tstride = nb * G8_BYTES;
+    const int64_t tstride = nb * g8_block_bytes(layout);
+    const int bits = layout - G8;
+    const int halves = bits & G8_HALVES ? 2 : 1, symmetric = !!(bits & G8_SYMMETRIC);
+    if (!tstride) return -1;
     if (M <= 0) return 0;
     int8_t *xq;
     float *scales;
     if (quantize_rows8(x, x_bf16, M, K, 0, threads, &xq, &scales) != 0) return -2;
-    float *dx = scales, *sx = scales + M * nb;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t grp = 0; grp < groups; grp++) {
-        const int64_t t = grp * G8_TC, c0 = t * 16;
-        const int64_t count = tiles - t < G8_TC ? tiles - t : G8_TC;
-        const uint8_t *wt = w + t * tstride;
-        __mmask16 cols[G8_TC];
-        for (int64_t c = 0; c < count; c++) {
-            const int64_t left = N - c0 - 16 * c;
-            cols[c] = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-        }
-        const float *bt = bias ? bias + c0 : NULL;
-        if (count == G8_TC)
-            G8_ALL_ROWS(G8_TC);
-        else if (count == 2)
-            G8_ALL_ROWS(2);
-        else
-            G8_ALL_ROWS(1);
+    float *dx = scales;
+    void *own = halves == 2 || symmetric ? g8_sums(xq, dx, M, nb, halves, symmetric) : NULL;
+    const void *sums = halves == 2 || symmetric ? own : (const void *)(scales + M * nb);
+    if (!sums) {
+        free(xq);
+        free(scales);
+        return -2;
     }
+    const int64_t row_tiles = (M + G8_TR - 1) / G8_TR;
+    _Pragma("omp parallel num_threads(threads)") {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t lo = groups * tid / nth, hi = groups * (tid + 1) / nth;
+        for (int64_t grp = lo; grp < hi; grp++) {
+            const int64_t t = grp * G8_TC, c0 = t * 16;
+            const int64_t count = tiles - t < G8_TC ? tiles - t : G8_TC;
+            const uint8_t *wt = w + t * tstride;
+            /* this thread's next group, spread over this group's row tiles and blocks */
+            const int64_t next = tiles < t + 2 * G8_TC ? tiles : t + 2 * G8_TC;
+            const uint8_t *pf = grp + 1 < hi ? wt + G8_TC * tstride : NULL;
+            const uint8_t *pf_end = pf ? w + next * tstride : NULL;
+            const int64_t pf_lines =
+                pf ? ((pf_end - pf) / 64 + row_tiles * nb - 1) / (row_tiles * nb) : 0;
+            __mmask16 cols[G8_TC];
+            for (int64_t c = 0; c < count; c++) {
+                const int64_t left = N - c0 - 16 * c;
+                cols[c] = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            }
+            const float *bt = bias ? bias + c0 : NULL;
+            switch (layout - G8) {
+            case 0: G8_GROUP(0, 0); break;
+            case G8_HALVES: G8_GROUP(1, 0); break;
+            case G8_SYMMETRIC: G8_GROUP(0, 1); break;
+            default: G8_GROUP(1, 1); break;
+            }
+        }
+    }
+    free(own);
     free(xq);
     free(scales);
     return 0;
 }
 #else
 static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
-    (void)x, (void)x_bf16, (void)M, (void)K, (void)w, (void)N, (void)bias, (void)y;
-    (void)y_bf16, (void)ldy, (void)threads;
+                 int layout, const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
+    (void)x, (void)x_bf16, (void)M, (void)K, (void)w, (void)N, (void)layout, (void)bias;
+    (void)y, (void)y_bf16, (void)ldy, (void)threads;
     return 1;
 }
 #endif
 
 int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                const float *bias, void *y, int y_bf16, int threads) {
-    return g8_mm(x, x_bf16, M, K, w, N, bias, y, y_bf16, N, threads);
+                int layout, const float *bias, void *y, int y_bf16, int threads) {
+    return g8_mm(x, x_bf16, M, K, w, N, layout, bias, y, y_bf16, N, threads);
 }

@@ -3,9 +3,9 @@
 In the default mode with a fast dense dtype (``--dtype auto`` chose bfloat16), a step of more
 than ``kernel_rows`` tokens (a prefill chunk, a decode step of 9 or more sequences) multiplied by
 the bfloat16 copy of the weights. Where the CPU has AVX-512 VNNI and every part of a matrix is of
-a type ``_gemm8.c`` reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K), it multiplies by the file's
-own integers instead, its activations quantised to int8 per block of 32: 0.61-0.77x the packed
-bfloat16 product's time (docs/benchmarks.md). Not the float product (``_gemm8.c`` states the
+a type ``_gemm8.c`` reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), it multiplies by the
+file's own integers instead, its activations quantised to int8 per block of 32: 0.61-0.77x the
+packed bfloat16 product's time (docs/benchmarks.md). Not the float product (``_gemm8.c`` states the
 numerics): never with ``--dtype float32`` nor ``--deterministic``.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._qkernels import G8_TYPES, GGML_TYPES, Kernels, _check_bias, get_threads
+from ._qkernels import G8_TYPES, GGML_TYPES, G8Layout, Kernels, _check_bias, get_threads
 
 __all__ = ["G8_TYPES", "Gemm8"]
 
@@ -23,21 +23,21 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 class Gemm8:
     """``x @ W.T (+ bias)`` for ``x`` float32 ``[M, cols]``, W the matrix stacked from
-    ``parts`` (each ``(kind, blocks)``, one below the other), in the G8 layout (1.25 bytes a
-    weight). Thread-safe: calls share nothing but their arguments."""
+    ``parts`` (each ``(kind, blocks)``, one below the other), in the G8 layout (1.125-1.5 bytes
+    a weight, :meth:`Kernels.g8_layout`). Thread-safe: calls share nothing but their arguments."""
 
-    __slots__ = ("_bias", "_kernels", "_packed", "cols", "rows")
+    __slots__ = ("_bias", "_kernels", "_layout", "cols", "rows")
 
     def __init__(
         self,
         kernels: Kernels,
-        packed: torch.Tensor,
+        layout: G8Layout,
         rows: int,
         cols: int,
         bias: torch.Tensor | None,
     ) -> None:
         self._kernels = kernels
-        self._packed = packed
+        self._layout = layout
         self._bias = bias
         self.rows = rows
         self.cols = cols
@@ -56,17 +56,17 @@ class Gemm8:
         """
         if not kernels.int8_rows or not parts or any(k not in G8_TYPES for k, _ in parts):
             return None
-        packed = kernels.g8_layout(parts)
+        layout = kernels.g8_layout(parts)
         rows = sum(int(blocks.shape[0]) for _, blocks in parts)
         ggml = GGML_TYPES[parts[0][0]]
         cols = int(parts[0][1].shape[1]) // ggml.block_bytes * ggml.weights
         _check_bias(bias, rows)
-        return cls(kernels, packed, rows, cols, None if bias is None else bias.contiguous())
+        return cls(kernels, layout, rows, cols, None if bias is None else bias.contiguous())
 
     @property
     def nbytes(self) -> int:
         """The bytes the layout holds."""
-        return self._packed.numel()
+        return self._layout.packed.numel()
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[M, rows]`` in ``dtype`` (float32 or bfloat16: rounded to nearest even, as torch
@@ -90,8 +90,9 @@ class Gemm8:
         y = torch.empty(m, self.rows, dtype=dtype)
         bias = None if self._bias is None else self._bias.data_ptr()
         rc = self._kernels.g8_mm(
-            x.data_ptr(), x.dtype == torch.bfloat16, m, self.cols, self._packed.data_ptr(),
-            self.rows, bias, y.data_ptr(), dtype == torch.bfloat16, get_threads(),
+            x.data_ptr(), x.dtype == torch.bfloat16, m, self.cols,
+            self._layout.packed.data_ptr(), self.rows, self._layout.layout, bias, y.data_ptr(),
+            dtype == torch.bfloat16, get_threads(),
         )  # fmt: skip
         if rc != 0:  # 1 (no VNNI) cannot happen: bind checked it
             raise torch.OutOfMemoryError(f"int8 product failed ({rc})")

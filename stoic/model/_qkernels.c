@@ -528,18 +528,18 @@ static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8
 static int bf16_mm(const int64_t *desc, const float *x, int64_t M, int64_t K, int64_t N,
                    const float *bias, float *y, int64_t ldy, int threads);
 
-/* int8 activations over the G8 layout (_gemm8.c, built after this file into the same library):
- * any number of rows, each in one order (so --deterministic's too); 1 where the build has no
- * VNNI */
+/* int8 activations over the G8 layouts (_gemm8.c, built after this file into the same library;
+ * G8 .. G8 + 3, its variants): any number of rows, each in one order (so --deterministic's
+ * too); 1 where the build has no VNNI */
 #define G8 130
 static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 const float *bias, void *y, int y_bf16, int64_t ldy, int threads);
+                 int layout, const float *bias, void *y, int y_bf16, int64_t ldy, int threads);
 
 static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
-    if (type == G8) {
-        const int rc = g8_mm(x, 0, M, K, w, N, bias, y, 0, ldy, threads);
+    if (type >= G8 && type <= G8 + 3) {
+        const int rc = g8_mm(x, 0, M, K, w, N, type, bias, y, 0, ldy, threads);
         return rc == 1 ? -1 : rc;
     }
     if (type == BF16FIXED) return bf16_mm((const int64_t *)w, x, M, K, N, bias, y, ldy, threads);

@@ -51,12 +51,22 @@ __all__ = [
     "G8_TYPES",
     "GGML_TYPES",
     "MAX_HEAD_DIM",
+    "G8Layout",
     "GgmlType",
     "Kernels",
     "KernelsUnavailable",
     "Product",
     "load_kernels",
 ]
+
+
+class G8Layout(NamedTuple):
+    """A matrix laid out for the int8 products (:meth:`Kernels.g8_layout`)."""
+
+    packed: torch.Tensor
+    #: ``_G8`` or a variant of it (``_gemm8.c``: +1 a scale and offset per 16 weights, +2 no
+    #: offsets), as the kernels name it
+    layout: int
 
 
 class GgmlType(NamedTuple):
@@ -97,10 +107,11 @@ _BF16FIXED = 120
 #: ``_int8rows.c``)
 _INT8_ROWS = 0x20000
 #: int8 activations over the G8 layout (``_gemm8.c``): any number of rows, each row in one order
-#: (the default mode's batched steps; ``--deterministic``'s every step where the CPU has VNNI)
+#: (the default mode's batched steps; ``--deterministic``'s every step where the CPU has VNNI);
+#: (and its variants: ``_G8`` + 1 to 3, ``_gemm8.c``'s header)
 _G8 = 130
-#: the GGML types the G8 layout is built from (Q6_K's scale per 16 weights does not fit it)
-G8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
+#: the GGML types the G8 layouts are built from
+G8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 #: the largest head dimension the attention kernels take (``MAX_HEAD_DIM`` in ``_qkernels.c``)
 MAX_HEAD_DIM = 256
 #: the KV cache types the C attention reads (``kv_bf16``: a bfloat16 pool, widened exactly)
@@ -181,13 +192,13 @@ class Product:
         fixed: bool = False,
         bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         int8_rows: bool = False,
-        g8: bool = False,
+        g8: int = 0,
         rows: int | None = None,
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
         self.fixed = fixed or bf16 is not None or g8
-        self.g8: bool = g8 or (bool(parts) and all(p.g8 for p in parts))
+        self.g8: bool = bool(g8) or (bool(parts) and all(p.g8 for p in parts))
         self.int8_rows = (int8_rows and not self.fixed) or self.g8
         self._bf16 = bf16
         self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if self.fixed else 0)
@@ -195,7 +206,7 @@ class Product:
         if bf16 is not None:
             self.layout = _BF16FIXED | _FIXED_ORDER
         if g8:
-            self.layout = _G8 | _FIXED_ORDER
+            self.layout = g8 | _FIXED_ORDER
         self.rows: int = (
             rows
             if rows is not None
@@ -280,11 +291,13 @@ class Kernels:
             "stoic_rope_bf16": [ptr, i64, i64, i64, i64, ptr, ptr, i32],
             # gate gate_stride up up_stride M F out threads
             "stoic_silu_mul_bf16": [ptr, i64, ptr, i64, i64, i64, ptr, i32],
-            # type blocks N K q d m  /  q d m N K out  /  x x_bf16 M K w N bias y y_bf16 threads
+            # type blocks N K q d m  /  d m N K  /  q d m N K layout out  /  N K layout
             "stoic_g8_decode": [i32, ptr, i64, i64, ptr, ptr, ptr],
-            "stoic_g8_pack": [ptr, ptr, ptr, i64, i64, ptr],
-            "stoic_g8_bytes": [i64, i64],
-            "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, ptr, ptr, i32, i32],
+            "stoic_g8_layout": [ptr, ptr, i64, i64],
+            "stoic_g8_pack": [ptr, ptr, ptr, i64, i64, i32, ptr],
+            "stoic_g8_bytes": [i64, i64, i32],
+            # x x_bf16 M K w N layout bias y y_bf16 threads
+            "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, i32, ptr, ptr, i32, i32],
             # q k_pool v_pool table nblocks start_pos n heads kv_heads dh block scale out threads
             # kv_bf16
             "stoic_chunk_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32,
@@ -311,8 +324,9 @@ class Kernels:
         self.int8_rows = bool(probe()) if probe is not None else False
         #: the batched int8 products' layout and product (:mod:`._gemm8` calls them)
         self.g8_decode: Callable[..., int] = lib.stoic_g8_decode
+        self.g8_fit: Callable[..., int] = lib.stoic_g8_layout
         self.g8_pack: Callable[..., int] = lib.stoic_g8_pack
-        self.g8_bytes: Callable[[int, int], int] = lib.stoic_g8_bytes
+        self.g8_bytes: Callable[[int, int, int], int] = lib.stoic_g8_bytes
         self.g8_mm: Callable[..., int] = lib.stoic_g8_mm
         #: the layer kernels (:mod:`._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
@@ -377,8 +391,8 @@ class Kernels:
         if fixed and int8_rows and self.int8_rows and kind in G8_TYPES:
             g8 = self.g8_layout([(kind, blocks)])
             return Product(
-                self._qmm, kind, g8, cols, None if bias is None else bias.contiguous(),
-                g8=True, rows=n,
+                self._qmm, kind, g8.packed, cols, None if bias is None else bias.contiguous(),
+                g8=g8.layout, rows=n,
             )  # fmt: skip
         packed = torch.empty(
             n, cols // ggml.weights * self._packed_bytes(ggml.type_id), dtype=torch.uint8
@@ -445,9 +459,11 @@ class Kernels:
             int8_rows=int8_rows and self.int8_rows,
         )
 
-    def g8_layout(self, parts: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    def g8_layout(self, parts: list[tuple[str, torch.Tensor]]) -> G8Layout:
         """The matrix stacked from ``parts`` (``(kind, blocks)``, one below the other, each of
-        :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``): uint8, 1.25 bytes a weight.
+        :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``), or the variant its blocks fit: 1.125
+        bytes a weight where every part is symmetric (Q4_0, Q5_0, Q8_0, Q6_K), 1.25 otherwise
+        (1.25 and 1.5 with a Q6_K part: a scale per 16 weights).
 
         :raises ValueError: if a part is of another type, its blocks do not fit it, or the parts
             differ in width.
@@ -455,20 +471,23 @@ class Kernels:
         decoded = [self._g8_decode(kind, blocks) for kind, blocks in parts]
         widths = [q.shape[1] for q, _, _ in decoded]
         if not decoded or len(set(widths)) != 1:
-            raise ValueError(f"cannot stack matrices of widths {widths}")
+            raise ValueError(f"cannot stack matrices of widths {[int(w) for w in widths]}")
         q, d, m = (torch.cat(t) if len(decoded) > 1 else t[0] for t in zip(*decoded, strict=True))
         rows, cols = q.shape
-        packed = torch.empty(self.g8_bytes(rows, cols), dtype=torch.uint8)
-        rc = self.g8_pack(q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, cols, packed.data_ptr())
+        layout = self.g8_fit(d.data_ptr(), m.data_ptr(), rows, cols)
+        packed = torch.empty(self.g8_bytes(rows, cols, layout), dtype=torch.uint8)
+        rc = self.g8_pack(
+            q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, cols, layout, packed.data_ptr()
+        )
         if rc != 0:
             raise ValueError(f"cannot lay out a {rows} x {cols} matrix for int8 products")
-        return packed
+        return G8Layout(packed, layout)
 
     def _g8_decode(
         self, kind: str, blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The unsigned integers (uint8 ``[N, K]``), scales and offsets (float32 ``[N, K / 32]``)
-        of ``blocks`` of ``kind``: w = q d + m."""
+        """The unsigned integers (uint8 ``[N, K]``), scales and offsets (float32 ``[N, K / 16]``,
+        per 16 weights) of ``blocks`` of ``kind``: w = q d + m."""
         ggml = GGML_TYPES[kind]
         n, row_bytes = blocks.shape
         if (
@@ -480,8 +499,8 @@ class Kernels:
             raise ValueError(f"not {kind} blocks for int8 products: {tuple(blocks.shape)}")
         cols = row_bytes // ggml.block_bytes * ggml.weights
         q = torch.empty(n, cols, dtype=torch.uint8)
-        d = torch.empty(n, cols // 32, dtype=torch.float32)
-        m = torch.empty(n, cols // 32, dtype=torch.float32)
+        d = torch.empty(n, cols // 16, dtype=torch.float32)
+        m = torch.empty(n, cols // 16, dtype=torch.float32)
         rc = self.g8_decode(
             ggml.type_id, blocks.data_ptr(), n, cols, q.data_ptr(), d.data_ptr(), m.data_ptr()
         )

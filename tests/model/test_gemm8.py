@@ -1,7 +1,7 @@
 """Products of many rows on int8 activations (``_gemm8.c``; AVX-512 VNNI): each row of x
 quantised per block of 32 as the one-row products do, times the file's integers, within float32
 rounding of that product, for every type the layout holds and for a stack of parts of different
-types; what it refuses (Q6_K, no VNNI); and the default model's prefill and batched decode in a
+types (Q6_K with a scale per 16 weights: G8H); what it refuses (no VNNI); and the default model's prefill and batched decode in a
 fast dtype close to its float32 path."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_blocks import gguf_py, random_blocks
-from test_int8rows import assert_int8_product, vnni_kernels
+from test_int8rows import assert_int8_product, quantized_x, vnni_kernels
 
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
 from stoic.model._gemm8 import G8_TYPES, Gemm8
@@ -40,18 +40,59 @@ def test_many_rows_multiply_the_int8_rows_of_x(vnni_kernels: Kernels, kind: str,
     assert (got.double() - exact).abs().max() > 1e-4 * exact.abs().max()
 
 
-def test_a_stack_of_types_equals_its_parts_and_q6k_is_refused(vnni_kernels: Kernels) -> None:
+#: the types whose every block's offset is -128 d once their values are centred on 128
+SYMMETRIC = ("Q4_0", "Q5_0", "Q8_0", "Q6_K")
+
+
+@pytest.mark.parametrize(
+    ("kinds", "block_bytes"),
+    [
+        (("Q4_1", "Q5_1", "Q4_K", "Q5_K"), 640),  # G8: a scale and an offset per 32 weights
+        (("Q4_0", "Q5_0", "Q8_0"), 576),  # symmetric: no offsets
+        (("Q5_0", "Q6_K", "Q8_0"), 640),  # symmetric, a scale per 16 weights
+        (tuple(TYPES), 768),  # a scale and an offset per 16 weights
+    ],
+)
+def test_a_stack_of_types_equals_its_parts(
+    vnni_kernels: Kernels, kinds: tuple[str, ...], block_bytes: int
+) -> None:
     """A matrix stacked from parts of different types (a fused projection of a Q4_K_M file)
-    gives each part's columns; a part the layout cannot hold (Q6_K) leaves the matrix to its
-    dense product (None)."""
-    parts = [(kind, random_blocks(kind, 24, 256, seed=i)) for i, kind in enumerate(TYPES)]
-    stack = Gemm8.bind(vnni_kernels, parts, None)
-    assert stack is not None and stack.rows == 24 * len(TYPES)
+    takes the one layout all its blocks fit (the bytes of a block of 16 rows by 32 weights say
+    which) and gives each part's columns: bitwise where the part alone takes the same layout,
+    within float32 rounding where it takes another (an offset added apart, or each half of a
+    block scaled apart)."""
+    parts = [(kind, random_blocks(kind, 24, 256, seed=i)) for i, kind in enumerate(kinds)]
     x = torch.randn(9, 256)
-    each = [Gemm8.bind(vnni_kernels, [p], None) for p in parts]
-    assert torch.equal(stack(x), torch.cat([g(x) for g in each if g is not None], dim=1))
-    q6 = ("Q6_K", random_blocks("Q6_K", 8, 256, seed=9))
-    assert Gemm8.bind(vnni_kernels, [parts[0], q6], None) is None
+    stack = Gemm8.bind(vnni_kernels, parts, None)
+    assert stack is not None and stack.rows == 24 * len(kinds)
+    assert stack.nbytes == -(-stack.rows // 16) * 8 * block_bytes
+    y = stack(x)
+    for i, part in enumerate(parts):
+        alone = Gemm8.bind(vnni_kernels, [part], None)
+        assert alone is not None
+        got, want = y[:, 24 * i : 24 * (i + 1)], alone(x)
+        if alone.nbytes // -(-24 // 16) // 8 == block_bytes:
+            assert torch.equal(got, want), part[0]
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_symmetric_layout_sums_the_offset_exactly(vnni_kernels: Kernels) -> None:
+    """Where every offset is -128 d (Q4_0, Q5_0, Q8_0, Q6_K) the layout keeps no offsets and
+    adds -128 sum(xq) to the exact integer sum: closer to the quantised x's product than adding
+    the offset apart, which a stack with an asymmetric part (Q4_1) does."""
+    for kind in SYMMETRIC:
+        blocks = random_blocks(kind, 48, 512, seed=21)
+        filler = ("Q4_1", random_blocks("Q4_1", 16, 512, seed=22))
+        alone = Gemm8.bind(vnni_kernels, [(kind, blocks)], None)
+        mixed = Gemm8.bind(vnni_kernels, [(kind, blocks), filler], None)
+        assert alone is not None and mixed is not None
+        assert alone.nbytes < mixed.nbytes * 48 / 64
+        x = torch.randn(16, 512, generator=torch.Generator().manual_seed(23))
+        want = quantized_x(x) @ gguf_py(kind, blocks).double().T
+        err_alone = (alone(x).double() - want).abs().sum()
+        err_mixed = (mixed(x)[:, :48].double() - want).abs().sum()
+        assert err_alone < err_mixed, kind
 
 
 def test_bad_shapes_are_refused_before_any_product(vnni_kernels: Kernels) -> None:
@@ -71,14 +112,15 @@ def test_bad_shapes_are_refused_before_any_product(vnni_kernels: Kernels) -> Non
         Gemm8.bind(vnni_kernels, [("Q4_0", blocks)], torch.zeros(15))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 def test_the_fixed_order_g8_product_gives_a_row_bitwise_alone_or_in_any_batch(
     vnni_kernels: Kernels, kind: str
 ) -> None:
     """``--deterministic``'s products (``fixed`` with ``int8_rows``: the G8 layout through the
     kernels' common entry, as the C layers call it): one row alone equals that row inside
     batches of 2..64 rows, wherever it falls in the 8-row tiles, bitwise; the same numbers as
-    the default mode's batched product, and in a stack with a Q6_K part each part's columns."""
+    the default mode's batched product, and in a stack of a Q6_K part (its own G8H) and
+    another each part's columns."""
     blocks = random_blocks(kind, 40, 512, seed=11)
     fixed = vnni_kernels.bind(kind, blocks, torch.randn(40), fixed=True, int8_rows=True)
     assert fixed.g8 and fixed.rows == 40
@@ -95,7 +137,7 @@ def test_the_fixed_order_g8_product_gives_a_row_bitwise_alone_or_in_any_batch(
     assert torch.equal(unbiased(x), gemm(x))
     q6 = ("Q6_K", random_blocks("Q6_K", 8, 512, seed=13))
     stack = vnni_kernels.bind_stack([(kind, blocks), q6], None, fixed=True, int8_rows=True)
-    assert not stack.g8 and stack.parts[0].g8
+    assert stack.g8 and all(p.g8 for p in stack.parts)
     assert torch.equal(stack(x), torch.cat([p(x) for p in stack.parts], dim=1))
 
 
