@@ -478,11 +478,12 @@ def mlp_block(
     (tanh) x up instead of SiLU x up (neither with ``ops``)."""
     n = hidden.shape[1]
     width = hidden.shape[-1]
-    attended = o(attn_out.reshape(1, n, -1), native=True)
-    if post[0] is not None:
-        attended = F.rms_norm(attended, (width,), post[0], eps)
     # a product's result in another dtype than hidden's is promoted by the addition
-    hidden = hidden + attended
+    if post[0] is not None:
+        attended = F.rms_norm(o(attn_out.reshape(1, n, -1), native=True), (width,), post[0], eps)
+        hidden = hidden + attended
+    else:
+        hidden = o.add_to(hidden, attn_out.reshape(1, n, -1))
     if ops is not None:
         x = ops.rms_norm(hidden, norm, eps)
     else:
@@ -496,10 +497,9 @@ def mlp_block(
         act = F.gelu(gate, approximate="tanh") * up
     else:
         act = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
-    mlp = down(act, native=True)
     if post[1] is not None:
-        mlp = F.rms_norm(mlp, (width,), post[1], eps)
-    return hidden + mlp
+        return hidden + F.rms_norm(down(act, native=True), (width,), post[1], eps)
+    return down.add_to(hidden, act)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

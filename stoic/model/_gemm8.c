@@ -215,6 +215,7 @@ static inline void g8_store_bf16(uint16_t *p, __m512 v, __mmask16 cols) {
  * cols[c]: the valid columns of tile c): y[r][16 C columns]. Each x value loaded (broadcast)
  * feeds C multiply-adds and each load of weights R: 4 rows by 3 tiles measured 1.14x the
  * throughput of 8 rows by one (docs/benchmarks.md, "int8 activations for batched steps").
+ * res (or NULL): float32 [R][ldy] added to the result (a residual: y = res + (x W^T + bias)).
  * H, S: the layout's halves and symmetric bits. sx: [R][nb] ([R][nb][2] with H) the float sx
  * of each block (half), or with S the int32 -128 sum(xq). While it runs, the lines from *pf to
  * pf_end go into L2, pf_lines a block (the next tiles this thread multiplies: they would
@@ -223,8 +224,8 @@ static inline void g8_store_bf16(uint16_t *p, __m512 v, __mmask16 cols) {
 static inline __attribute__((always_inline)) void
 g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, const float *dx,
         const void *sx, int64_t K, int64_t nb, const uint8_t *wt, int64_t tstride, void *y,
-        int y_bf16, int64_t ldy, const __mmask16 *cols, const float *bias, const uint8_t **pf,
-        const uint8_t *pf_end, int64_t pf_lines) {
+        int y_bf16, int64_t ldy, const __mmask16 *cols, const float *bias, const float *res,
+        const uint8_t **pf, const uint8_t *pf_end, int64_t pf_lines) {
     const int64_t bytes = 512 + 64 * (H ? 2 : 1) * (S ? 1 : 2), parts = H ? 2 : 1;
     __m512 acc[G8_TR][G8_TC];
     for (int r = 0; r < R; r++)
@@ -271,7 +272,8 @@ g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, co
         const __m512 bv =
             bias ? _mm512_maskz_loadu_ps(cols[c], bias + 16 * c) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const __m512 v = _mm512_add_ps(acc[r][c], bv);
+            __m512 v = _mm512_add_ps(acc[r][c], bv);
+            if (res) v = _mm512_add_ps(_mm512_maskz_loadu_ps(cols[c], res + r * ldy + 16 * c), v);
             if (y_bf16)
                 g8_store_bf16((uint16_t *)y + r * ldy + 16 * c, v, cols[c]);
             else
@@ -286,7 +288,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, co
             K, nb, wt, tstride,                                                                 \
             y_bf16 ? (void *)((uint16_t *)y + r * ldy + c0)                                     \
                    : (void *)((float *)y + r * ldy + c0),                                       \
-            y_bf16, ldy, cols, bt, &pf, pf_end, pf_lines)
+            y_bf16, ldy, cols, bt, residual ? residual + r * ldy + c0 : NULL, &pf, pf_end, pf_lines)
 #define G8_ALL_ROWS(C, H, S)                                                                    \
     do {                                                                                        \
         int64_t r = 0;                                                                          \
@@ -327,8 +329,9 @@ static void *g8_sums(const int8_t *xq, const float *dx, int64_t M, int64_t nb, i
     return out;
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] @ W^T (+ bias) over W in `layout` (G8 .. G8 + 3), x and
- * y float32 or (x_bf16, y_bf16) bfloat16: 0; 1 where this build has no VNNI (nothing
+/* y[M, N] (row stride ldy) = (residual +) x[M, K] @ W^T (+ bias) over W in `layout` (G8 ..
+ * G8 + 3), x and y float32 or (x_bf16, y_bf16) bfloat16, the residual float32 (row stride ldy;
+ * it may be y itself): 0; 1 where this build has no VNNI (nothing
  * computed); -1 for another layout; -2 if the scratch copy of x cannot be allocated.
  * Each row of y is computed in one order whatever M is and wherever the row falls in the tiles
  * (its own int8 copy and scales, exact integer sums, then the blocks' scaled sums added in
@@ -340,7 +343,8 @@ static void *g8_sums(const int8_t *xq, const float *dx, int64_t M, int64_t nb, i
  * memory, as a step's do (the model's weights are larger than the caches), took 0.90x the
  * time (docs/benchmarks.md). */
 static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 int layout, const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
+                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
+                 int64_t ldy, int threads) {
     const int64_t nb = K / QK, tiles = (N + 15) / 16, groups = (tiles + G8_TC - 1) / G8_TC;
     const int64_t tstride = nb * g8_block_bytes(layout);
     const int bits = layout - G8;
@@ -393,14 +397,16 @@ static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
 }
 #else
 static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 int layout, const float *bias, void *y, int y_bf16, int64_t ldy, int threads) {
+                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
+                 int64_t ldy, int threads) {
     (void)x, (void)x_bf16, (void)M, (void)K, (void)w, (void)N, (void)layout, (void)bias;
-    (void)y, (void)y_bf16, (void)ldy, (void)threads;
+    (void)residual, (void)y, (void)y_bf16, (void)ldy, (void)threads;
     return 1;
 }
 #endif
 
 int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                int layout, const float *bias, void *y, int y_bf16, int threads) {
-    return g8_mm(x, x_bf16, M, K, w, N, layout, bias, y, y_bf16, N, threads);
+                int layout, const float *bias, const float *residual, void *y, int y_bf16,
+                int threads) {
+    return g8_mm(x, x_bf16, M, K, w, N, layout, bias, residual, y, y_bf16, N, threads);
 }

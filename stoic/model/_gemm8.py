@@ -68,13 +68,21 @@ class Gemm8:
         """The bytes the layout holds."""
         return self._layout.packed.numel()
 
-    def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``[M, rows]`` in ``dtype`` (float32 or bfloat16: rounded to nearest even, as torch
-        converts), for ``x`` float32 or bfloat16 (read as it is: no converted copy).
+        converts), for ``x`` float32 or bfloat16 (read as it is: no converted copy). With
+        ``residual`` (float32 ``[M, rows]``) the result is ``residual + x @ W.T (+ bias)``, the
+        addition in the kernel's float32 before any rounding to ``dtype`` (a layer's residual
+        stream: no separate addition, no bfloat16 rounding of the product first).
 
-        :raises ValueError: if ``x`` is not float32 or bfloat16 ``[M, cols]`` contiguous, or
-            ``dtype`` neither; ``torch.OutOfMemoryError`` if the kernel could not allocate its
-            int8 copy of ``x``.
+        :raises ValueError: if ``x`` is not float32 or bfloat16 ``[M, cols]`` contiguous,
+            ``dtype`` neither, or ``residual`` not float32 ``[M, rows]`` contiguous;
+            ``torch.OutOfMemoryError`` if the kernel could not allocate its int8 copy of ``x``.
         """
         if (
             x.dtype not in _DTYPES
@@ -87,12 +95,22 @@ class Gemm8:
                 f"cannot multiply x {tuple(x.shape)} {x.dtype} by {(self.rows, self.cols)}"
             )
         m = x.shape[0]
+        if residual is not None and (
+            residual.dtype != torch.float32
+            or tuple(residual.shape) != (m, self.rows)
+            or not residual.is_contiguous()
+        ):
+            raise ValueError(
+                f"cannot add a residual {tuple(residual.shape)} {residual.dtype} "
+                f"to a product of {(m, self.rows)}"
+            )
         y = torch.empty(m, self.rows, dtype=dtype)
         bias = None if self._bias is None else self._bias.data_ptr()
+        res = None if residual is None else residual.data_ptr()
         rc = self._kernels.g8_mm(
             x.data_ptr(), x.dtype == torch.bfloat16, m, self.cols,
-            self._layout.packed.data_ptr(), self.rows, self._layout.layout, bias, y.data_ptr(),
-            dtype == torch.bfloat16, get_threads(),
+            self._layout.packed.data_ptr(), self.rows, self._layout.layout, bias, res,
+            y.data_ptr(), dtype == torch.bfloat16, get_threads(),
         )  # fmt: skip
         if rc != 0:  # 1 (no VNNI) cannot happen: bind checked it
             raise torch.OutOfMemoryError(f"int8 product failed ({rc})")

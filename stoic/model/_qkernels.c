@@ -533,13 +533,14 @@ static int bf16_mm(const int64_t *desc, const float *x, int64_t M, int64_t K, in
  * too); 1 where the build has no VNNI */
 #define G8 130
 static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 int layout, const float *bias, void *y, int y_bf16, int64_t ldy, int threads);
+                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
+                 int64_t ldy, int threads);
 
 static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
     if (type >= G8 && type <= G8 + 3) {
-        const int rc = g8_mm(x, 0, M, K, w, N, type, bias, y, 0, ldy, threads);
+        const int rc = g8_mm(x, 0, M, K, w, N, type, bias, NULL, y, 0, ldy, threads);
         return rc == 1 ? -1 : rc;
     }
     if (type == BF16FIXED) return bf16_mm((const int64_t *)w, x, M, K, N, bias, y, ldy, threads);

@@ -296,8 +296,8 @@ class Kernels:
             "stoic_g8_layout": [ptr, ptr, i64, i64],
             "stoic_g8_pack": [ptr, ptr, ptr, i64, i64, i32, ptr],
             "stoic_g8_bytes": [i64, i64, i32],
-            # x x_bf16 M K w N layout bias y y_bf16 threads
-            "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, i32, ptr, ptr, i32, i32],
+            # x x_bf16 M K w N layout bias residual y y_bf16 threads
+            "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, i32, ptr, ptr, ptr, i32, i32],
             # q k_pool v_pool table nblocks start_pos n heads kv_heads dh block scale out threads
             # kv_bf16
             "stoic_chunk_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32,

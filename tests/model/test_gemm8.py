@@ -156,6 +156,26 @@ def test_bfloat16_in_and_out_are_the_float32_product_converted(vnni_kernels: Ker
         gemm(x, torch.float16)
 
 
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_a_residual_is_added_to_the_float32_product_before_any_rounding(
+    vnni_kernels: Kernels, kind: str
+) -> None:
+    """``residual + x @ W.T + bias`` in one call: bitwise the float32 product plus the residual
+    as torch adds them, then rounded once to bfloat16 where asked; a residual of another shape,
+    dtype or layout is refused before any product."""
+    blocks = random_blocks(kind, 40, 512, seed=31)
+    gemm = Gemm8.bind(vnni_kernels, [(kind, blocks)], torch.randn(40))
+    assert gemm is not None
+    x = torch.randn(21, 512).bfloat16()
+    residual = torch.randn(21, 40) * 100
+    want = residual + gemm(x)
+    assert torch.equal(gemm(x, torch.float32, residual), want)
+    assert torch.equal(gemm(x, torch.bfloat16, residual), want.bfloat16())
+    for bad in (residual[:, :39].contiguous(), residual.double(), torch.randn(40, 21).T):
+        with pytest.raises(ValueError, match="residual"):
+            gemm(x, torch.float32, bad)
+
+
 def test_a_nan_in_a_row_makes_that_rows_products_nan_only(vnni_kernels: Kernels) -> None:
     """A NaN activation makes its row's outputs NaN, as the float product's, and no other row's."""
     gemm = Gemm8.bind(vnni_kernels, [("Q8_0", random_blocks("Q8_0", 20, 128, seed=5))], None)
