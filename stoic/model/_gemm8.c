@@ -25,12 +25,12 @@
  *   +2 symmetric (S), every block's m = -128 d (Q4_0, Q5_0, Q8_0 and Q6_K, whose unsigned
  *      values are offset to centre on 128): no m stored; the tile starts each block's integer
  *      sum at -128 sum(xq) instead of adding m sx afterwards, one float operation fewer a
- *      block and column (the products are bound by those operations: 0.90x the time, and
- *      0.90x the bytes);
+ *      block and column (the products are bound by those operations: 0.84-0.94x the time,
+ *      docs/benchmarks.md), and 0.90x the bytes;
  *   so 640 (G8), 768 (H), 576 (S) or 640 (H and S) bytes a block.
- * Types (stoic_g8_decode): Q4_0 (q + 120), Q4_1, Q5_0 (q + 112), Q5_1, Q8_0 (q + 128), Q6_K
- * (q + 96, per sub-block of 16: d = d_super * scale), all m = -128 d; Q4_K and Q5_K (per
- * sub-block of 32: d = d_super * scale, m = -dmin * min).
+ * Types (stoic_g8_decode): the symmetric Q4_0 (q + 120), Q5_0 (q + 112), Q8_0 (q + 128) and
+ * Q6_K (q + 96, per sub-block of 16: d = d_super * scale), each with m = -128 d; Q4_1 and Q5_1
+ * (the file's m); Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min).
  *
  * Numerics: those of _int8rows.c (its header): each block of 32 of a row of x quantised to int8
  * with its scale dx (and sx = dx * sum xq), the integer sums exact, then per block (per half of
@@ -349,7 +349,7 @@ static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
     const int64_t tstride = nb * g8_block_bytes(layout);
     const int bits = layout - G8;
     const int halves = bits & G8_HALVES ? 2 : 1, symmetric = !!(bits & G8_SYMMETRIC);
-    if (!tstride) return -1;
+    if (!g8_block_bytes(layout)) return -1;
     if (M <= 0) return 0;
     int8_t *xq;
     float *scales;

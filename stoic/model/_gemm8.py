@@ -6,7 +6,8 @@ the bfloat16 copy of the weights. Where the CPU has AVX-512 VNNI and every part 
 a type ``_gemm8.c`` reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), it multiplies by the
 file's own integers instead, its activations quantised to int8 per block of 32: 0.61-0.77x the
 packed bfloat16 product's time (docs/benchmarks.md). Not the float product (``_gemm8.c`` states the
-numerics): never with ``--dtype float32`` nor ``--deterministic``.
+numerics): never with ``--dtype float32``. (``--deterministic`` multiplies on the same layouts
+through the C layers' products, :meth:`._qkernels.Kernels.bind` with ``fixed``, not this class.)
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class Gemm8:
         cols = int(parts[0][1].shape[1]) // ggml.block_bytes * ggml.weights
         _check_bias(bias, rows)
         return cls(kernels, layout, rows, cols, None if bias is None else bias.contiguous())
+
+    @property
+    def layout(self) -> int:
+        """The layout's id as the kernels name it (``_gemm8.c``: G8 and its variants)."""
+        return self._layout.layout
 
     @property
     def nbytes(self) -> int:

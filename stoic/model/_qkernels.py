@@ -197,7 +197,7 @@ class Product:
     ) -> None:
         self._qmm, self.kind, self._packed, self._bias = qmm, kind, packed, bias
         self.parts = parts
-        self.fixed = fixed or bf16 is not None or g8
+        self.fixed = fixed or bf16 is not None or bool(g8)
         self.g8: bool = bool(g8) or (bool(parts) and all(p.g8 for p in parts))
         self.int8_rows = (int8_rows and not self.fixed) or self.g8
         self._bf16 = bf16
@@ -373,8 +373,8 @@ class Kernels:
         rows read; without it they de-quantise in registers, bitwise the same results, slower.
         ``int8_rows``: products of one or two rows with int8 activations where :attr:`int8_rows`
         (:class:`Product`); with ``fixed``, every product on int8 activations over the G8 layout
-        where :attr:`int8_rows` and ``kind`` is one of :data:`G8_TYPES` (batch-invariant, 1.25
-        bytes a weight, no bfloat16 copy), the bfloat16 or float32 fixed order otherwise.
+        where :attr:`int8_rows` and ``kind`` is one of :data:`G8_TYPES` (batch-invariant,
+        1.125-1.5 bytes a weight, no bfloat16 copy), the bfloat16 or float32 fixed order otherwise.
 
         :raises ValueError: if the blocks or the bias do not fit.
         """

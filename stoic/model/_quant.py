@@ -196,7 +196,7 @@ class QLinear:
     blocks by its activations quantised to int8 where the kernels can (not the same numbers:
     the default mode with a fast dtype only; :class:`._qkernels.Product`), and so do products of
     more than ``max_rows`` rows where every part's type has the batched layout
-    (:class:`._gemm8.Gemm8`, 1.25 bytes a weight); those then need no dense copy, and none is
+    (:class:`._gemm8.Gemm8`, 1.125-1.5 bytes a weight); those then need no dense copy, and none is
     made (their results come in ``dense_dtype`` as the copy's would).
     """
 

@@ -14,6 +14,7 @@ from test_int8rows import assert_int8_product, quantized_x, vnni_kernels
 from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
 from stoic.model._gemm8 import G8_TYPES, Gemm8
 from stoic.model._qkernels import Kernels
+from stoic.model._quant import QLinear, QuantizedMatrix
 
 __all__ = ["vnni_kernels"]  # the fixture, used by name
 
@@ -62,7 +63,7 @@ def test_a_stack_of_types_equals_its_parts(
     within float32 rounding where it takes another (an offset added apart, or each half of a
     block scaled apart)."""
     parts = [(kind, random_blocks(kind, 24, 256, seed=i)) for i, kind in enumerate(kinds)]
-    x = torch.randn(9, 256)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(len(kinds)))
     stack = Gemm8.bind(vnni_kernels, parts, None)
     assert stack is not None and stack.rows == 24 * len(kinds)
     assert stack.nbytes == -(-stack.rows // 16) * 8 * block_bytes
@@ -71,10 +72,11 @@ def test_a_stack_of_types_equals_its_parts(
         alone = Gemm8.bind(vnni_kernels, [part], None)
         assert alone is not None
         got, want = y[:, 24 * i : 24 * (i + 1)], alone(x)
-        if alone.nbytes // -(-24 // 16) // 8 == block_bytes:
+        if alone.layout == stack.layout:
             assert torch.equal(got, want), part[0]
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        else:  # another order of roundings: both within rounding of the quantised product
+            assert_int8_product(got, x, gguf_py(*part))
+            assert_int8_product(want, x, gguf_py(*part))
 
 
 def test_the_symmetric_layout_sums_the_offset_exactly(vnni_kernels: Kernels) -> None:
@@ -93,6 +95,40 @@ def test_the_symmetric_layout_sums_the_offset_exactly(vnni_kernels: Kernels) -> 
         err_alone = (alone(x).double() - want).abs().sum()
         err_mixed = (mixed(x)[:, :48].double() - want).abs().sum()
         assert err_alone < err_mixed, kind
+
+
+def test_a_layout_the_blocks_do_not_fit_is_refused(vnni_kernels: Kernels) -> None:
+    """Packing refuses a variant the decoded blocks do not fit (asymmetric blocks without
+    offsets; Q6_K's per-16 scales in a per-32 layout) and an unknown layout has no bytes."""
+    g8 = Gemm8.bind(vnni_kernels, [("Q4_1", random_blocks("Q4_1", 16, 64, seed=41))], None)
+    assert g8 is not None
+    for kind, layout in (("Q4_1", g8.layout + 2), ("Q6_K", g8.layout)):
+        blocks = random_blocks(kind, 16, 256, seed=42)
+        q, d, m = vnni_kernels._g8_decode(kind, blocks)
+        out = torch.empty(vnni_kernels.g8_bytes(16, 256, layout), dtype=torch.uint8)
+        args = (q.data_ptr(), d.data_ptr(), m.data_ptr(), 16, 256, layout, out.data_ptr())
+        assert vnni_kernels.g8_pack(*args) == -1, kind
+    assert vnni_kernels.g8_bytes(16, 256, g8.layout + 4) == 0
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q6_K"])
+def test_the_thread_count_changes_no_bit(vnni_kernels: Kernels, kind: str) -> None:
+    """One, two and more threads than column groups (a 16-row matrix has one) give the same
+    product bitwise: each thread takes whole groups, each element one instruction sequence."""
+    wide = Gemm8.bind(vnni_kernels, [(kind, random_blocks(kind, 200, 512, seed=43))], None)
+    narrow = Gemm8.bind(vnni_kernels, [(kind, random_blocks(kind, 16, 512, seed=44))], None)
+    assert wide is not None and narrow is not None
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(45))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((wide(x), narrow(x)))
+    finally:
+        torch.set_num_threads(before)
+    for got in results[1:]:
+        assert torch.equal(got[0], results[0][0]) and torch.equal(got[1], results[0][1])
 
 
 def test_bad_shapes_are_refused_before_any_product(vnni_kernels: Kernels) -> None:
@@ -174,6 +210,36 @@ def test_a_residual_is_added_to_the_float32_product_before_any_rounding(
     for bad in (residual[:, :39].contiguous(), residual.double(), torch.randn(40, 21).T):
         with pytest.raises(ValueError, match="residual"):
             gemm(x, torch.float32, bad)
+
+
+def test_a_layers_residual_is_added_by_the_int8_product_where_the_step_takes_it(
+    vnni_kernels: Kernels,
+) -> None:
+    """``QLinear.add_to``: a step of more rows than the one-row kernels take, over a float32
+    residual, gets the kernel's float32 sum (bitwise ``residual + product``); a step the
+    one-row kernels run, or a residual in another dtype, gets ``hidden + self(x)`` as before."""
+    blocks = random_blocks("Q5_0", 48, 256, seed=51)
+    weight = gguf_py("Q5_0", blocks)
+    bias = torch.randn(48)
+    linear = QLinear(
+        weight, bias, QuantizedMatrix("Q5_0", blocks, 256), vnni_kernels, max_rows=8,
+        dense_dtype=torch.bfloat16, int8_rows=True,
+    )  # fmt: skip
+    assert linear.batched_int8
+    gen = torch.Generator().manual_seed(52)
+    for rows in (20, 2):
+        x = torch.randn(1, rows, 256, generator=gen).bfloat16()
+        hidden = torch.randn(1, rows, 48, generator=gen)
+        got = linear.add_to(hidden, x)
+        assert got.dtype == torch.float32 and got.shape == hidden.shape
+        if rows > 8:
+            gemm = Gemm8.bind(vnni_kernels, [("Q5_0", blocks)], bias.float())
+            assert gemm is not None
+            assert torch.equal(got, hidden + gemm(x.reshape(rows, 256)).view(1, rows, 48))
+        else:
+            assert torch.equal(got, hidden + linear(x, native=True))
+        low = hidden.bfloat16()
+        assert torch.equal(linear.add_to(low, x), low + linear(x, native=True))
 
 
 def test_a_nan_in_a_row_makes_that_rows_products_nan_only(vnni_kernels: Kernels) -> None:
