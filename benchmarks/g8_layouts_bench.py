@@ -32,7 +32,7 @@ from step_bench import random_blocks
 from stoic.model import default_cache_dir
 from stoic.model._gemm8 import Gemm8
 from stoic.model._packed import PackedLinear
-from stoic.model._qkernels import _G8, G8Layout, Kernels, load_kernels
+from stoic.model._qkernels import _G8, GGML_TYPES, Kernels, load_kernels
 
 #: (matrix, GGML type, output rows, input width)
 MATRICES = [
@@ -46,14 +46,10 @@ MATRICES = [
 
 def _with_offsets(kernels: Kernels, kind: str, blocks: torch.Tensor) -> Gemm8:
     """``blocks`` in the layout with a scale and an offset per block (half-block for Q6_K)."""
-    q, d, m = kernels._g8_decode(kind, blocks)
-    rows, cols = q.shape
-    layout = _G8 + 1 if kind == "Q6_K" else _G8  # halves for Q6_K
-    packed = torch.empty(kernels.g8_bytes(rows, cols, layout), dtype=torch.uint8)
-    rc = kernels.g8_pack(q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, cols, layout,
-                         packed.data_ptr())  # fmt: skip
-    assert rc == 0
-    return Gemm8(kernels, G8Layout(packed, layout), rows, cols, None)
+    layout = kernels.g8_layout([(kind, blocks)], _G8 + 1 if kind == "Q6_K" else _G8)
+    ggml = GGML_TYPES[kind]
+    rows, cols = blocks.shape[0], blocks.shape[1] // ggml.block_bytes * ggml.weights
+    return Gemm8(kernels, layout, rows, cols, None)
 
 
 def _bf16(kernels: Kernels, kind: str, blocks: torch.Tensor) -> Callable[..., torch.Tensor]:

@@ -41,7 +41,6 @@
 
 #include <omp.h>
 
-#define G8_BYTES 640
 #define G8_HALVES 1    /* the layout's bits over G8 (qmm_dispatch's G8 .. G8 + 3) */
 #define G8_SYMMETRIC 2
 #define G8_TR 4 /* rows of x a tile of the product */
@@ -158,12 +157,17 @@ int stoic_g8_layout(const float *d, const float *m, int64_t N, int64_t K) {
     return G8 + (halves ? G8_HALVES : 0) + (symmetric ? G8_SYMMETRIC : 0);
 }
 
-/* the bytes of a block of 16 rows by 32 weights in `layout`; 0 for another */
+/* the bytes of a block of 16 rows by 32 weights: the values, then 16 float32 scales for each
+ * of `halves` (1 or 2), and as many offsets unless `symmetric` */
+static inline int64_t g8_bytes_of(int halves, int symmetric) {
+    return 512 + 64 * halves * (symmetric ? 1 : 2);
+}
+
+/* g8_bytes_of for `layout`; 0 for another */
 static int64_t g8_block_bytes(int layout) {
     if (layout < G8 || layout > G8 + 3) return 0;
     const int bits = layout - G8;
-    const int64_t scales = bits & G8_HALVES ? 2 : 1, offsets = bits & G8_SYMMETRIC ? 0 : 1;
-    return 512 + 64 * scales * (1 + offsets);
+    return g8_bytes_of(bits & G8_HALVES ? 2 : 1, !!(bits & G8_SYMMETRIC));
 }
 
 /* the bytes of N rows of K weights in `layout` (stoic_g8_layout's); 0 for another */
@@ -226,7 +230,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, co
         const void *sx, int64_t K, int64_t nb, const uint8_t *wt, int64_t tstride, void *y,
         int y_bf16, int64_t ldy, const __mmask16 *cols, const float *bias, const float *res,
         const uint8_t **pf, const uint8_t *pf_end, int64_t pf_lines) {
-    const int64_t bytes = 512 + 64 * (H ? 2 : 1) * (S ? 1 : 2), parts = H ? 2 : 1;
+    const int64_t bytes = g8_bytes_of(H ? 2 : 1, S), parts = H ? 2 : 1;
     __m512 acc[G8_TR][G8_TC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();

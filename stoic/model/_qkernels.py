@@ -459,14 +459,17 @@ class Kernels:
             int8_rows=int8_rows and self.int8_rows,
         )
 
-    def g8_layout(self, parts: list[tuple[str, torch.Tensor]]) -> G8Layout:
+    def g8_layout(
+        self, parts: list[tuple[str, torch.Tensor]], layout: int | None = None
+    ) -> G8Layout:
         """The matrix stacked from ``parts`` (``(kind, blocks)``, one below the other, each of
         :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``), or the variant its blocks fit: 1.125
         bytes a weight where every part is symmetric (Q4_0, Q5_0, Q8_0, Q6_K), 1.25 otherwise
-        (1.25 and 1.5 with a Q6_K part: a scale per 16 weights).
+        (1.25 and 1.5 with a Q6_K part: a scale per 16 weights). ``layout``: that variant instead
+        (comparisons of the variants on the same blocks).
 
-        :raises ValueError: if a part is of another type, its blocks do not fit it, or the parts
-            differ in width.
+        :raises ValueError: if a part is of another type, its blocks do not fit it or the
+            ``layout`` asked for, or the parts differ in width.
         """
         decoded = [self._g8_decode(kind, blocks) for kind, blocks in parts]
         widths = [q.shape[1] for q, _, _ in decoded]
@@ -474,13 +477,16 @@ class Kernels:
             raise ValueError(f"cannot stack matrices of widths {[int(w) for w in widths]}")
         q, d, m = (torch.cat(t) if len(decoded) > 1 else t[0] for t in zip(*decoded, strict=True))
         rows, cols = q.shape
-        layout = self.g8_fit(d.data_ptr(), m.data_ptr(), rows, cols)
+        if layout is None:
+            layout = self.g8_fit(d.data_ptr(), m.data_ptr(), rows, cols)
         packed = torch.empty(self.g8_bytes(rows, cols, layout), dtype=torch.uint8)
         rc = self.g8_pack(
             q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, cols, layout, packed.data_ptr()
         )
         if rc != 0:
-            raise ValueError(f"cannot lay out a {rows} x {cols} matrix for int8 products")
+            raise ValueError(
+                f"cannot lay out a {rows} x {cols} matrix for int8 products (layout {layout})"
+            )
         return G8Layout(packed, layout)
 
     def _g8_decode(

@@ -103,11 +103,8 @@ def test_a_layout_the_blocks_do_not_fit_is_refused(vnni_kernels: Kernels) -> Non
     g8 = Gemm8.bind(vnni_kernels, [("Q4_1", random_blocks("Q4_1", 16, 64, seed=41))], None)
     assert g8 is not None
     for kind, layout in (("Q4_1", g8.layout + 2), ("Q6_K", g8.layout)):
-        blocks = random_blocks(kind, 16, 256, seed=42)
-        q, d, m = vnni_kernels._g8_decode(kind, blocks)
-        out = torch.empty(vnni_kernels.g8_bytes(16, 256, layout), dtype=torch.uint8)
-        args = (q.data_ptr(), d.data_ptr(), m.data_ptr(), 16, 256, layout, out.data_ptr())
-        assert vnni_kernels.g8_pack(*args) == -1, kind
+        with pytest.raises(ValueError, match=f"layout {layout}"):
+            vnni_kernels.g8_layout([(kind, random_blocks(kind, 16, 256, seed=42))], layout)
     assert vnni_kernels.g8_bytes(16, 256, g8.layout + 4) == 0
 
 
