@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model (converted once per machine) and tiny random models."""
+"""Shared fixtures: the real default model (as a model directory, de-quantised once per machine)
+and tiny random models."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from stoic.model._loader import resolve_model_path
+from stoic.model.testing import dequantized_model_dir
 
 # Property tests: the default profile is derandomized, so a commit that passed keeps passing
 # (CI must not turn red on an example nobody has seen); ``HYPOTHESIS_PROFILE=thorough`` searches
@@ -43,9 +44,9 @@ def _data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The default model converted from its GGUF file (cached across runs)."""
-    _name, path = resolve_model_path("default")
-    return path
+    """The default model de-quantised from its GGUF file into a model directory (float32
+    safetensors; cached across runs): the same weights through the model-directory loader."""
+    return dequantized_model_dir()
 
 
 @pytest.fixture(scope="session")

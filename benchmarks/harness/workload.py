@@ -236,10 +236,9 @@ def quiet_logs(level: int = logging.WARNING) -> None:
 
 def default_model_dir() -> Path:
     """The default model as a model directory (its GGUF file de-quantised once, cached)."""
-    from stoic.model._loader import resolve_model_path
+    from stoic.model.testing import dequantized_model_dir
 
-    _name, path = resolve_model_path("default")
-    return path
+    return dequantized_model_dir()
 
 
 async def wait_idle(engine: stoic.Engine, limit: float = 60.0) -> stoic.EngineStats:

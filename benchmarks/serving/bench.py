@@ -399,9 +399,9 @@ class Bench:
                 self.log(f"dtype check {dtype} batch {batch}: {r.tokens_per_s:.1f} tok/s")
 
     async def run(self) -> None:
-        from stoic.model._loader import resolve_model_path
+        from stoic.model.testing import dequantized_model_dir
 
-        _, model_dir = resolve_model_path("default")
+        model_dir = dequantized_model_dir()
         self.model_dir = model_dir
         if self.s.wait_quiet > 0:
             await self.wait_quiet([], self.s.wait_quiet)

@@ -286,7 +286,8 @@ class ProcessBackend(StepBackend):
         config.check_spares(str(loaded.device))  # before a worker takes the device's memory
         # the worker builds its own grammar backend from ``vocab``
         worker_spec = WorkerSpec(
-            model=str(loaded.path),
+            # a GGUF model's weights are its file's (its directory holds the metadata only)
+            model=str(loaded.gguf or loaded.path),
             device=str(loaded.device),
             # on a GPU "auto" is the worker's to resolve: this process never asks the device
             dtype=(

@@ -173,6 +173,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         dense_dtype=spec.dense_dtype,
         kv_cache_dtype=spec.kv_cache_dtype,
         deterministic=spec.deterministic,
+        quantization=spec.quantization,  # which matrices stay on the file's blocks
         tokenizer=False,  # the server detokenises; the stop ids come with the spec
     )
     loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids, gguf=spec.gguf)

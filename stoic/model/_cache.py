@@ -1,11 +1,12 @@
-"""The cache of converted GGUF models: content keys, entries, listing and pruning.
+"""The cache of GGUF models' metadata: content keys, entries, listing and pruning.
 
 Layout under the cache root (``--cache-dir``, else ``$STOIC_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/stoic`` or ``~/.cache/stoic``)::
 
-    converted/<key>/            one entry: safetensors, config and tokenizer files
+    converted/<key>/            one entry: config and tokenizer files (an older stoic's: and
+                                float32 safetensors, no longer read)
     converted/<key>/stoic-cache.json   its manifest: source file, name; its mtime is "last used"
-    converted/.convert-*/       a conversion in progress (or one a crash left behind)
+    converted/.convert-*/       an entry being written (or one a crash left behind)
     converted/<stem>-<16 hex>/  an entry of an older stoic, keyed by the file's path (legacy)
 
 An entry appears by an atomic rename of a finished directory, and its manifest is written before

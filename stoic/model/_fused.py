@@ -43,7 +43,7 @@ from ._qkernels import Kernels
 from ._quant import EVERY_ROW, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from ._stepprogress import tick
 
-__all__ = ["FUSED_TYPES", "FusedLlama", "fuse_llama"]
+__all__ = ["FUSED_TYPES", "FusedLlama", "fuse_llama", "fused_config"]
 
 #: the ``model_type`` values that run here (any other keeps transformers' forward)
 FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
@@ -94,6 +94,16 @@ def _fuse_rows(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _supported(config: Any, base: Any) -> bool:
+    if not fused_config(config):
+        return False
+    layers = getattr(base, "layers", None)
+    return bool(layers) and hasattr(base, "rotary_emb") and hasattr(base, "embed_tokens")
+
+
+def fused_config(config: Any) -> bool:
+    """Whether a model of ``config`` (transformers') runs here, judged by its configuration
+    alone: what the loader asks before it builds the model (:func:`fuse_llama` then checks the
+    modules too)."""
     kind = getattr(config, "model_type", None)
     if kind not in FUSED_TYPES:
         return False
@@ -111,12 +121,9 @@ def _supported(config: Any, base: Any) -> bool:
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):  # the rotary here turns the whole head
         return False
-    if getattr(config, "attn_logit_softcapping", None):
-        # attention soft-capping: the C attention kernels have none; transformers' layers
-        # over the paged attention (which honours it) run such a model
-        return False
-    layers = getattr(base, "layers", None)
-    return bool(layers) and hasattr(base, "rotary_emb") and hasattr(base, "embed_tokens")
+    # attention soft-capping: the C attention kernels have none; transformers' layers over the
+    # paged attention (which honours it) run such a model
+    return not getattr(config, "attn_logit_softcapping", None)
 
 
 def _fused_projections(

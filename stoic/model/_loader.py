@@ -7,10 +7,11 @@ Three sources are accepted:
 * a path to any ``.gguf`` file transformers can read;
 * a path to a local Hugging Face model directory (config, safetensors, tokenizer files).
 
-A GGUF file is converted (de-quantised) once into a cache directory of safetensors and tokenizer
-files, keyed by the file's content (:mod:`._cache`): every later start loads that directory, which
-takes seconds instead of tens of seconds, and copies of one file share it. The conversion logs
-``model.converting`` when it starts and every 5 seconds, ``model.converted`` when done.
+A GGUF file is served from its own tensors (:mod:`._gguf_weights`): its configuration,
+generation configuration and tokenizer are built once by transformers from the file's metadata
+into a cache directory keyed by the file's content (:mod:`._cache`; ``model.metadata.building``
+when it starts and every 5 seconds, ``model.metadata.built`` when done), and its weights are read
+from the file at every start, never converted nor written anywhere.
 Nothing here ever touches the network: ``local_files_only`` is forced.
 
 A model that cannot be used raises :class:`~stoic.errors.ModelUnavailable` with one line saying
@@ -37,6 +38,7 @@ from .._logging import get_logger
 from ..config import Quantization
 from ..errors import ModelUnavailable
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
+from ._gguf_weights import GgufWeights
 from ._precision import (
     Precision,
     parse_dtype,
@@ -90,13 +92,16 @@ class LoadedModel:
     config: Any = None
     #: the GGUF file the weights were de-quantised from (None: a model directory)
     gguf: Path | None = None
-    #: where converted models and built kernels are cached (None: the default)
+    #: where GGUF models' metadata and built kernels are cached (None: the default)
     cache_root: Path | None = None
     #: the weights' type in products over many rows (prefill chunks; :mod:`._precision`);
     #: None: ``dtype``
     dense_dtype: torch.dtype | None = None
     #: the KV cache's type (``--kv-cache-dtype``, :mod:`._precision`); None: ``dtype``
     kv_dtype: torch.dtype | None = None
+    #: a GGUF model's weights as read from the file (what stayed on its blocks, the mapping the
+    #: runner reads them from); None: a model directory's
+    gguf_weights: GgufWeights | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -138,21 +143,24 @@ def cuda_devices() -> tuple[int, str]:
     return count, build
 
 
-#: seconds between two ``model.converting`` heartbeat events
+#: seconds between two ``model.metadata.building`` heartbeat events
 CONVERT_HEARTBEAT_S = 5.0
 _TODO_GGUF = "check the file, or pass a model directory or another .gguf file"
 _TODO_DIR = "check the model directory's files (config.json, weights, tokenizer)"
 
 
-def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
-    """Convert a GGUF file once into a directory of safetensors + tokenizer files; return it.
+def gguf_metadata_dir(gguf: Path, cache_root: Path | None = None) -> Path:
+    """A directory of ``gguf``'s configuration, generation configuration and tokenizer files,
+    built once by transformers from the file's metadata (no tensor is read: a few MiB, seconds
+    for a large vocabulary) into a cache entry; return it. The weights are never converted:
+    :func:`load_model` reads them from the file itself (:mod:`._gguf_weights`).
 
     The entry is keyed by the file's content (:func:`._cache.gguf_content_key`): a copy of the
-    same file elsewhere finds it too. The conversion is written into a temporary directory and
-    renamed into place, so a crash mid-way never leaves a half-written entry behind. A second
-    call returns the existing directory.
+    same file elsewhere finds it too. It is written into a temporary directory and renamed into
+    place, so a crash mid-way never leaves a half-written entry behind. A second call returns
+    the existing directory (an entry an older stoic wrote, with converted weights in it, too).
 
-    :raises ModelUnavailable: the file is not GGUF, or transformers cannot read or convert it
+    :raises ModelUnavailable: the file is not GGUF, or transformers cannot read its metadata
         (its reason in the message).
     """
     root = cache_root or default_cache_dir()
@@ -161,43 +169,66 @@ def convert_gguf(gguf: Path, cache_root: Path | None = None) -> Path:
     found = find_entry(root, key, gguf, header)
     if found is not None:
         return found
-    size = gguf.stat().st_size
     log = _log.bind(source=str(gguf), target=str(root / "converted" / key))
-    log.info(
-        "model.converting",
-        size_mib=round(size / 2**20, 1),
-        note="de-quantising the GGUF file once; later starts load the converted copy",
-    )
+    log.info("model.metadata.building", note="the tokenizer and config, once; no weights")
     started = time.monotonic()
-    with heartbeat(log, "model.converting", interval=CONVERT_HEARTBEAT_S):
-        tokenizer, model = _read_gguf(gguf)
+    with heartbeat(log, "model.metadata.building", interval=CONVERT_HEARTBEAT_S):
         tmp = new_entry_dir(root)
         try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            _write_gguf_metadata(gguf, tmp)
             target = commit_entry(tmp, root, key, gguf, header)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info("model.converted", seconds=round(time.monotonic() - started, 2))
+    log.info("model.metadata.built", seconds=round(time.monotonic() - started, 2))
     return target
 
 
-def _read_gguf(gguf: Path) -> tuple[Any, Any]:
-    """(tokenizer, de-quantised float32 model) read from ``gguf`` by transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_gguf_metadata(gguf: Path, directory: Path) -> None:
+    """transformers' configuration, generation configuration and tokenizer of ``gguf``, saved
+    into ``directory``."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     with load_errors(f"cannot read the model in {gguf}", _TODO_GGUF):
+        config = AutoConfig.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
         tokenizer = AutoTokenizer.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, local_files_only=True
         )
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-    # The de-quantised weights are plain tensors; drop the GGUF quantizer so they can be saved.
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    return tokenizer, model
+    config.save_pretrained(directory)
+    GenerationConfig.from_model_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def _load_gguf(
+    gguf: Path,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: Quantization,
+    cache_root: Path,
+) -> GgufWeights:
+    """``gguf``'s model in ``dtype``, its projections left on their blocks where the runner will
+    multiply on them (a CPU, quantization not ``none``, the kernels here, an architecture the
+    fused forward runs: :func:`._gguf_weights.lazy_tensors`), every other tensor de-quantised.
+
+    :raises ModelUnavailable: as :func:`._gguf_weights.load_gguf_model`.
+    """
+    from ._fused import fused_config
+    from ._gguf_weights import lazy_tensors, load_gguf_model
+    from ._qkernels import Kernels
+    from ._quant import kernels_for
+
+    kernels: Kernels | None = None
+    lazy: set[str] = set()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if device.type == "cpu" and quantization != "none" and fused_config(text):
+        found = kernels_for(gguf, device, cache_root)
+        if isinstance(found, Kernels):
+            kernels = found
+            lazy = lazy_tensors(check_gguf_file(gguf), int(config.num_hidden_layers))
+    with load_errors(f"cannot load the model in {gguf}", _TODO_GGUF):
+        return load_gguf_model(gguf, config, dtype, lazy=lazy, embedding_kernels=kernels)
 
 
 def resolve_model_path(model: str, cache_root: Path | None = None) -> tuple[str, Path]:
@@ -207,12 +238,12 @@ def resolve_model_path(model: str, cache_root: Path | None = None) -> tuple[str,
         wrong and what to do).
     """
     if model == "default":
-        return DEFAULT_MODEL_NAME, convert_gguf(default_gguf_path(), cache_root)
+        return DEFAULT_MODEL_NAME, gguf_metadata_dir(default_gguf_path(), cache_root)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelUnavailable(f"{path} is a file but not a .gguf file; {HINT}")
-        return path.stem, convert_gguf(path, cache_root)
+        return path.stem, gguf_metadata_dir(path, cache_root)
     if path.is_dir():
         check_model_dir(path, weights=False, tokenizer=False)
         return path.name, path
@@ -265,11 +296,12 @@ def load_model(
     # resolved first: a conversion logs its start before transformers is imported (seconds)
     name, path = resolve_model_path(model, cache_root)
     gguf = default_gguf_path() if model == "default" else Path(model).expanduser()
-    check_model_dir(path, weights=weights, tokenizer=tokenizer)
+    gguf_file = gguf if gguf.is_file() else None
+    # a GGUF model's directory holds its metadata only: the weights are the file's
+    check_model_dir(path, weights=weights and gguf_file is None, tokenizer=tokenizer)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     dev = resolve_device(device)
-    gguf_file = gguf if gguf.is_file() else None
     if not weights and dev.type == "cuda" and dtype in (None, "auto"):
         # the server of a worker process must not ask the GPU (that creates a CUDA context
         # here): the worker resolves "auto" itself; bfloat16 (float16's size) stands in here
@@ -306,7 +338,17 @@ def load_model(
         with load_errors(f"cannot load the tokenizer of {path}", _TODO_DIR):
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     lm: Any = None
-    if weights:
+    gguf_weights: GgufWeights | None = None
+    if weights and gguf_file is not None:
+        gguf_weights = _load_gguf(
+            gguf_file, full_config, dt, dev, quantization, cache_root or default_cache_dir()
+        )
+        lm = gguf_weights.model
+        if dev.type != "cpu":
+            lm = lm.to(dev)
+        lm.eval()
+        generation = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    elif weights:
         with (
             _no_progress_bar(),  # a library draws no progress bar on its host's terminal
             load_errors(f"cannot load the model in {path}", _TODO_DIR),
@@ -359,4 +401,5 @@ def load_model(
         cache_root=cache_root,
         dense_dtype=dense,
         kv_dtype=precision.kv_dtype,
+        gguf_weights=gguf_weights,
     )

@@ -137,17 +137,16 @@ class OutputLayer:
         #: why :attr:`whole_forward` (None: it is not)
         self.reason: str | None = None if self._stand_in is not None else "no base model/head"
 
-    def probe(self, hidden_size: int, vocab: int) -> None:
+    def probe(self, hidden_size: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
         """Decide :attr:`whole_forward`: call the forward on the stand-in with random hidden
-        states of 3 tokens, keeping rows 0 and 2, and require that the base model got the ids
+        states of 3 tokens (``dtype`` on ``device``: the model's), keeping rows 0 and 2, and require that the base model got the ids
         untouched, the output layer the kept rows once, and the logits their shape; and whether
         those logits are the output layer's product unchanged (:attr:`identity`)."""
         if self._stand_in is None:
             return
-        param = next(self._model.parameters())
-        hidden = torch.randn(1, 3, hidden_size, dtype=param.dtype, device=param.device)
-        rows = torch.tensor([0, 2], device=param.device)
-        ids = torch.zeros(1, 3, dtype=torch.long, device=param.device)
+        hidden = torch.randn(1, 3, hidden_size, dtype=dtype, device=device)
+        rows = torch.tensor([0, 2], device=device)
+        ids = torch.zeros(1, 3, dtype=torch.long, device=device)
         self._head.record, self._head.inputs = True, []
         self._base.calls, self._base.faithful = 0, True
         try:

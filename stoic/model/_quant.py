@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from .._logging import get_logger
 from ..config import Quantization
 from ._gemm8 import Gemm8
-from ._gguf import GgufHeader, GgufTensor, read_gguf_header
+from ._gguf import GgufTensor
+from ._gguf_weights import GgufFile, kernel_matrix
 from ._packed import PackedLinear
 from ._qkernels import GGML_TYPES, Kernels, Product
 
@@ -72,8 +73,6 @@ _LLAMA_TENSORS = {
     "up": "ffn_up",  # Phi-3's fused [gate; up]
     "down": "ffn_down",
 }
-#: GGML type id -> type name, for the types the kernels compute on
-_KINDS = {ggml.type_id: name for name, ggml in GGML_TYPES.items()}
 _log = get_logger("stoic.model")
 
 
@@ -207,6 +206,7 @@ class QLinear:
         "_product",
         "bias",
         "dense_bias",
+        "dense_made",
         "dense_weight",
         "max_rows",
         "quantized",
@@ -231,11 +231,15 @@ class QLinear:
         self.max_rows = max_rows
         self._product: Product | None = None
         self._gemm8: Gemm8 | None = None
+        #: bytes of dense weights made from the blocks (a matrix read from a GGUF file alone)
+        self.dense_made = 0
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
             self._product = self.quantized.bind(kernels, bias32, fixed=fixed, int8_rows=int8_rows)
             if int8_rows and not fixed and dense_dtype not in (None, torch.float32):
                 self._gemm8 = Gemm8.bind(kernels, self.quantized.pieces, bias32)
+        if weight.is_meta:  # read from a GGUF file's blocks alone (:mod:`._gguf_weights`)
+            weight = self._dense_from_blocks(weight, kernels, max_rows)
         #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
         #: (None once packed: :attr:`_packed` holds the same numbers)
         self.dense_weight: torch.Tensor | None = weight
@@ -251,6 +255,26 @@ class QLinear:
             # a private copy: packed in its place where oneDNN can (no weights held twice)
             self._packed = PackedLinear.build(copy, self.dense_bias, pack_parts)
             self.dense_weight = None if self._packed is not None else copy
+
+    def _dense_from_blocks(
+        self, weight: torch.Tensor, kernels: Kernels | None, max_rows: int
+    ) -> torch.Tensor:
+        """The dense weights of a matrix the model holds no values of (``weight`` on ``meta``:
+        its blocks are all it has): de-quantised from the blocks into ``weight``'s dtype where
+        some products will multiply by them (more than ``max_rows`` rows and no int8 product
+        over them), else ``weight`` itself (never read).
+
+        :raises ValueError: if there are no blocks to make them from.
+        """
+        if self.quantized is None or kernels is None:
+            raise ValueError(f"a {tuple(weight.shape)} matrix has neither values nor blocks")
+        if self._gemm8 is not None or max_rows >= EVERY_ROW:
+            return weight
+        parts = [kernels.dequantize(kind, blocks, self.quantized.cols)
+                 for kind, blocks in self.quantized.pieces]  # fmt: skip
+        dense = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.dense_made = dense.numel() * weight.element_size()
+        return dense.to(weight.dtype)
 
     @classmethod
     def checked(
@@ -268,7 +292,11 @@ class QLinear:
     ) -> QLinear:
         """A :class:`QLinear` that uses ``quantized`` only if the blocks hold ``weight``
         (:meth:`QuantizedMatrix.matches`); otherwise the float path alone."""
-        if quantized is not None and (kernels is None or not quantized.matches(kernels, weight)):
+        if (
+            quantized is not None
+            and not weight.is_meta  # the blocks are the only source: nothing to compare
+            and (kernels is None or not quantized.matches(kernels, weight))
+        ):
             quantized = None
         return cls(
             weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts, fixed, int8_rows
@@ -415,55 +443,51 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
 
 
 def _read_matrix(
-    file: BinaryIO, header: GgufHeader, tensor: GgufTensor, order: torch.Tensor | None = None
+    file: GgufFile, tensor: GgufTensor, order: torch.Tensor | None = None
 ) -> QuantizedMatrix | None:
-    kind = _KINDS.get(tensor.ggml_type)
-    if kind is None or len(tensor.dims) != 2:
+    """``tensor``'s blocks as a view of the mapped file (its pages shared, not copied: rows
+    reordered by ``order`` are a copy), or None where the kernels cannot take it."""
+    kind = kernel_matrix(tensor)
+    if kind is None:
         return None
-    ggml = GGML_TYPES[kind]
-    cols, rows = tensor.dims
-    if cols % ggml.weights:
-        return None
-    blocks = torch.empty(rows, cols // ggml.weights * ggml.block_bytes, dtype=torch.uint8)
-    file.seek(header.data_start + tensor.offset)
-    if file.readinto(blocks.numpy()) != blocks.numel():  # type: ignore[attr-defined]
-        raise ValueError(f"tensor {tensor.name} runs past the end of the file")
+    blocks = file.raw(tensor)
     if order is not None:
         blocks = blocks.index_select(0, order)
-    return QuantizedMatrix(kind, blocks, cols)
+    return QuantizedMatrix(kind, blocks, tensor.dims[0])
 
 
-def read_llama_blocks(gguf: Path, config: Any) -> dict[str, QuantizedMatrix]:
+def read_llama_blocks(gguf: Path | GgufFile, config: Any) -> dict[str, QuantizedMatrix]:
     """The quantised matrices of a Llama-layout GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3:
     :data:`._fused.FUSED_TYPES`), keyed ``"{layer}.{q|k|v|qkv|o|gate|up|down}"`` and ``"head"``
     (``output.weight``, else the tied ``token_embd.weight``), rows in transformers' order (the
     Q and K rows of a ``llama`` file un-permuted, as transformers' loader does for that
-    architecture only). Matrices of types the kernels lack are left out.
+    architecture only). Matrices of types the kernels lack are left out. The blocks are views
+    of the file mapped copy-on-write (:class:`._gguf_weights.GgufFile`): every process that
+    maps the file shares its pages.
 
     :raises OSError: if the file cannot be read; ``ValueError`` if it is not GGUF or truncated.
     """
-    header = read_gguf_header(gguf)
-    tensors = header.tensors
-    permuted = header.architecture == "llama"
+    file = gguf if isinstance(gguf, GgufFile) else GgufFile(gguf)
+    tensors = file.header.tensors
+    permuted = file.header.architecture == "llama"
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     out: dict[str, QuantizedMatrix] = {}
-    with gguf.open("rb") as file:
-        for i in range(int(config.num_hidden_layers)):
-            for short, name in _LLAMA_TENSORS.items():
-                tensor = tensors.get(f"blk.{i}.{name}.weight")
-                if tensor is None:
-                    continue
-                order = None
-                if permuted and short in ("q", "k") and len(tensor.dims) == 2:
-                    order = _unpermute(tensor.dims[1], heads if short == "q" else kv_heads)
-                found = _read_matrix(file, header, tensor, order)
-                if found is not None:
-                    out[f"{i}.{short}"] = found
-        head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-        found = _read_matrix(file, header, head) if head is not None else None
-        if found is not None:
-            out["head"] = found
+    for i in range(int(config.num_hidden_layers)):
+        for short, name in _LLAMA_TENSORS.items():
+            tensor = tensors.get(f"blk.{i}.{name}.weight")
+            if tensor is None:
+                continue
+            order = None
+            if permuted and short in ("q", "k") and len(tensor.dims) == 2:
+                order = _unpermute(tensor.dims[1], heads if short == "q" else kv_heads)
+            found = _read_matrix(file, tensor, order)
+            if found is not None:
+                out[f"{i}.{short}"] = found
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    found = _read_matrix(file, head) if head is not None else None
+    if found is not None:
+        out["head"] = found
     return out
 
 
@@ -495,10 +519,16 @@ def require_quantized(gguf: Path | None, device: torch.device, cache_root: Path)
 
 
 def prepare_quantized(
-    gguf: Path | None, config: Any, device: torch.device, mode: Quantization, cache_root: Path
+    gguf: Path | None,
+    config: Any,
+    device: torch.device,
+    mode: Quantization,
+    cache_root: Path,
+    file: GgufFile | None = None,
 ) -> tuple[dict[str, QuantizedMatrix], Kernels | None]:
     """The quantised blocks and the kernels for a model loaded from ``gguf`` on ``device``, or
-    ``({}, None)`` when ``mode`` is ``"none"`` or (``"auto"``) they cannot be used here: why is
+    ``({}, None)`` when ``mode`` is ``"none"`` or (``"auto"``) they cannot be used here (``file``:
+    ``gguf`` already mapped, its blocks read from that mapping): why is
     logged (``model.quantization.off``: a warning for a GGUF model on a CPU, where they were
     expected).
 
@@ -514,7 +544,7 @@ def prepare_quantized(
     else:
         assert gguf is not None
         try:
-            blocks = read_llama_blocks(gguf, config)
+            blocks = read_llama_blocks(file or gguf, config)
         except (OSError, ValueError) as e:
             why = f"cannot read the quantised weights of {gguf}: {e}"
         else:

@@ -105,13 +105,17 @@ class ModelRunner:
         )
         self._config = config
         started = time.monotonic()
+        read = loaded.gguf_weights
         blocks, kernels = prepare_quantized(
             loaded.gguf,
             config,
             loaded.device,
             quantization,
             loaded.cache_root or default_cache_dir(),
+            read.file if read is not None else None,
         )
+        if read is not None and (kernels is None or not fused):
+            read.fill()  # the matrices left on blocks, made dense: nothing multiplies on them
         dense = None if deterministic else loaded.dense_dtype
         #: steps of one or two tokens multiply the blocks by int8 activations (``_int8rows.c``),
         #: and bigger ones too (``_gemm8.c``): where the model runs with a fast dense dtype
@@ -145,8 +149,12 @@ class ModelRunner:
         #: the model's own forward from stoic's hidden states to logits (:mod:`._logits`)
         self._logits = OutputLayer(model, self)
         with torch.inference_mode():
-            self._logits.probe(int(head.weight.shape[1]), int(head.weight.shape[0]))
+            self._logits.probe(
+                int(head.weight.shape[1]), int(head.weight.shape[0]), loaded.dtype, loaded.device
+            )
         whole = self._logits.whole_forward
+        if whole and read is not None:
+            read.fill()  # transformers' own forward multiplies by the model's weights
         self._fused: FusedLlama | None = (
             fuse_llama(
                 model,

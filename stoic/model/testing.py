@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ._batch import StepBatch
-from ._loader import resolve_model_path
+from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
+from ._loader import default_gguf_path, resolve_model_path
 from ._paged import PagedKVCache
 from ._runner import ModelRunner
+from ._source import check_gguf_file, load_errors
 
-__all__ = ["build_tiny_model", "final_hidden_states", "scattered_block_tables"]
+__all__ = [
+    "build_tiny_model",
+    "dequantized_model_dir",
+    "final_hidden_states",
+    "scattered_block_tables",
+]
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -27,11 +35,55 @@ _TOKENIZER_FILES = (
 )
 
 
+#: where :func:`dequantized_model_dir` keeps its copies, under the cache root
+DEQUANTIZED = "dequantized-for-tests"
+
+
+def dequantized_model_dir(gguf: Path | None = None, cache_root: Path | None = None) -> Path:
+    """A Hugging Face model directory (float32 safetensors, config, tokenizer) of ``gguf`` (the
+    default model's file if None), de-quantised by transformers once and cached under
+    ``cache_root / DEQUANTIZED`` (keyed by the file's content, as the model cache is).
+
+    stoic serves a GGUF file from its own bytes; tests use this to run the same weights as a
+    model directory (transformers' reference outputs, the float path, the model-directory
+    loader) without a network.
+
+    :raises ModelUnavailable: if transformers cannot read the file.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf or default_gguf_path()
+    root = (cache_root or default_cache_dir()) / DEQUANTIZED
+    header = check_gguf_file(source)
+    key = gguf_content_key(source, header)
+    found = find_entry(root, key, source, header)
+    if found is not None:
+        return found
+    with load_errors(f"cannot read the model in {source}", "check the file"):
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(source.parent), gguf_file=source.name, local_files_only=True
+        )
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(source.parent), gguf_file=source.name, dtype=torch.float32, local_files_only=True
+        )
+    # the de-quantised weights are plain tensors; drop the GGUF quantizer so they can be saved
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = new_entry_dir(root)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        return commit_entry(tmp, root, key, source, header)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_tiny_model(target: Path, *, seed: int = 0) -> Path:
     """Write the tiny model to ``target`` (a Hugging Face model directory) and return it.
 
-    The tokenizer files come from the default model (converted from its GGUF file on first
-    use, then cached; nothing is downloaded).
+    The tokenizer files come from the default model (built from its GGUF file's metadata on
+    first use, then cached; nothing is downloaded).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

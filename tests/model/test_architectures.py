@@ -386,7 +386,7 @@ def test_the_logits_probe_takes_every_forward_on_stoics_hidden_states(name: str)
     logits = OutputLayer(model, owner)
     ids = torch.tensor([[3, 9, 27, 5]])
     with torch.inference_mode():
-        logits.probe(32, 64)
+        logits.probe(32, 64, torch.float32, torch.device("cpu"))
         assert not logits.whole_forward, logits.reason
         assert logits.identity == (name not in POST_PROCESSED)
         hidden = model.base_model(input_ids=ids).last_hidden_state

@@ -18,7 +18,7 @@ from gguf_blocks import BYTE_VOCAB, write_model_gguf
 from support import greedy_reference
 
 import stoic
-from stoic.model import ModelRunner, default_cache_dir, load_model
+from stoic.model import ModelRunner, _gguf_weights, default_cache_dir, load_model
 from stoic.model._fused import FusedLlama
 
 #: family -> (config class, model class, config overrides, GGUF architecture)
@@ -165,8 +165,10 @@ async def test_a_family_runs_fused_and_decodes_like_transformers(
             pytest.skip(f"quantised kernels unavailable here: {e}")
     cache = tmp_path / "cache"
     loaded = load_model(path, dtype="float32", device="cpu", cache_root=cache)
-    # transformers' own, on the de-quantised weights for GGUF
-    want_tokens, want_logprobs = zip(*greedy_reference(loaded.model, PROMPTS, TOKENS), strict=True)
+    # transformers' own, on the de-quantised weights for GGUF (every tensor made dense: the
+    # direct load leaves the projections on the blocks)
+    dense = load_model(path, dtype="float32", device="cpu", cache_root=cache, quantization="none")
+    want_tokens, want_logprobs = zip(*greedy_reference(dense.model, PROMPTS, TOKENS), strict=True)
     assert len({tuple(t) for t in want_tokens}) == len(PROMPTS)  # outputs depend on the prompt
     runner = ModelRunner(loaded, quantization=quantization)  # type: ignore[arg-type]
     assert isinstance(runner._fused, FusedLlama)
@@ -178,6 +180,7 @@ async def test_a_family_runs_fused_and_decodes_like_transformers(
         assert summary["c_layers"] == (family in ("mistral", "phi3", "qwen2"))
 
     original = transformers.AutoModelForCausalLM.from_pretrained
+    skeleton = _gguf_weights._skeleton
     with pytest.MonkeyPatch.context() as patch:
 
         def loading(*args: Any, **kwargs: Any) -> Any:
@@ -186,7 +189,13 @@ async def test_a_family_runs_fused_and_decodes_like_transformers(
             _never_generic(loaded[0] if isinstance(loaded, tuple) else loaded)
             return loaded
 
+        def building(*args: Any) -> Any:  # a GGUF file's model (:mod:`._gguf_weights`)
+            built = skeleton(*args)
+            _never_generic(built)
+            return built
+
         patch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loading)
+        patch.setattr(_gguf_weights, "_skeleton", building)
         results = await _engine_outputs(path, cache, quantization)
     for i, result in enumerate(results):
         index = i % len(PROMPTS)

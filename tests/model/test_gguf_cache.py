@@ -117,7 +117,7 @@ def test_the_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch)
 
 # -- entries --------------------------------------------------------------------------------------
 def _convert(root: Path, gguf: Path) -> Path:
-    """What convert_gguf does, with a fake conversion (one file) instead of transformers."""
+    """What gguf_metadata_dir does, with a fake build (one file) instead of transformers."""
     header = read_gguf_header(gguf)
     tmp = new_entry_dir(root)
     (tmp / "config.json").write_text("{}")

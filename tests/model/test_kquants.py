@@ -163,12 +163,16 @@ async def test_a_mixed_k_quant_file_decodes_like_its_dequantised_model(
     gguf = write_llama_gguf(tmp_path / f"{name}.gguf", FILES[name])
     cache = tmp_path / "cache"
     loaded = load_model(str(gguf), dtype="float32", device="cpu", cache_root=cache)
+    # the reference: every tensor de-quantised (gguf-py) into transformers' model
+    dense = load_model(
+        str(gguf), dtype="float32", device="cpu", cache_root=cache, quantization="none"
+    )
     tokenizer = loaded.tokenizer
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     want = []
     with torch.inference_mode():
         for ids in prompts:
-            out = loaded.model.generate(
+            out = dense.model.generate(
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=12,

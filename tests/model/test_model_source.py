@@ -14,7 +14,7 @@ from gguf_fakes import write_gguf
 
 from stoic.errors import ModelUnavailable
 from stoic.model import check_model_source, load_model
-from stoic.model._loader import convert_gguf
+from stoic.model._loader import gguf_metadata_dir
 from stoic.model._source import one_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,15 +128,15 @@ def test_transformers_failures_are_wrapped_with_their_reason(tmp_path: Path) -> 
 
 def test_a_gguf_transformers_cannot_read_fails_before_anything_is_cached(tmp_path: Path) -> None:
     """An architecture transformers does not support: transformers' reason, and no cache entry
-    (nor a temporary directory) left behind. The conversion's start was logged first."""
+    (nor a temporary directory) left behind. The metadata build's start was logged first."""
     gguf = write_gguf(tmp_path / "odd.gguf", architecture="nonsense")
     with structlog.testing.capture_logs() as logs, pytest.raises(ModelUnavailable) as raised:
-        convert_gguf(gguf, tmp_path / "cache")
+        gguf_metadata_dir(gguf, tmp_path / "cache")
     assert raised.value.message.startswith(f"cannot read the model in {gguf}: ")
     assert "nonsense" in raised.value.message
     assert list((tmp_path / "cache" / "converted").glob("*")) == []
-    start = next(e for e in logs if e["event"] == "model.converting")
-    assert start["source"] == str(gguf) and "target" in start and "size_mib" in start
+    start = next(e for e in logs if e["event"] == "model.metadata.building")
+    assert start["source"] == str(gguf) and "target" in start
 
 
 def test_one_line_collapses_whitespace_and_bounds_length() -> None:

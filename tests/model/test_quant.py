@@ -99,13 +99,19 @@ def default_fp32() -> LoadedModel:
     return load_model("default", dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="module")
+def reference_fp32(default_model_dir: Path) -> LoadedModel:
+    """The default model's weights as transformers de-quantises them (a model directory)."""
+    return load_model(str(default_model_dir), dtype="float32", device="cpu")
+
+
 @pytest.mark.model
 def test_default_gguf_blocks_hold_the_converted_weights(
-    kernels: Kernels, default_fp32: LoadedModel
+    kernels: Kernels, reference_fp32: LoadedModel
 ) -> None:
     """Every projection and the LM head of the default model, read from the GGUF file (Q/K rows
-    un-permuted as transformers does), de-quantises to exactly the loaded float32 weights."""
-    loaded = default_fp32
+    un-permuted as transformers does), de-quantises to exactly transformers' float32 weights."""
+    loaded = reference_fp32
     blocks = read_llama_blocks(default_gguf_path(), loaded.config)
     base = loaded.model.base_model
     assert len(blocks) == 7 * len(base.layers) + 1
@@ -125,11 +131,11 @@ def test_default_gguf_blocks_hold_the_converted_weights(
 
 @pytest.mark.model
 def test_blocks_in_the_wrong_row_order_are_not_used(
-    kernels: Kernels, default_fp32: LoadedModel
+    kernels: Kernels, reference_fp32: LoadedModel
 ) -> None:
     """A matrix whose rows do not match the model's (a mapping mistake, or Q rows left in
     llama.cpp's order) is detected at load by the sampled-row check and stays on the float path."""
-    loaded = default_fp32
+    loaded = reference_fp32
     blocks = read_llama_blocks(default_gguf_path(), loaded.config)
     q = blocks["0.q"]
     weight = loaded.model.base_model.layers[0].self_attn.q_proj.weight
