@@ -97,6 +97,9 @@ def model_systems(args: argparse.Namespace, work: Path, gguf: Path, slots: int) 
     model = model_flags(gguf)
     work = work / gguf.stem
     systems = [stoic_server(work, "stoic serve", model)]
+    for layouts in args.weight_layouts or ():
+        flags = [*model, "--weight-layouts", layouts]
+        systems.append(stoic_server(work, f"stoic serve --weight-layouts {layouts}", flags))
     if not args.no_options:
         flags = [*model, "--quantization", "none"]
         systems.append(stoic_server(work, "stoic serve --quantization none", flags))
@@ -214,6 +217,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
         "--no-options", action="store_true", help="stoic's defaults only (no --quantization none)"
+    )
+    parser.add_argument(
+        "--weight-layouts",
+        nargs="+",
+        choices=["fast", "compact"],
+        help="also stoic serve with each of these --weight-layouts",
     )
     args = parser.parse_args()
     text = asyncio.run(run(args))

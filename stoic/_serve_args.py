@@ -71,6 +71,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     g.add_argument(
+        "--weight-layouts",
+        default=d.weight_layouts,
+        choices=["auto", "fast", "compact"],
+        help="how a .gguf model's quantised weights are held (docs/operations.md, \"Weight "
+        'layouts"). fast: the blocks repacked for steps of few tokens, and for bigger ones '
+        "(prefill, many sequences) the int8 layout (AVX-512 VNNI) or a dense copy: 2-3x the "
+        "file's bytes; compact: the repacked blocks alone, every step on them: about the file's "
+        "bytes, slower prefill; auto: fast where its layouts take at most half the memory "
+        "free at load, else compact (default %(default)s)",
+    )
+    g.add_argument(
         "--deterministic",
         action="store_true",
         default=d.deterministic,
@@ -291,6 +302,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        weight_layouts=args.weight_layouts,
         deterministic=args.deterministic,
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,

@@ -88,6 +88,13 @@ class FaultSpec:
 #: the de-quantised float weights)
 Quantization = Literal["auto", "gguf", "none"]
 
+#: ``--weight-layouts``: ``"fast"`` (a GGUF model's blocks repacked for steps of few rows, and
+#: for bigger ones the int8 layout or a dense copy: 2-3x the file's bytes), ``"compact"`` (the
+#: repacked blocks alone, every step on them: about the file's bytes, slower prefill), ``"auto"``
+#: (fast where its layouts take at most half the memory available at load, else compact)
+WeightLayouts = Literal["auto", "fast", "compact"]
+WEIGHT_LAYOUTS = ("auto", "fast", "compact")
+
 #: ``--kv-cache-dtype``'s choices (``EngineConfig.kv_cache_dtype``; ``auto``:
 #: :mod:`stoic.model._precision`)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -111,6 +118,8 @@ class EngineConfig:
     #: where the CPU (AVX2) and a C compiler allow, ``"gguf"`` required, ``"none"`` never. The
     #: numbers are the de-quantised weights' own (docs/operations.md, "Quantised weights")
     quantization: Quantization = "auto"
+    #: which layouts a GGUF model's quantised weights are held in (:data:`WeightLayouts`)
+    weight_layouts: WeightLayouts = "auto"
     #: every token's logits computed independently of the batch it is in, of how its prompt was
     #: chunked and of whether its context came from the prefix cache or a re-prefill: the same
     #: greedy (or seeded) text alone or in any batch, and ``recovery="resume"`` exact, in the
@@ -193,6 +202,11 @@ class EngineConfig:
         if self.quantization not in ("auto", "gguf", "none"):
             raise ValueError(
                 f"quantization must be 'auto', 'gguf' or 'none', not {self.quantization!r}"
+            )
+        if self.weight_layouts not in WEIGHT_LAYOUTS:
+            raise ValueError(
+                f"weight_layouts must be one of {', '.join(WEIGHT_LAYOUTS)}, "
+                f"not {self.weight_layouts!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

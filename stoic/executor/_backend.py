@@ -199,6 +199,7 @@ class ThreadBackend(StepBackend):
                 quantization=config.quantization,
                 threads=governor,
                 deterministic=config.deterministic,
+                weight_layouts=config.weight_layouts,
             )
         )
         self._runner = runner
@@ -303,6 +304,7 @@ class ProcessBackend(StepBackend):
             grammar=vocab,
             gguf=loaded.gguf,
             quantization=config.quantization,
+            weight_layouts=config.weight_layouts,
             deterministic=config.deterministic,
             dense_dtype=(
                 str(loaded.dense_dtype).removeprefix("torch.") if loaded.dense_dtype else None

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._proctitle import set_title
 from ..actors import enact_fault
-from ..config import FaultSpec, Quantization
+from ..config import FaultSpec, Quantization, WeightLayouts
 from ..errors import InsufficientMemory
 
 if TYPE_CHECKING:
@@ -78,6 +78,8 @@ class WorkerSpec:
     #: the GGUF file ``model`` was converted from (its quantised blocks), and ``--quantization``
     gguf: Path | None = None
     quantization: Quantization = "none"
+    #: ``--weight-layouts``
+    weight_layouts: WeightLayouts = "auto"
     #: ``--deterministic`` (:mod:`stoic.model._deterministic`)
     deterministic: bool = False
     #: the dense products' dtype the server resolved (``LoadedModel.dense_dtype``; None: ``dtype``)
@@ -182,6 +184,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         LLGuidanceBackend(spec.grammar) if spec.grammar else None,
         quantization=spec.quantization,
         deterministic=spec.deterministic,
+        weight_layouts=spec.weight_layouts,
         progress=progress,
         threads=governor,
     )

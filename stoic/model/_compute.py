@@ -44,7 +44,7 @@ def _type_name(ggml_type: int) -> str:
 
 
 #: fields too long or too structured for a metric label
-_NOT_LABELS = frozenset({"matrix_types", "kernel_types", "whole_forward_reason"})
+_NOT_LABELS = frozenset({"matrix_types", "kernel_types", "whole_forward_reason", "layouts_mib"})
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,11 @@ class ComputePath:
     #: the blocks by int8 activations instead of a dense copy (``_gemm8.c``: the same mode and
     #: CPUs as ``row_activations`` int8; every part of a type the layout holds)
     int8_batched_projections: int = 0
+    #: ``--weight-layouts`` as resolved: ``fast`` or ``compact`` (docs/operations.md)
+    weight_layouts: str = "fast"
+    #: MiB the layouts made from a GGUF file's blocks hold (repacked blocks, the int8 layout,
+    #: dense copies made from them; not a model's own weights, nor the file's shared pages)
+    layouts_mib: float = 0.0
 
     def card(self) -> dict[str, Any]:
         """Every field, as JSON-ready values (what ``/v1/models`` shows as ``compute``)."""
@@ -150,4 +155,6 @@ class ComputePath:
             attention=str(summary.get("attention", "torch-paged")),
             row_activations=str(summary.get("row_activations", "float32")),
             int8_batched_projections=int(summary.get("int8_batched_projections", 0)),
+            weight_layouts=str(summary.get("weight_layouts", "fast")),
+            layouts_mib=float(summary.get("layouts_mib", 0.0)),
         )

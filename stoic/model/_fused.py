@@ -163,6 +163,7 @@ def fuse_llama(
     dense_dtype: torch.dtype | None = None,
     deterministic: bool = False,
     int8_rows: bool = False,
+    batched: bool = True,
 ) -> FusedLlama | None:
     """The lean forward of ``model`` (a transformers causal LM), or None when its architecture is
     not one this module implements (the caller then keeps transformers' forward).
@@ -174,6 +175,7 @@ def fuse_llama(
     layers (:mod:`._deterministic`; ``kernel_rows`` and ``dense_dtype`` are then not used).
     ``int8_rows``: steps multiply the blocks by int8 activations where the kernels can
     (:class:`QLinear`; with ``deterministic``, every step in the fixed order of the G8 layout).
+    ``batched`` False: no batched int8 layout (:class:`QLinear`; ``--weight-layouts compact``).
 
     Mutates ``model``: its q/k/v and gate/up weights become views of the fused tensors (same
     values, same outputs).
@@ -190,6 +192,7 @@ def fuse_llama(
         dense_dtype=dense_dtype,
         deterministic=deterministic,
         int8_rows=int8_rows,
+        batched=batched,
     )
 
 
@@ -211,6 +214,7 @@ class FusedLlama:
         dense_dtype: torch.dtype | None = None,
         deterministic: bool = False,
         int8_rows: bool = False,
+        batched: bool = True,
     ) -> None:
         if deterministic:  # every step on the blocks, no dense copy (:mod:`._deterministic`;
             # with int8_rows on the G8 layout's fixed-order int8 products)
@@ -252,6 +256,7 @@ class FusedLlama:
                 pack_parts=parts,
                 fixed=deterministic,
                 int8_rows=int8_rows,
+                batched=batched,
             )
 
         for i, layer in enumerate(base.layers[: config.num_hidden_layers]):
@@ -335,6 +340,13 @@ class FusedLlama:
         """(projections with quantised blocks, all projections): 4 a layer."""
         linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         return sum(p.quantized is not None for p in linears), len(linears)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the projections hold of their own (:attr:`._quant.QLinear.nbytes`)."""
+        return sum(
+            p.nbytes for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)
+        )
 
     @property
     def int8_batched_projections(self) -> int:

@@ -25,6 +25,7 @@ a float32 model. The start-up log says what was de-quantised and how many MiB
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import time
 from collections.abc import Iterable
@@ -70,6 +71,17 @@ class GgufFile:
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
         #: the whole file as uint8 (views of it share the mapping)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def release_pages(self) -> None:
+        """Unmap the file's pages from this process (``MADV_DONTNEED``; they stay in the page
+        cache): once the runner has made its layouts the blocks are read again only for a
+        step's embedding rows, which map their pages again on first touch (the file's
+        contents: the mapping was never written). Resident memory then counts what the process
+        made, not the file. Where the platform refuses, nothing changes."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(advice)
 
     def raw(self, tensor: GgufTensor) -> torch.Tensor:
         """``tensor``'s data: uint8 ``[rows..., bytes a row]`` (a view of the mapping).

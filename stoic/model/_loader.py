@@ -38,6 +38,7 @@ from .._logging import get_logger
 from ..config import Quantization
 from ..errors import ModelUnavailable
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
+from ._gguf_meta import write_gguf_metadata
 from ._gguf_weights import GgufWeights
 from ._precision import (
     Precision,
@@ -175,29 +176,13 @@ def gguf_metadata_dir(gguf: Path, cache_root: Path | None = None) -> Path:
     with heartbeat(log, "model.metadata.building", interval=CONVERT_HEARTBEAT_S):
         tmp = new_entry_dir(root)
         try:
-            _write_gguf_metadata(gguf, tmp)
+            with load_errors(f"cannot read the model in {gguf}", _TODO_GGUF):
+                write_gguf_metadata(gguf, tmp)
             target = commit_entry(tmp, root, key, gguf, header)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("model.metadata.built", seconds=round(time.monotonic() - started, 2))
     return target
-
-
-def _write_gguf_metadata(gguf: Path, directory: Path) -> None:
-    """transformers' configuration, generation configuration and tokenizer of ``gguf``, saved
-    into ``directory``."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    with load_errors(f"cannot read the model in {gguf}", _TODO_GGUF):
-        config = AutoConfig.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-        )
-    config.save_pretrained(directory)
-    GenerationConfig.from_model_config(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
 
 
 def _load_gguf(

@@ -36,6 +36,11 @@ class PackedLinear:
     def __init__(self, slices: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]) -> None:
         self._slices = slices
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weights (their elements: oneDNN's padding not counted)."""
+        return sum(w.numel() * w.element_size() for w, _ in self._slices)
+
     @classmethod
     def build(
         cls, weight: torch.Tensor, bias: torch.Tensor | None, parts: int = 1

@@ -217,6 +217,14 @@ class Product:
         self.cols = cols
 
     @property
+    def nbytes(self) -> int:
+        """Bytes held: the repacked blocks (a stack: its parts'), and a bfloat16 copy."""
+        own = 0 if self.parts else self._packed.numel() * self._packed.element_size()
+        copy = self._bf16[1] if self._bf16 is not None else None
+        own += 0 if copy is None else copy.numel() * copy.element_size()
+        return own + sum(p.nbytes for p in self.parts)
+
+    @property
     def pointer(self) -> int:
         """Where the repacked blocks are, or their descriptor (for the layer kernels); valid
         while this lives."""

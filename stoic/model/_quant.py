@@ -22,13 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 from .._logging import get_logger
-from ..config import Quantization
+from ..config import Quantization, WeightLayouts
 from ._gemm8 import Gemm8
 from ._gguf import GgufTensor
 from ._gguf_weights import GgufFile, kernel_matrix
@@ -42,6 +42,8 @@ __all__ = [
     "MixedMatrix",
     "QLinear",
     "QuantizedMatrix",
+    "choose_layouts",
+    "dense_size",
     "kernels_for",
     "prepare_quantized",
     "read_llama_blocks",
@@ -96,15 +98,13 @@ class QuantizedMatrix:
 
     @staticmethod
     def stack(parts: list[QuantizedMatrix | None]) -> QuantizedMatrix | MixedMatrix | None:
-        """The matrices one below the other (a fused projection): one matrix of their type, a
-        :class:`MixedMatrix` where their types differ, None when any is missing or they differ
-        in width."""
+        """The matrices one below the other (a fused projection): the matrix itself for one, a
+        :class:`MixedMatrix` of them for several (never a copy: their blocks may be the file's
+        mapped pages), None when any is missing or they differ in width."""
         found = [p for p in parts if p is not None]
         if not found or len(found) != len(parts) or len({p.cols for p in found}) != 1:
             return None
-        if len({p.kind for p in found}) > 1:
-            return MixedMatrix(tuple(found))
-        return QuantizedMatrix(found[0].kind, torch.cat([p.blocks for p in found]), found[0].cols)
+        return found[0] if len(found) == 1 else MixedMatrix(tuple(found))
 
     def bind(
         self,
@@ -135,9 +135,11 @@ class QuantizedMatrix:
 
 @dataclass(frozen=True)
 class MixedMatrix:
-    """Matrices of different GGML types one below the other (a fused projection of a mixed file:
-    Q4_K_M holds some layers' V projection as Q6_K under Q4_K queries and keys); one product,
-    each part multiplied on its own type (:meth:`._qkernels.Kernels.bind_stack`)."""
+    """Matrices one below the other (a fused projection), kept apart: one product over them,
+    where their types differ each part multiplied on its own type (a mixed file: Q4_K_M holds
+    some layers' V projection as Q6_K under Q4_K queries and keys;
+    :meth:`._qkernels.Kernels.bind_stack`), where they agree one product over their rows
+    stacked."""
 
     parts: tuple[QuantizedMatrix, ...]
 
@@ -167,6 +169,10 @@ class MixedMatrix:
         fixed: bool = False,
         int8_rows: bool = False,
     ) -> Product:
+        if len({p.kind for p in self.parts}) == 1:  # stacked for the repacking only (the
+            # product holds its own repacked copy: the stack is freed once it is made)
+            blocks = torch.cat([p.blocks for p in self.parts])
+            return kernels.bind(self.kind, blocks, bias, fixed=fixed, int8_rows=int8_rows)
         return kernels.bind_stack(
             [(p.kind, p.blocks) for p in self.parts], bias, fixed=fixed, int8_rows=int8_rows
         )
@@ -196,7 +202,9 @@ class QLinear:
     the default mode with a fast dtype only; :class:`._qkernels.Product`), and so do products of
     more than ``max_rows`` rows where every part's type has the batched layout
     (:class:`._gemm8.Gemm8`, 1.125-1.5 bytes a weight); those then need no dense copy, and none is
-    made (their results come in ``dense_dtype`` as the copy's would).
+    made (their results come in ``dense_dtype`` as the copy's would). ``batched`` False: no
+    batched layout (``--weight-layouts compact``: the blocks' product alone, every row on it
+    where ``max_rows`` says so).
     """
 
     __slots__ = (
@@ -224,6 +232,7 @@ class QLinear:
         pack_parts: int = 1,
         fixed: bool = False,
         int8_rows: bool = False,
+        batched: bool = True,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -236,7 +245,7 @@ class QLinear:
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
             self._product = self.quantized.bind(kernels, bias32, fixed=fixed, int8_rows=int8_rows)
-            if int8_rows and not fixed and dense_dtype not in (None, torch.float32):
+            if batched and int8_rows and not fixed and dense_dtype not in (None, torch.float32):
                 self._gemm8 = Gemm8.bind(kernels, self.quantized.pieces, bias32)
         if weight.is_meta:  # read from a GGUF file's blocks alone (:mod:`._gguf_weights`)
             weight = self._dense_from_blocks(weight, kernels, max_rows)
@@ -289,6 +298,7 @@ class QLinear:
         pack_parts: int = 1,
         fixed: bool = False,
         int8_rows: bool = False,
+        batched: bool = True,
     ) -> QLinear:
         """A :class:`QLinear` that uses ``quantized`` only if the blocks hold ``weight``
         (:meth:`QuantizedMatrix.matches`); otherwise the float path alone."""
@@ -299,8 +309,21 @@ class QLinear:
         ):
             quantized = None
         return cls(
-            weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts, fixed, int8_rows
-        )
+            weight, bias, quantized, kernels, max_rows, dense_dtype, pack_parts, fixed, int8_rows,
+            batched,
+        )  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this holds of its own: the repacked blocks, the batched layout and dense
+        weights made from the blocks (not a model's own weights, nor the file's pages)."""
+        held = self._product.nbytes if self._product is not None else 0
+        held += self._gemm8.nbytes if self._gemm8 is not None else 0
+        if self._packed is not None:
+            held += self._packed.nbytes
+        elif self.dense_made and self.dense_weight is not None:
+            held += self.dense_weight.numel() * self.dense_weight.element_size()
+        return held
 
     @property
     def product(self) -> Product | None:
@@ -489,6 +512,35 @@ def read_llama_blocks(gguf: Path | GgufFile, config: Any) -> dict[str, Quantized
     if found is not None:
         out["head"] = found
     return out
+
+
+def dense_size(dtype: torch.dtype) -> int:
+    """Bytes a weight of ``dtype`` takes."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def choose_layouts(
+    mode: WeightLayouts,
+    blocks: dict[str, QuantizedMatrix],
+    *,
+    batched_bytes: float,
+    available: int,
+) -> Literal["fast", "compact"]:
+    """``--weight-layouts`` resolved for a model whose matrices are ``blocks`` alone (no dense
+    weights of its own: a GGUF file read directly; empty for any other model, which is
+    ``fast``: it holds its dense weights anyway).
+
+    ``fast`` holds, next to each matrix's repacked blocks (about the file's bytes), what steps of
+    more rows multiply by: the int8 layout (``batched_bytes`` a weight: 1.5 at most) or a dense
+    copy (its dtype's size); ``compact`` the repacked blocks alone, every step on them.
+    ``auto`` is ``fast`` where its layouts take at most half of ``available`` (the memory free at
+    load: the KV cache, other processes and warm spares need the rest), else ``compact``: a
+    1.5B Q4_K_M file's 3.2 GiB is held on a 24 GiB machine, an 8B file's 15.7 GiB is not."""
+    if mode != "auto" or not blocks:
+        return "compact" if mode == "compact" else "fast"
+    # each matrix: its blocks' bytes (what the repacking holds, about) and the batched layout
+    held = sum(m.rows * (m.blocks.shape[1] + m.cols * batched_bytes) for m in blocks.values())
+    return "fast" if held <= available / 2 else "compact"
 
 
 def kernels_for(gguf: Path | None, device: torch.device, cache_root: Path) -> Kernels | str:

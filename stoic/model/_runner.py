@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._logging import get_logger
-from ..config import Quantization
+from ..config import Quantization, WeightLayouts
 from ..errors import ModelUnavailable
 from ._attention import AttentionBackend, TorchPagedAttention, register_attention
 from ._batch import SeqChunk, StepBatch, StepOutput
@@ -27,9 +27,18 @@ from ._grammar import GrammarBackend
 from ._inputs import build_inputs
 from ._loader import LoadedModel
 from ._logits import OutputLayer
+from ._memory import device_memory, release_free_memory
 from ._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
 from ._params import SamplingParams
-from ._quant import DENSE_KERNEL_ROWS, EVERY_ROW, MAX_KERNEL_ROWS, QLinear, prepare_quantized
+from ._quant import (
+    DENSE_KERNEL_ROWS,
+    EVERY_ROW,
+    MAX_KERNEL_ROWS,
+    QLinear,
+    choose_layouts,
+    dense_size,
+    prepare_quantized,
+)
 from ._sampling import sample
 from ._source import one_line
 from ._stepprogress import StepProgress, tick
@@ -79,6 +88,7 @@ class ModelRunner:
         progress: StepProgress | None = None,
         threads: ThreadGovernor | None = None,
         deterministic: bool = False,
+        weight_layouts: WeightLayouts = "auto",
     ) -> None:
         register_attention()
         self.deterministic = deterministic
@@ -128,10 +138,19 @@ class ModelRunner:
             and kernels is not None
             and kernels.int8_rows
         )
+        #: ``--weight-layouts`` as resolved here (:func:`._quant.choose_layouts`): ``fast`` or
+        #: ``compact`` (every step on the repacked blocks: no batched layout, no dense copy)
+        self.weight_layouts = choose_layouts(
+            weight_layouts,
+            blocks if read is not None and read.lazy and not deterministic else {},
+            batched_bytes=1.5 if self.int8_rows else dense_size(dense or loaded.dtype),
+            available=device_memory(loaded.device).available(),
+        )
+        compact = self.weight_layouts == "compact"
         #: steps of at most this many tokens run on the quantised blocks (if any)
         self.kernel_rows = (
             EVERY_ROW
-            if deterministic
+            if deterministic or compact
             else DENSE_KERNEL_ROWS
             if dense is not None and dense != torch.float32
             else MAX_KERNEL_ROWS
@@ -145,6 +164,7 @@ class ModelRunner:
             dense_dtype=dense,
             fixed=deterministic,
             int8_rows=self.int8_rows,
+            batched=not compact,
         )
         #: the model's own forward from stoic's hidden states to logits (:mod:`._logits`)
         self._logits = OutputLayer(model, self)
@@ -165,6 +185,7 @@ class ModelRunner:
                 dense_dtype=dense,
                 deterministic=deterministic,
                 int8_rows=self.int8_rows,
+                batched=not compact,
             )
             if fused and not whole
             else None
@@ -195,6 +216,9 @@ class ModelRunner:
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None
         if self._logits.whole_forward:
             self._check_whole_forward()
+        if read is not None:  # the layouts are made: the file's pages need not stay mapped
+            read.file.release_pages()
+        release_free_memory()  # the repacking's transients, back to the system
         _log.info("model.compute_path", **self.quantized)
 
     def _check_whole_forward(self) -> None:
@@ -264,6 +288,13 @@ class ModelRunner:
             "int8_batched_projections": self._fused.int8_batched_projections
             if self._fused is not None
             else 0,
+            "weight_layouts": self.weight_layouts,
+            # what the layouts made from the blocks hold (not the model's own weights)
+            "layouts_mib": round(
+                ((self._fused.nbytes if self._fused is not None else 0) + self._head.nbytes)
+                / 2**20,
+                1,
+            ),
         }
         if done or head is not None:
             _log.info("model.quantized", seconds=round(seconds, 2), **summary)

@@ -33,6 +33,7 @@ def test_cli_arguments_map_to_config() -> None:
             "--max-resumes", "5",
             "--fault", '{"kind": "error", "match": "XYZZY"}',
             "--quantization", "none",
+            "--weight-layouts", "compact",
             "--threads", "3",
             "--no-adapt-threads",
             "--deterministic",
@@ -47,6 +48,7 @@ def test_cli_arguments_map_to_config() -> None:
     assert config.enable_fault_injection and config.drain_timeout == 3.0
     assert (config.recovery, config.max_resumes) == ("resume", 5)
     assert config.quantization == "none" and config.deterministic
+    assert config.weight_layouts == "compact"
     assert config.kv_cache_dtype == "float32"
     assert (config.threads, config.adapt_threads) == (3, False)
     assert config.faults == (
@@ -70,6 +72,7 @@ def test_cli_arguments_map_to_config() -> None:
         ["serve", "--recovery", "retry"],
         ["serve", "--max-resumes", "-1"],
         ["serve", "--quantization", "int3"],
+        ["serve", "--weight-layouts", "tiny"],
         ["serve", "--kv-cache-dtype", "int8"],
         ["serve", "--threads", "0"],
         ["serve", "--fault", '{"kind": "error", "match": ""}'],

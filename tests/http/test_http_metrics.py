@@ -104,6 +104,7 @@ async def test_metrics_parse_and_count(
         "quantized_projections": f"{compute.quantized_projections}/{compute.projections}",
         "row_activations": compute.row_activations,
         "int8_batched_projections": str(compute.int8_batched_projections),
+        "weight_layouts": compute.weight_layouts,
     }
     assert compute.attention == "c-paged" and compute.architecture == "LlamaForCausalLM"
 

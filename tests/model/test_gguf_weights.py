@@ -15,6 +15,7 @@ from stoic.errors import ModelUnavailable
 from stoic.model import ModelRunner, default_gguf_path, load_model
 from stoic.model import _gguf_weights as gw
 from stoic.model._gguf import read_gguf_header
+from stoic.model._gguf_meta import write_gguf_metadata
 from stoic.model._gguf_weights import QuantizedEmbedding, lazy_tensors, load_gguf_model
 from stoic.model._loader import gguf_metadata_dir
 
@@ -147,3 +148,28 @@ def test_lazy_tensors_keep_a_fusion_group_together(config: Any) -> None:
     header.tensors[v.name] = type(v)(v.name, v.dims, 11, v.offset)  # Q3_K: no kernel
     fewer = lazy_tensors(header, layers)
     assert everything - fewer == {f"blk.0.attn_{p}.weight" for p in ("q", "k", "v")}
+
+
+def test_the_metadata_build_is_transformers_own_and_patches_nothing_after(
+    tmp_path: Path,
+) -> None:
+    """The configuration and tokenizer the build writes (read once, over plain arrays) are what
+    transformers builds from the file itself; gguf-py and transformers are left as they were."""
+    import gguf.gguf_reader
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    from transformers import AutoTokenizer
+
+    source = default_gguf_path()
+    before = (gguf.gguf_reader.np, hf_gguf.load_gguf_checkpoint)
+    write_gguf_metadata(source, tmp_path)
+    assert (gguf.gguf_reader.np, hf_gguf.load_gguf_checkpoint) == before
+    theirs = AutoConfig.from_pretrained(str(source.parent), gguf_file=source.name).to_dict()
+    mine = AutoConfig.from_pretrained(str(tmp_path)).to_dict()
+    assert mine.pop("_name_or_path") == str(tmp_path)
+    assert theirs.pop("_name_or_path") == str(source.parent)
+    assert mine == theirs
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    reference = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    text = "Name three colours. <|im_start|>user\nÉté, 東京 🙂 1234"
+    assert tokenizer.encode(text) == reference.encode(text)
+    assert len(tokenizer) == len(reference)

@@ -132,7 +132,15 @@ def test_stacking_matrices_of_different_types_keeps_each_type(kernels: Kernels) 
     assert not stacked.matches(kernels, weight.roll(1, 0))
     assert QuantizedMatrix.stack([q, None]) is None
     same = QuantizedMatrix.stack([q, q])
-    assert isinstance(same, QuantizedMatrix) and same.rows == 16
+    # parts of one type stay apart too (no copy: the blocks may be a file's mapped pages), and
+    # bind as one product over their rows stacked
+    assert isinstance(same, MixedMatrix) and same.rows == 16 and same.kind == "Q4_K"
+    assert same.parts[0].blocks.data_ptr() == q.blocks.data_ptr()
+    assert QuantizedMatrix.stack([q]) is q
+    product = same.bind(kernels, None)
+    x = torch.randn(3, 256)
+    assert product.kind == "Q4_K" and not product.parts
+    assert torch.equal(product(x), kernels.bind("Q4_K", torch.cat([q.blocks, q.blocks]), None)(x))
 
 
 #: per-matrix types: llama.cpp's Q4_K_M pattern (Q6_K for some V and down projections and
@@ -152,14 +160,16 @@ PROMPTS = ["the cat sat on the mat", "0123456789", "hello world, hello", "zzz"]
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("layouts", ["fast", "compact"])
 @pytest.mark.parametrize("name", sorted(FILES))
 async def test_a_mixed_k_quant_file_decodes_like_its_dequantised_model(
-    kernels: Kernels, tmp_path: Path, name: str
+    kernels: Kernels, tmp_path: Path, name: str, layouts: str
 ) -> None:
     """A tiny Llama GGUF file whose matrices are of different types: every quantised matrix
     runs on its own blocks (the float32 one on the float path), and greedy tokens, decoded
     alone and four at once, equal transformers' ``generate`` on the de-quantised float32
-    model."""
+    model; with ``--weight-layouts compact`` too, where a prompt of more than 32 tokens is
+    multiplied by the blocks as well (no dense copy made from them)."""
     gguf = write_llama_gguf(tmp_path / f"{name}.gguf", FILES[name])
     cache = tmp_path / "cache"
     loaded = load_model(str(gguf), dtype="float32", device="cpu", cache_root=cache)
@@ -168,7 +178,8 @@ async def test_a_mixed_k_quant_file_decodes_like_its_dequantised_model(
         str(gguf), dtype="float32", device="cpu", cache_root=cache, quantization="none"
     )
     tokenizer = loaded.tokenizer
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    prompts = [tokenizer.encode(p) for p in [*PROMPTS, " ".join(PROMPTS) * 2]]
+    assert len(prompts[-1]) > 32  # a step of more rows than the kernels' default
     want = []
     with torch.inference_mode():
         for ids in prompts:
@@ -181,15 +192,19 @@ async def test_a_mixed_k_quant_file_decodes_like_its_dequantised_model(
             )
             want.append(out[0, len(ids) :].tolist())
     assert len({tuple(w) for w in want}) > 1  # outputs depend on the prompt
-    summary = ModelRunner(loaded, quantization="gguf").quantized  # (the model is now stoic's)
+    runner = ModelRunner(loaded, quantization="gguf", weight_layouts=layouts)  # type: ignore[arg-type]
+    summary = runner.quantized  # (the model is now stoic's)
     floats = sum(kind == "F32" for key, kind in FILES[name].items() if key != "output")
     assert summary["of"] == 8 and summary["projections"] == 8 - floats
     assert summary["head"] == FILES[name]["output"]
     assert summary["c_layers"] == (floats == 0)
+    assert summary["weight_layouts"] == layouts
+    assert (summary["kernel_rows"] == 2**31 - 1) == (layouts == "compact")
     config = stoic.EngineConfig(
         model=str(gguf),
         cache_dir=cache,
         quantization="gguf",
+        weight_layouts=layouts,  # type: ignore[arg-type]
         executor="thread",
         dtype="float32",
         num_kv_blocks=64,

@@ -25,6 +25,7 @@ from stoic.model._quant import (
     MAX_KERNEL_ROWS,
     QLinear,
     QuantizedMatrix,
+    choose_layouts,
     prepare_quantized,
     read_llama_blocks,
 )
@@ -153,6 +154,10 @@ def test_runner_uses_the_blocks_for_every_projection(
     summary says so, with the architecture, the decoder path and the file's matrix types."""
     runner = ModelRunner(default_fp32, quantization="gguf")
     layers = default_fp32.config.num_hidden_layers
+    # the repacked blocks' bytes, and (float32: no int8 layout) the dense copies prefill
+    # multiplies by, made from them: each 4 bytes a weight
+    layouts_mib = runner.quantized.pop("layouts_mib")
+    assert 4 * 134e6 / 2**20 < layouts_mib < 6 * 134e6 / 2**20
     q4 = {r: "Q4_1" for r in ("attn_k", "attn_output", "attn_q", "attn_v")}
     ffn = {r: "Q4_1" for r in ("ffn_down", "ffn_gate", "ffn_up")}
     assert runner.quantized == {
@@ -175,8 +180,11 @@ def test_runner_uses_the_blocks_for_every_projection(
         "kv_cache_dtype": "float32",
         "row_activations": "float32",
         "int8_batched_projections": 0,
+        "weight_layouts": "fast",
     }
+    runner.quantized["layouts_mib"] = layouts_mib
     assert runner.compute_path == ComputePath.from_summary(runner.quantized)
+    assert runner.compute_path.layouts_mib == layouts_mib
     assert runner.compute_path.kernel_types == ("Q4_1", "Q8_0")
 
 
@@ -322,3 +330,29 @@ async def test_a_worker_process_reports_what_runs_on_blocks(kernels: Kernels) ->
     assert compute is not None and compute.kernels and compute.c_layers
     assert compute.quantized_projections == compute.projections == ready[0]["quantized"]["of"]
     assert (compute.dtype, compute.dense_dtype, compute.head) == ("float32", "float32", "Q8_0")
+
+
+def _matrices(weights: int, count: int = 1) -> dict[str, QuantizedMatrix]:
+    """``count`` Q8_0 matrices of ``weights`` weights each (blocks of no consequence)."""
+    rows = weights // 256
+    blocks = torch.zeros(rows, 256 // 32 * 34, dtype=torch.uint8)
+    return {f"{i}.q": QuantizedMatrix("Q8_0", blocks, 256) for i in range(count)}
+
+
+def test_auto_weight_layouts_hold_the_batched_layout_while_it_fits_half_the_memory() -> None:
+    """``auto``: the blocks and the int8 layout (1.5 bytes a weight at most) where they take
+    at most half the memory free at load, else the blocks alone; the explicit choices are
+    kept; a model that is not on blocks alone (dense weights of its own) is ``fast`` whatever
+    the memory."""
+    gib = 2**30
+    # 2^31 weights in Q8_0 blocks (2.125 GiB) and 3 GiB of int8 layout
+    two_b = _matrices(2**21, count=1024)
+    assert choose_layouts("auto", two_b, batched_bytes=1.5, available=11 * gib) == "fast"
+    assert choose_layouts("auto", two_b, batched_bytes=1.5, available=10 * gib) == "compact"
+    # a dense bfloat16 copy (no int8 products here) takes 2 bytes a weight
+    assert choose_layouts("auto", two_b, batched_bytes=2, available=13 * gib) == "fast"
+    assert choose_layouts("auto", two_b, batched_bytes=2, available=12 * gib) == "compact"
+    assert choose_layouts("compact", two_b, batched_bytes=1.5, available=64 * gib) == "compact"
+    assert choose_layouts("fast", two_b, batched_bytes=1.5, available=1 * gib) == "fast"
+    assert choose_layouts("auto", {}, batched_bytes=4, available=0) == "fast"
+    assert choose_layouts("compact", {}, batched_bytes=4, available=0) == "compact"
