@@ -338,7 +338,7 @@ def _set_tensor(model: Any, name: str, value: torch.Tensor) -> None:
 
 
 def load_gguf_model(
-    gguf: Path,
+    gguf: Path | GgufFile,
     config: Any,
     dtype: torch.dtype,
     *,
@@ -355,7 +355,8 @@ def load_gguf_model(
         shape, or of a type gguf-py cannot de-quantise (one line: which, what to do).
     """
     started = time.monotonic()
-    file = GgufFile(gguf)
+    file = gguf if isinstance(gguf, GgufFile) else GgufFile(gguf)
+    source = file.path
     header = file.header
     weights = GgufWeights(_skeleton(config, dtype), file, config, dtype)
     weights.lazy = frozenset(lazy)
@@ -382,7 +383,7 @@ def load_gguf_model(
     weights.check_complete()
     _log.info(
         "model.weights.read",
-        source=str(gguf),
+        source=str(source),
         seconds=round(time.monotonic() - started, 2),
         on_blocks=len(weights.lazy),
         dense_mib=weights.dense_mib,

@@ -200,20 +200,21 @@ def _load_gguf(
     :raises ModelUnavailable: as :func:`._gguf_weights.load_gguf_model`.
     """
     from ._fused import fused_config
-    from ._gguf_weights import lazy_tensors, load_gguf_model
+    from ._gguf_weights import GgufFile, lazy_tensors, load_gguf_model
     from ._qkernels import Kernels
     from ._quant import kernels_for
 
     kernels: Kernels | None = None
     lazy: set[str] = set()
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if device.type == "cpu" and quantization != "none" and fused_config(text):
-        found = kernels_for(gguf, device, cache_root)
-        if isinstance(found, Kernels):
-            kernels = found
-            lazy = lazy_tensors(check_gguf_file(gguf), int(config.num_hidden_layers))
     with load_errors(f"cannot load the model in {gguf}", _TODO_GGUF):
-        return load_gguf_model(gguf, config, dtype, lazy=lazy, embedding_kernels=kernels)
+        file = GgufFile(gguf)  # mapped once: its header read once, its blocks shared
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if device.type == "cpu" and quantization != "none" and fused_config(text):
+            found = kernels_for(gguf, device, cache_root)
+            if isinstance(found, Kernels):
+                kernels = found
+                lazy = lazy_tensors(file.header, int(config.num_hidden_layers))
+        return load_gguf_model(file, config, dtype, lazy=lazy, embedding_kernels=kernels)
 
 
 def resolve_model_path(model: str, cache_root: Path | None = None) -> tuple[str, Path]:

@@ -43,7 +43,6 @@ __all__ = [
     "QLinear",
     "QuantizedMatrix",
     "choose_layouts",
-    "dense_size",
     "kernels_for",
     "prepare_quantized",
     "read_llama_blocks",
@@ -512,11 +511,6 @@ def read_llama_blocks(gguf: Path | GgufFile, config: Any) -> dict[str, Quantized
     if found is not None:
         out["head"] = found
     return out
-
-
-def dense_size(dtype: torch.dtype) -> int:
-    """Bytes a weight of ``dtype`` takes."""
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def choose_layouts(

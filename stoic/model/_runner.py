@@ -36,7 +36,6 @@ from ._quant import (
     MAX_KERNEL_ROWS,
     QLinear,
     choose_layouts,
-    dense_size,
     prepare_quantized,
 )
 from ._sampling import sample
@@ -143,7 +142,7 @@ class ModelRunner:
         self.weight_layouts = choose_layouts(
             weight_layouts,
             blocks if read is not None and read.lazy and not deterministic else {},
-            batched_bytes=1.5 if self.int8_rows else dense_size(dense or loaded.dtype),
+            batched_bytes=1.5 if self.int8_rows else (dense or loaded.dtype).itemsize,
             available=device_memory(loaded.device).available(),
         )
         compact = self.weight_layouts == "compact"
