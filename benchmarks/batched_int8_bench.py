@@ -25,8 +25,9 @@ import time
 import torch
 from step_bench import GREEDY, Stream
 
-from stoic.model import ModelRunner, PagedKVCache, SeqChunk, StepBatch, load_model
+from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.model._gemm8 import Gemm8
+from stoic.request import SeqChunk, StepBatch
 
 
 def _runner(model: str, int8: bool) -> ModelRunner:

@@ -29,15 +29,9 @@ import torch
 import torch.nn.functional as F
 from step_bench import BLOCK, GREEDY
 
-from stoic.model import (
-    ModelRunner,
-    PagedKVCache,
-    SeqChunk,
-    StepBatch,
-    default_cache_dir,
-    load_model,
-)
+from stoic.model import ModelRunner, PagedKVCache, default_cache_dir, load_model
 from stoic.model._qkernels import Kernels, load_kernels
+from stoic.request import SeqChunk, StepBatch
 
 #: (first position, rows) of the chunks the kernel table times
 CHUNKS = ((0, 225), (0, 256), (150, 243), (512, 256))

@@ -19,15 +19,8 @@ import resource
 import statistics
 import time
 
-from stoic.model import (
-    ModelRunner,
-    PagedKVCache,
-    SamplingParams,
-    SeqChunk,
-    StepBatch,
-    default_cache_dir,
-    load_model,
-)
+from stoic.model import ModelRunner, PagedKVCache, default_cache_dir, load_model
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 BLOCK = 16
 

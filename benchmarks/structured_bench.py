@@ -30,8 +30,9 @@ from harness.report import markdown, quantile
 
 import stoic
 from stoic.engine import Constraint
-from stoic.model import GrammarVocab, LLGuidanceBackend, SamplingParams, SeqChunk
+from stoic.model import LLGuidanceBackend
 from stoic.model._constrain import GrammarStates
+from stoic.request import GrammarVocab, SamplingParams, SeqChunk
 
 SCHEMA = {
     "type": "object",

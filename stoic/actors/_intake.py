@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
-from ..model import GrammarBackend, Request, TokenCodec
+from ..request import GrammarBackend, Request, TokenCodec
 from ..runtime import Actor, ActorRef, Reply
 from ._health import EngineHealth
 from ._messages import Abort, AddSequence, IntakeMsg, SchedulerMsg, Submit

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..config import FaultSpec
 from ..errors import FailureKind
-from ..model import Request, SamplingParams, StepBatch, StepOutput
+from ..request import Request, SamplingParams, StepBatch, StepOutput
 from ..runtime import ActorRef, Reply
 from ..scheduler import Recovered
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ..errors import StoicError
-from ..model import SampledToken, SamplingParams, SeqChunk, StepBatch, StepOutput
+from ..request import SampledToken, SamplingParams, SeqChunk, StepBatch, StepOutput
 from ..scheduler import BlockAllocator, Recovered, SchedulerConfig, SchedulerCore, Step
 from ._stream import ResultStream
 

@@ -13,7 +13,8 @@ from typing import get_args
 
 from ..actors import STATES, Delta, FinishReason, Health, State, TokenLogprob
 from ..errors import FailureKind
-from ..model import Constraint, Detokenizer, Request, SamplingParams, TokenCodec, cuda_devices
+from ..model import cuda_devices, load_token_codec
+from ..request import Constraint, Detokenizer, Request, SamplingParams, TokenCodec
 from ._engine import Engine
 from ._incidents import Activity, Incident, SequenceView
 from ._stats import EngineStats
@@ -43,6 +44,7 @@ __all__ = [
     "TokenCodec",
     "TokenLogprob",
     "cuda_devices",
+    "load_token_codec",
 ]
 
 # public names report their public module (as anyio and httpcore do), so reprs, docs and

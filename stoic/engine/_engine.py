@@ -27,14 +27,13 @@ from ..executor import ExecutorFault, make_backend
 from ..model import (
     CacheSizing,
     LoadedModel,
-    Request,
-    SamplingParams,
-    TokenCodec,
     default_cache_dir,
     load_model,
     require_deterministic,
     require_quantized,
+    token_codec,
 )
+from ..request import Request, SamplingParams
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._incidents import Activity, IncidentLog, RecordingHealth
 from ._stats import EngineStats, collect_stats
@@ -71,7 +70,7 @@ class Engine:
         self._parts = parts
         self._health = health
         self._faults = faults
-        self._codec = TokenCodec.of(loaded)
+        self._codec = token_codec(loaded)
 
     # -- lifecycle ------------------------------------------------------------------------------
     @classmethod

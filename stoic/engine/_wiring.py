@@ -22,14 +22,14 @@ from ..config import EngineConfig
 from ..executor import Executor, StepBackend
 from ..model import (
     CacheSizing,
-    GrammarVocab,
     KVCacheSpec,
     LLGuidanceBackend,
     LoadedModel,
-    TokenCodec,
     cpu_budget,
+    token_codec,
     vocab_size,
 )
+from ..request import GrammarVocab
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ..scheduler import SchedulerConfig, SchedulerCore
 from ._incidents import IncidentLog
@@ -191,7 +191,7 @@ async def wire(
                 kv_capacity_tokens=spec.capacity_tokens,
                 max_waiting=config.max_waiting,
             ),
-            TokenCodec.of(loaded),
+            token_codec(loaded),
             scheduler,
             health,
             grammar,

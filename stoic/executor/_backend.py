@@ -22,17 +22,15 @@ from ..model import (
     CacheBudget,
     CacheSizing,
     ComputePath,
-    GrammarVocab,
     KVCacheSpec,
     LLGuidanceBackend,
     LoadedModel,
     ModelRunner,
     PagedKVCache,
-    StepBatch,
-    StepOutput,
     ThreadGovernor,
     size_kv_cache,
 )
+from ..request import GrammarVocab, StepBatch, StepOutput
 from ._failures import ExecutorFault, classify_failure
 from ._process import WorkerPool, WorkerProcess
 from ._procworker import WorkerSpec

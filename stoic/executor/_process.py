@@ -32,7 +32,8 @@ from .._logging import get_logger
 from ..actors import ProgressWatch
 from ..config import FaultSpec
 from ..errors import InsufficientMemory
-from ..model import CacheSizing, ComputePath, StepBatch, StepOutput, StepProgress
+from ..model import CacheSizing, ComputePath, StepProgress
+from ..request import StepBatch, StepOutput
 from ._failures import ExecutorFault
 from ._procworker import PROGRESS_FD_ENV, WorkerSpec
 

@@ -48,7 +48,8 @@ from ..config import FaultSpec, Quantization, WeightLayouts
 from ..errors import InsufficientMemory
 
 if TYPE_CHECKING:
-    from ..model import CacheBudget, GrammarVocab
+    from ..model import CacheBudget
+    from ..request import GrammarVocab
 
 __all__ = ["PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
 
@@ -114,7 +115,7 @@ def _warm_up(runner: Any, kv: Any) -> None:
     """One forward pass of one token before reporting ready, so that the first real step after
     a replacement does not pay for lazy initialisation (kernels, allocator growth). It writes
     block 0, which the cache manager zeroes before its first use anyway."""
-    from ..model import SamplingParams, SeqChunk, StepBatch
+    from ..request import SamplingParams, SeqChunk, StepBatch
 
     chunk = SeqChunk(0, (0,), 0, (0,), True, SamplingParams(max_tokens=1, temperature=0.0))
     runner.execute(StepBatch((chunk,), zero_blocks=(0,)), kv)

@@ -18,8 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ._batch import SampledToken, SeqChunk
-from ._grammar import GrammarBackend, GrammarMatcher
+from ..request import GrammarBackend, GrammarMatcher, SampledToken, SeqChunk
 
 __all__ = ["GrammarStates", "apply_bitmask", "finite_logprobs"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..request import SeqChunk, StepBatch
 from ._attention import to_device
-from ._batch import SeqChunk, StepBatch
 from ._paged import DecodeGroup, PagedKVCache, PrefillChunk, StepMetadata, group_decodes
 
 __all__ = ["StepInputs", "build_inputs"]

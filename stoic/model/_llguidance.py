@@ -17,7 +17,7 @@ import llguidance
 import torch
 
 from ..errors import InvalidRequest
-from ._grammar import Constraint, GrammarMatcher, GrammarVocab
+from ..request import Constraint, GrammarMatcher, GrammarVocab
 
 __all__ = ["LLGuidanceBackend"]
 
@@ -28,7 +28,7 @@ _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
 class _Matcher:
-    """A :class:`~stoic.model._grammar.GrammarMatcher` over an ``llguidance.LLMatcher``."""
+    """A :class:`~stoic.request._grammar.GrammarMatcher` over an ``llguidance.LLMatcher``."""
 
     __slots__ = ("_m", "tokens")
 
@@ -108,7 +108,7 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 class LLGuidanceBackend:
-    """A :class:`~stoic.model._grammar.GrammarBackend` backed by llguidance. Thread-safe."""
+    """A :class:`~stoic.request._grammar.GrammarBackend` backed by llguidance. Thread-safe."""
 
     def __init__(self, vocab: GrammarVocab) -> None:
         self._vocab = vocab

@@ -34,10 +34,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..errors import InsufficientMemory
-from ._batch import SeqChunk, StepBatch
+from ..request import SamplingParams, SeqChunk, StepBatch
 from ._cpu import cgroup_chain
 from ._paged import PagedKVCache
-from ._params import SamplingParams
 
 if TYPE_CHECKING:
     from ..config import EngineConfig

@@ -16,20 +16,18 @@ import torch
 from .._logging import get_logger
 from ..config import Quantization, WeightLayouts
 from ..errors import ModelUnavailable
+from ..request import GrammarBackend, SamplingParams, SeqChunk, StepBatch, StepOutput
 from ._attention import AttentionBackend, TorchPagedAttention, register_attention
-from ._batch import SeqChunk, StepBatch, StepOutput
 from ._cache import default_cache_dir
 from ._compute import ComputePath, matrix_types
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._deterministic import cache_refusal, refusal, refuse
 from ._fused import FusedLlama, fuse_llama
-from ._grammar import GrammarBackend
 from ._inputs import build_inputs
 from ._loader import LoadedModel
 from ._logits import OutputLayer
 from ._memory import device_memory, release_free_memory
 from ._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
-from ._params import SamplingParams
 from ._quant import (
     DENSE_KERNEL_ROWS,
     EVERY_ROW,

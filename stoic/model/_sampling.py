@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._batch import SampledToken, SeqChunk
+from ..request import SampledToken, SeqChunk
 
 __all__ = ["adjust_logits", "sample"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._batch import StepBatch
+from ..request import StepBatch
 from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
 from ._loader import default_gguf_path, resolve_model_path
 from ._paged import PagedKVCache

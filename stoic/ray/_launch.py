@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from .._logging import get_logger
 from ..config import EngineConfig
-from ..engine import EngineStats, TokenCodec
+from ..engine import EngineStats, load_token_codec
 from ._board import BOARD_NAMESPACE, StatsBoard
 from ._ingress import RayEngine
 from ._replica import EngineReplica, ReplicaInfo
@@ -177,7 +177,7 @@ async def front_end(
 
     :raises ~stoic.errors.ModelUnavailable: the model's tokenizer cannot be loaded here.
     """
-    codec = await asyncio.to_thread(TokenCodec.load, config)
+    codec = await asyncio.to_thread(load_token_codec, config)
     info: ReplicaInfo = await handle.info.remote()
     # what /metrics shows before any replica has reported
     idle = EngineStats.idle("starting", token_budget=config.max_num_batched_tokens or 0)

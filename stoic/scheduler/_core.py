@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..errors import EngineFailed, EngineStopped
-from ..model import SamplingParams, StepBatch, StepOutput
+from ..request import SamplingParams, StepBatch, StepOutput
 from ._allocator import BlockAllocator
 from ._budget import StepBudget
 from ._core_blocks import CoreBlocks

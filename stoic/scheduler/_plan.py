@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..model import SeqChunk
+from ..request import SeqChunk
 from ._allocator import BlockAllocator
 from ._sequence import SeqStatus, Sequence
 

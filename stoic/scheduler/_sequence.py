@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from ..errors import PartialOutput, StoicError
-from ..model import Detokenizer, SampledToken, SamplingParams
+from ..request import Detokenizer, SampledToken, SamplingParams
 
 __all__ = ["FinishReason", "SeqStatus", "Sequence", "Stream", "TokenLogprob", "block_hashes"]
 

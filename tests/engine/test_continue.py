@@ -16,7 +16,7 @@ from support import engine_config, wait_idle
 
 import stoic
 from stoic.errors import InvalidRequest
-from stoic.model import Constraint, Detokenizer
+from stoic.request import Constraint, Detokenizer
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 

@@ -19,7 +19,8 @@ import torch
 from support import greedy_reference
 
 from stoic.errors import ModelUnavailable
-from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 pytestmark = pytest.mark.model
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.model._attention import (
     CPagedAttention,
     TorchPagedAttention,
@@ -21,6 +21,7 @@ from stoic.model._attention import (
 )
 from stoic.model._inputs import build_inputs
 from stoic.model._qkernels import Kernels
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 LOGPROBS = SamplingParams(max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)

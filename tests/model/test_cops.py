@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stoic.model import ModelRunner, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model import ModelRunner, load_model
 from stoic.model._cops import PrefillOps
 from stoic.model._fused import _rotate
 from stoic.model._packed import PackedLinear
 from stoic.model._qkernels import Kernels
 from stoic.model.testing import final_hidden_states
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 #: one bfloat16 step (8 bits of mantissa): what rounding an intermediate once more can move
 BF16 = {"rtol": 2**-7, "atol": 1e-6}

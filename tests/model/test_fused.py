@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.model._fused import SPLIT_MLP_ROWS, fuse_llama
 from stoic.model.testing import final_hidden_states
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from stoic.errors import InvalidRequest
-from stoic.model import Constraint, GrammarVocab, LLGuidanceBackend, SamplingParams, SeqChunk
+from stoic.model import LLGuidanceBackend
 from stoic.model._constrain import GrammarStates, apply_bitmask
+from stoic.request import Constraint, GrammarVocab, SamplingParams, SeqChunk
 
 EOS = 2
 
@@ -142,7 +143,7 @@ def test_min_tokens_with_a_constraint_is_refused() -> None:
     import pytest
 
     from stoic.errors import InvalidRequest
-    from stoic.model import Constraint, SamplingParams
+    from stoic.request import Constraint, SamplingParams
 
     params = SamplingParams(min_tokens=2, constraint=Constraint("regex", "a"))
     with pytest.raises(InvalidRequest) as raised:

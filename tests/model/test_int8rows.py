@@ -15,17 +15,9 @@ import pytest
 import torch
 from gguf_blocks import gguf_py, random_blocks
 
-from stoic.model import (
-    ModelRunner,
-    PagedKVCache,
-    SamplingParams,
-    SeqChunk,
-    StepBatch,
-    _qkernels,
-    default_cache_dir,
-    load_model,
-)
+from stoic.model import ModelRunner, PagedKVCache, _qkernels, default_cache_dir, load_model
 from stoic.model._qkernels import G8_TYPES, Kernels, KernelsUnavailable, load_kernels
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 #: the types whose one-row products take int8 activations
 INT8_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from stoic.errors import ModelUnavailable
-from stoic.model import ModelRunner, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model import ModelRunner, load_model
 from stoic.model._qkernels import Kernels
 from stoic.model.testing import final_hidden_states
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 BLOCK = 16

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, SamplingParams, SeqChunk, StepBatch, load_model
+from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

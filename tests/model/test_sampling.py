@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stoic.errors import InvalidRequest
-from stoic.model import SamplingParams, SeqChunk
 from stoic.model._sampling import adjust_logits, sample
+from stoic.request import SamplingParams, SeqChunk
 
 VOCAB = 8
 EOS = 7

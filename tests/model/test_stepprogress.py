@@ -16,18 +16,11 @@ from unittest import mock
 
 import pytest
 
-from stoic.model import (
-    ModelRunner,
-    PagedKVCache,
-    SamplingParams,
-    SeqChunk,
-    StepBatch,
-    StepProgress,
-    load_model,
-)
+from stoic.model import ModelRunner, PagedKVCache, StepProgress, load_model
 from stoic.model._cdecode import CDecoder
 from stoic.model._qkernels import Kernels
 from stoic.model._stepprogress import tick
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 #: the child: maps the page named by argv[1], ticks 5 times, blocks on stdin, ticks 3 more
 _CHILD = textwrap.dedent(

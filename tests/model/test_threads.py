@@ -14,16 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoic.model import (
-    ModelRunner,
-    PagedKVCache,
-    SamplingParams,
-    SeqChunk,
-    StepBatch,
-    ThreadGovernor,
-    load_model,
-)
+from stoic.model import ModelRunner, PagedKVCache, ThreadGovernor, load_model
 from stoic.model._threads import HOLD, MAX_HOLD, ContentionProbe
+from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 
 class FakeProbe:

@@ -17,7 +17,14 @@ from ray.serve.exceptions import BackPressureError
 from tokenizers.decoders import DecodeStream
 
 from stoic import Constraint, EngineConfig
-from stoic.engine import Delta, EngineStats, Request, SamplingParams, TokenCodec
+from stoic.engine import (
+    Delta,
+    EngineStats,
+    Request,
+    SamplingParams,
+    TokenCodec,
+    load_token_codec,
+)
 from stoic.errors import EngineFailed, InvalidRequest, Overloaded
 from stoic.ray import RayEngine
 from stoic.ray._stats import ReplicaView
@@ -69,7 +76,7 @@ class FakeHandle:
 
 @pytest.fixture(scope="module")
 def codec(tiny_model_dir: Path) -> TokenCodec:
-    return TokenCodec.load(EngineConfig(model=str(tiny_model_dir)))
+    return load_token_codec(EngineConfig(model=str(tiny_model_dir)))
 
 
 @pytest.fixture

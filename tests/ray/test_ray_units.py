@@ -23,6 +23,7 @@ from stoic.engine import (
     Request,
     SamplingParams,
     TokenCodec,
+    load_token_codec,
 )
 from stoic.errors import (
     ContextLengthExceeded,
@@ -96,7 +97,7 @@ def test_health_check_fails_only_a_failed_engine(state: Any) -> None:
 
 @pytest.fixture(scope="module")
 def codec(tiny_model_dir: Path) -> TokenCodec:
-    return TokenCodec.load(EngineConfig(model=str(tiny_model_dir)))
+    return load_token_codec(EngineConfig(model=str(tiny_model_dir)))
 
 
 def _deltas(ids: list[int], *, finish: Any = "length", stop_reason: Any = None) -> list[Delta]:

@@ -4,7 +4,7 @@ the requests that use one, right after a preemption and after an executor restar
 from __future__ import annotations
 
 from stoic.actors.testing import create_scheduler, next_letter
-from stoic.model import SamplingParams, SeqChunk
+from stoic.request import SamplingParams, SeqChunk
 
 
 def test_penalised_chunks_carry_the_tokens_generated_so_far_and_others_nothing() -> None:

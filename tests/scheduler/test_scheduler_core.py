@@ -12,7 +12,7 @@ import pytest
 
 from stoic.actors.testing import EOS_ID, create_scheduler, drain
 from stoic.errors import EngineFailed, EngineStopped, ExecutorFailed
-from stoic.model import SamplingParams, StepOutput
+from stoic.request import SamplingParams, StepOutput
 
 
 def test_a_request_runs_to_max_tokens_and_frees_its_blocks() -> None:

@@ -9,9 +9,10 @@ implement :class:`GrammarBackend`, :class:`Grammar` and :class:`GrammarMatcher`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
+if TYPE_CHECKING:  # an annotation only: the request side imports no torch
+    import torch
 
 __all__ = [
     "Constraint",

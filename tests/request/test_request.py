@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from stoic.model import Request, SamplingParams
+from stoic.request import Request, SamplingParams
 
 
 def test_a_request_keeps_token_ids_and_messages_as_tuples_and_always_has_an_id() -> None:

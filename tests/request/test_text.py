@@ -10,7 +10,7 @@ import pytest
 
 from stoic.actors.testing import byte_tokenizer
 from stoic.errors import InvalidRequest
-from stoic.model import Detokenizer, Request, StopStrings, TokenCodec
+from stoic.request import Detokenizer, Request, StopStrings, TokenCodec
 
 BACKEND = byte_tokenizer()
 

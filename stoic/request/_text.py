@@ -13,19 +13,11 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from ..config import EngineConfig
 from ..errors import InvalidRequest
 from ._chat import apply_chat_template
-from ._loader import LoadedModel, load_model
 from ._request import Request
 
-__all__ = ["Detokenizer", "StopStrings", "TokenCodec", "vocab_size"]
-
-
-def vocab_size(loaded: LoadedModel) -> int:
-    """The token ids a request may name: the model's vocabulary (its logits' width), or the
-    tokenizer's length when the configuration does not say."""
-    return int(getattr(loaded.config, "vocab_size", 0) or len(loaded.tokenizer))
+__all__ = ["Detokenizer", "StopStrings", "TokenCodec"]
 
 
 class StopStrings:
@@ -177,27 +169,6 @@ class TokenCodec:
         self.vocab_size = vocab_size
         #: the model's end-of-sequence token ids (:attr:`.LoadedModel.eos_token_ids`)
         self.eos_token_ids = eos_token_ids
-
-    @classmethod
-    def of(cls, loaded: LoadedModel) -> TokenCodec:
-        """The codec of a loaded model."""
-        return cls(loaded.tokenizer, vocab_size(loaded), loaded.eos_token_ids)
-
-    @classmethod
-    def load(cls, config: EngineConfig) -> TokenCodec:
-        """The tokenizer of ``config.model`` (no weights; blocking: call it off the event loop).
-
-        :raises ~stoic.errors.ModelUnavailable: the model or its tokenizer cannot be found.
-        """
-        loaded = load_model(
-            config.model,
-            device="cpu",
-            dtype="float32",  # no dtype probe: no weights are loaded
-            cache_root=config.cache_dir,
-            served_name=config.served_model_name,
-            weights=False,
-        )
-        return cls.of(loaded)
 
     @property
     def chat_template(self) -> str | dict[str, str] | None:
