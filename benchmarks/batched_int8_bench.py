@@ -25,8 +25,8 @@ import time
 import torch
 from step_bench import GREEDY, Stream
 
+from stoic.kernels._gemm8 import Gemm8
 from stoic.model import ModelRunner, PagedKVCache, load_model
-from stoic.model._gemm8 import Gemm8
 from stoic.request import SeqChunk, StepBatch
 
 

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from stoic.model import ModelRunner, _qkernels, default_cache_dir, load_model
-from stoic.model._qkernels import Kernels, load_kernels
+from stoic.kernels import _qkernels
+from stoic.kernels._qkernels import Kernels, load_kernels
+from stoic.model import ModelRunner, default_cache_dir, load_model
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from step_bench import random_blocks
 
+from stoic.kernels._gemm8 import Gemm8
+from stoic.kernels._qkernels import _G8, GGML_TYPES, Kernels, load_kernels
 from stoic.model import default_cache_dir
-from stoic.model._gemm8 import Gemm8
 from stoic.model._packed import PackedLinear
-from stoic.model._qkernels import _G8, GGML_TYPES, Kernels, load_kernels
 
 #: (matrix, GGML type, output rows, input width)
 MATRICES = [

@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from stoic.model import _qkernels  # noqa: E402
-from stoic.model._qkernels import Kernels, Product  # noqa: E402
+from stoic.kernels import _qkernels  # noqa: E402
+from stoic.kernels._qkernels import Kernels, Product  # noqa: E402
 
 #: a decode layer's products, each the GGUF tensors stacked into it (stoic's fused layout)
 MATRICES = {

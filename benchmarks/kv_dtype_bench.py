@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 from chunk_attention_bench import Bed, _alternate
 
+from stoic.kernels._qkernels import Kernels, load_kernels
 from stoic.model import ModelRunner, default_cache_dir, load_model
-from stoic.model._qkernels import Kernels, load_kernels
 
 #: the steps timed (``Bed.run``'s kinds)
 STEPS = ("decode 31", "mixed 31 + 225", "prefill 256")

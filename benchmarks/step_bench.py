@@ -36,8 +36,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from stoic.kernels._qkernels import GGML_TYPES, Kernels, load_kernels
 from stoic.model import LoadedModel, ModelRunner, PagedKVCache, default_cache_dir, load_model
-from stoic.model._qkernels import GGML_TYPES, Kernels, load_kernels
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from stoic.kernels import Kernels, KernelsUnavailable, load_kernels
+from stoic.model import default_cache_dir
 from stoic.model.testing import dequantized_model_dir
 
 # Property tests: the default profile is derandomized, so a commit that passed keeps passing
@@ -55,3 +57,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     from stoic.model.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def kernels() -> Kernels:
+    """The C kernels, built once per run into the default cache (skips where they cannot run:
+    ``test_kernels_build_wherever_the_machine_allows`` says whether that is right)."""
+    try:
+        return load_kernels(default_cache_dir())
+    except KernelsUnavailable as e:
+        pytest.skip(f"quantised kernels unavailable here: {e}")

@@ -28,10 +28,10 @@ from typing import Any, Protocol
 
 import torch
 
+from ..kernels import Kernels
 from ._cattention import PagedCAttention
 from ._cdecode import CDecoder
 from ._paged import ATTN_IMPLEMENTATION, StepMetadata, paged_attention
-from ._qkernels import Kernels
 
 __all__ = [
     "AttentionBackend",
@@ -143,7 +143,7 @@ def choose_attention(
     """The attention backend of a model of these shapes on ``device`` computing in ``dtype``,
     given the quantised ``kernels`` (None: none here); the one place a backend is chosen. The C
     backend plans for torch any step whose KV cache it cannot read (not float32 or bfloat16:
-    :data:`._qkernels.C_POOL_DTYPES`)."""
+    :data:`stoic.kernels._qkernels.C_POOL_DTYPES`)."""
     if (
         kernels is not None
         and device.type == "cpu"

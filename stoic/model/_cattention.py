@@ -12,7 +12,7 @@ tokens go to ``stoic_decode_attention`` and each prompt chunk to ``stoic_chunk_a
 in place, each sequence over its own length. The formulas are the torch path's (float32;
 results differ by float32 rounding, as the C layers' do).
 
-The step plan of :class:`._attention.CPagedAttention` (the quantised kernels, :mod:`._qkernels`,
+The step plan of :class:`._attention.CPagedAttention` (the quantised kernels, :mod:`stoic.kernels._qkernels`,
 and a float32 or bfloat16 KV cache on the CPU: ``--kv-cache-dtype``; a bfloat16 pool halves
 the bytes the decode attention streams, and the kernels widen it to float32 exactly).
 """
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from ..kernels import C_POOL_DTYPES, MAX_HEAD_DIM, Kernels
 from ._cdecode import block_tables
 from ._paged import StepMetadata, paged_attention, write_kv
-from ._qkernels import C_POOL_DTYPES, MAX_HEAD_DIM, Kernels
 
 __all__ = ["PagedCAttention"]
 

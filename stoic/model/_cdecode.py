@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in C: three kernel calls a layer (:mod:`._qkernels`).
+"""A decode step's decoder layers in C: three kernel calls a layer (:mod:`stoic.kernels._qkernels`).
 
 On a CPU, one sequence's decode step through :class:`._fused.FusedLlama` ran ~40 torch
 operators a layer (norms, rotary, the paged attention's gathers and masks, SiLU, residuals); at
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from ..kernels import C_POOL_DTYPES, MAX_HEAD_DIM, Kernels, Product
 from ._paged import StepMetadata
-from ._qkernels import C_POOL_DTYPES, MAX_HEAD_DIM, Kernels, Product
 from ._quant import MAX_KERNEL_ROWS
 from ._stepprogress import tick
 

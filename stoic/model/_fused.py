@@ -34,12 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..kernels import Kernels, PrefillOps
 from ._attention import AttentionBackend, choose_attention
 from ._cdecode import CDecoder, layer_weights
-from ._cops import PrefillOps
 from ._deterministic import RotaryTable
 from ._paged import StepMetadata
-from ._qkernels import Kernels
 from ._quant import EVERY_ROW, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from ._stepprogress import tick
 
@@ -309,7 +308,7 @@ class FusedLlama:
             dtype=self._final_norm.dtype,
         )
         self._kernel_rows = kernel_rows
-        #: the bfloat16 steps' norms, rotary and SiLU x up in C (:mod:`._cops`)
+        #: the bfloat16 steps' norms, rotary and SiLU x up in C (:mod:`stoic.kernels._cops`)
         self._ops = (
             PrefillOps(kernels)
             if kernels is not None

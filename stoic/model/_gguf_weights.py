@@ -37,8 +37,8 @@ import torch
 
 from .._logging import get_logger
 from ..errors import ModelUnavailable
+from ..kernels import GGML_TYPES, Kernels
 from ._gguf import GgufHeader, GgufTensor, read_gguf_header
-from ._qkernels import GGML_TYPES, Kernels
 
 __all__ = [
     "GgufFile",
@@ -124,7 +124,7 @@ class GgufFile:
 
 def kernel_matrix(tensor: GgufTensor | None) -> str | None:
     """The kernels' type name of ``tensor`` if they can multiply by it as it is (a matrix of a
-    type in :data:`._qkernels.GGML_TYPES`, whole blocks a row), else None."""
+    type in :data:`stoic.kernels._qkernels.GGML_TYPES`, whole blocks a row), else None."""
     if tensor is None or len(tensor.dims) != 2:
         return None
     kind = _KINDS.get(tensor.ggml_type)
@@ -155,7 +155,7 @@ def lazy_tensors(header: GgufHeader, layers: int) -> set[str]:
 
 class QuantizedEmbedding(torch.nn.Module):
     """A token embedding looked up in the GGUF file's blocks: each step's rows de-quantised by
-    the kernels (bitwise gguf-py's de-quantisation, :meth:`._qkernels.Kernels.dequantize`) into
+    the kernels (bitwise gguf-py's de-quantisation, :meth:`stoic.kernels._qkernels.Kernels.dequantize`) into
     ``dtype``. Holds no copy of the table: its blocks are the mapped file's pages."""
 
     def __init__(

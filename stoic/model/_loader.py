@@ -199,9 +199,9 @@ def _load_gguf(
 
     :raises ModelUnavailable: as :func:`._gguf_weights.load_gguf_model`.
     """
+    from ..kernels import Kernels
     from ._fused import fused_config
     from ._gguf_weights import GgufFile, lazy_tensors, load_gguf_model
-    from ._qkernels import Kernels
     from ._quant import kernels_for
 
     kernels: Kernels | None = None

@@ -5,13 +5,13 @@ bandwidth, and float32 weights are 6x the bytes of the GGUF file's 4-bit ones (S
 540 MB against 96 MB a token). So where :func:`quantized_weights` can, the projections of a
 Llama model's layers and its LM head keep, next to the float32 (or bfloat16) copy transformers
 de-quantised, the file's own blocks; :class:`QLinear` multiplies a step of at most
-:data:`MAX_KERNEL_ROWS` tokens by the blocks (:mod:`._qkernels`), a bigger one (a prefill
+:data:`MAX_KERNEL_ROWS` tokens by the blocks (:mod:`stoic.kernels._qkernels`), a bigger one (a prefill
 chunk, where the product is compute-bound and float32 BLAS is faster) by the float copy.
 
 Nothing is lost: the blocks hold the float copy's weights (checked at load, row samples of every
 matrix de-quantised by the kernels and compared bitwise), and the products differ from the
 float ones within float32 rounding, as two BLAS kernels do (``_qkernels.c`` says how). Types: Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (what :data:`._qkernels.GGML_TYPES` lists), each matrix
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (what :data:`stoic.kernels._qkernels.GGML_TYPES` lists), each matrix
 on its own type (a mixed file such as Q4_K_M: a fused projection of matrices of different types
 is a :class:`MixedMatrix`); a matrix of any other type (Q2_K, Q3_K, IQ types, F16, ...) stays on
 the float path, and so does a fused projection with one such part.
@@ -29,11 +29,10 @@ import torch.nn.functional as F
 
 from .._logging import get_logger
 from ..config import Quantization, WeightLayouts
-from ._gemm8 import Gemm8
+from ..kernels import GGML_TYPES, Gemm8, Kernels, Product
 from ._gguf import GgufTensor
 from ._gguf_weights import GgufFile, kernel_matrix
 from ._packed import PackedLinear
-from ._qkernels import GGML_TYPES, Kernels, Product
 
 __all__ = [
     "DENSE_KERNEL_ROWS",
@@ -61,7 +60,7 @@ MAX_KERNEL_ROWS = 32
 #: products the crossover was 16: 27.3 vs 29.6 ms at 8, 47.8 vs 49.2 at 16)
 DENSE_KERNEL_ROWS = 8
 #: ``--deterministic``: every step, whatever its number of tokens, on the fixed-order product
-#: (:class:`._qkernels.Product`: bfloat16 on the blocks and the kernels' own bfloat16 copy where
+#: (:class:`stoic.kernels._qkernels.Product`: bfloat16 on the blocks and the kernels' own bfloat16 copy where
 #: the CPU has AVX512_BF16, else float32 on the blocks), never on oneDNN's dense copy
 EVERY_ROW = 2**31 - 1
 _LLAMA_TENSORS = {
@@ -115,7 +114,7 @@ class QuantizedMatrix:
     ) -> Product:
         """The product by these blocks (and a float32 ``bias``), repacked once; ``fixed``: in
         the fixed order, ``int8_rows``: products of one or two rows on int8 activations where
-        the kernels have them (:class:`._qkernels.Product`)."""
+        the kernels have them (:class:`stoic.kernels._qkernels.Product`)."""
         return kernels.bind(self.kind, self.blocks, bias, fixed=fixed, int8_rows=int8_rows)
 
     def matches(self, kernels: Kernels, weight: torch.Tensor) -> bool:
@@ -137,7 +136,7 @@ class MixedMatrix:
     """Matrices one below the other (a fused projection), kept apart: one product over them,
     where their types differ each part multiplied on its own type (a mixed file: Q4_K_M holds
     some layers' V projection as Q6_K under Q4_K queries and keys;
-    :meth:`._qkernels.Kernels.bind_stack`), where they agree one product over their rows
+    :meth:`stoic.kernels._qkernels.Kernels.bind_stack`), where they agree one product over their rows
     stacked."""
 
     parts: tuple[QuantizedMatrix, ...]
@@ -196,11 +195,11 @@ class QLinear:
 
     ``fixed``: the blocks' product sums each row in one order whatever the number of rows
     (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`; in bfloat16 where the kernels
-    can: :meth:`._qkernels.Kernels.bind`). ``int8_rows``: a step of one or two rows multiplies the
+    can: :meth:`stoic.kernels._qkernels.Kernels.bind`). ``int8_rows``: a step of one or two rows multiplies the
     blocks by its activations quantised to int8 where the kernels can (not the same numbers:
-    the default mode with a fast dtype only; :class:`._qkernels.Product`), and so do products of
+    the default mode with a fast dtype only; :class:`stoic.kernels._qkernels.Product`), and so do products of
     more than ``max_rows`` rows where every part's type has the batched layout
-    (:class:`._gemm8.Gemm8`, 1.125-1.5 bytes a weight); those then need no dense copy, and none is
+    (:class:`stoic.kernels._gemm8.Gemm8`, 1.125-1.5 bytes a weight); those then need no dense copy, and none is
     made (their results come in ``dense_dtype`` as the copy's would). ``batched`` False: no
     batched layout (``--weight-layouts compact``: the blocks' product alone, every row on it
     where ``max_rows`` says so).
@@ -342,7 +341,7 @@ class QLinear:
     @property
     def batched_int8(self) -> bool:
         """Whether products of more than ``max_rows`` rows take int8 activations
-        (:class:`._gemm8.Gemm8`) rather than the dense weights."""
+        (:class:`stoic.kernels._gemm8.Gemm8`) rather than the dense weights."""
         return self._gemm8 is not None or (self._product is not None and self._product.g8)
 
     def uses_kernel(self, rows: int) -> bool:
@@ -540,7 +539,7 @@ def choose_layouts(
 def kernels_for(gguf: Path | None, device: torch.device, cache_root: Path) -> Kernels | str:
     """The kernels for a model loaded from ``gguf`` on ``device`` (built once), or why they
     cannot serve it."""
-    from ._qkernels import KernelsUnavailable, load_kernels
+    from ..kernels import KernelsUnavailable, load_kernels
 
     if gguf is None:
         return "the model was not loaded from a GGUF file"

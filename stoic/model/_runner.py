@@ -240,7 +240,7 @@ class ModelRunner:
 
     def _dense_dtype(self) -> torch.dtype:
         """The dtype products of many rows multiply in: deterministic mode's fixed-order products
-        are bfloat16 where the CPU has AVX512_BF16 (:class:`._qkernels.Product`), else float32
+        are bfloat16 where the CPU has AVX512_BF16 (:class:`stoic.kernels._qkernels.Product`), else float32
         on the blocks, never a dense copy through oneDNN."""
         if self.deterministic:
             product = self._head.product

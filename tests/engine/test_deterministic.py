@@ -19,7 +19,7 @@ from support import engine_config, wait_idle
 
 import stoic
 from stoic.errors import ModelUnavailable
-from stoic.model import _qkernels
+from stoic.kernels import _qkernels
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from stoic.kernels._qkernels import Kernels
 from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.model._attention import (
     CPagedAttention,
@@ -20,7 +21,6 @@ from stoic.model._attention import (
     to_device,
 )
 from stoic.model._inputs import build_inputs
-from stoic.model._qkernels import Kernels
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)

@@ -9,9 +9,9 @@ from unittest import mock
 import pytest
 import torch
 
+from stoic.kernels._qkernels import KernelsUnavailable, load_kernels
 from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.model._attention import TorchPagedAttention
-from stoic.model._qkernels import KernelsUnavailable, load_kernels
 from stoic.model.testing import final_hidden_states, scattered_block_tables
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 

@@ -23,7 +23,7 @@ _PROBE = textwrap.dedent(
     import json, sys
     import torch, transformers  # imported before the first reading
     from stoic.model import ModelRunner, load_model
-    from stoic.model._qkernels import load_kernels
+    from stoic.kernels._qkernels import load_kernels
 
     def anon():
         for line in open("/proc/self/status"):

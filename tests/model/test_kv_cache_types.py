@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from stoic.errors import ModelUnavailable
+from stoic.kernels._qkernels import Kernels
 from stoic.model import ModelRunner, load_model
-from stoic.model._qkernels import Kernels
 from stoic.model.testing import final_hidden_states
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 

@@ -1,4 +1,4 @@
-"""Quantised-weight products (:mod:`stoic.model._qkernels`, :mod:`stoic.model._quant`): the
+"""Quantised-weight products (:mod:`stoic.kernels._qkernels`, :mod:`stoic.model._quant`): the
 GGUF file's own blocks hold exactly the numbers of the de-quantised model, and multiplying by
 them gives the float32 product up to the order of the sums."""
 
@@ -13,6 +13,7 @@ import torch
 from gguf_blocks import gguf_py, random_blocks
 
 from stoic.errors import ModelUnavailable
+from stoic.kernels._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
 from stoic.model import (
     ComputePath,
     LoadedModel,
@@ -20,7 +21,6 @@ from stoic.model import (
     default_gguf_path,
     load_model,
 )
-from stoic.model._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
 from stoic.model._quant import (
     MAX_KERNEL_ROWS,
     QLinear,
@@ -246,7 +246,7 @@ async def test_gguf_mode_is_refused_before_any_worker_starts(tiny_model_dir: Pat
 def test_kernels_build_wherever_the_machine_allows(tmp_path: Path) -> None:
     """On an x86-64 CPU with AVX2, FMA and F16C and a C compiler, the kernels build (from
     nothing) and load: a broken build fails here instead of skipping every test above."""
-    from stoic.model import _qkernels
+    from stoic.kernels import _qkernels
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("not an x86-64 machine")
@@ -266,7 +266,7 @@ def test_the_build_uses_avx512_exactly_where_the_cpu_has_it(
 ) -> None:
     """``-mavx512f`` is passed only for a CPU that lists ``avx512f`` (a 16-lane build would die
     of SIGILL elsewhere); the flags are part of the build's key, so each CPU kind gets its own."""
-    from stoic.model import _qkernels
+    from stoic.kernels import _qkernels
 
     monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
     assert "-mavx512f" not in _qkernels._flags()
@@ -290,7 +290,7 @@ def test_a_compiler_without_avx512_bf16_builds_the_float32_fixed_order(
 
     from gguf_blocks import random_blocks
 
-    from stoic.model import _qkernels
+    from stoic.kernels import _qkernels
 
     real = shutil.which("cc") or shutil.which("gcc")
     if real is None or "avx512f" not in _qkernels._cpu_flags():

@@ -16,9 +16,9 @@ from unittest import mock
 
 import pytest
 
+from stoic.kernels._qkernels import Kernels
 from stoic.model import ModelRunner, PagedKVCache, StepProgress, load_model
 from stoic.model._cdecode import CDecoder
-from stoic.model._qkernels import Kernels
 from stoic.model._stepprogress import tick
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 

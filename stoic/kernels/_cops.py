@@ -1,8 +1,8 @@
 """The bfloat16 prefill's elementwise operators in C (``_cops.c``): one pass each.
 
-With ``--dtype auto``'s precision split (:mod:`._precision`) a step of more rows than the blocks
+With ``--dtype auto``'s precision split (:mod:`stoic.model._precision`) a step of more rows than the blocks
 take runs its products on bfloat16 weights, and its values between products stay bfloat16
-(:mod:`._fused`). Around the products, torch spent about 30 of a 243-token prefill step's ~100
+(:mod:`stoic.model._fused`). Around the products, torch spent about 30 of a 243-token prefill step's ~100
 ms: RMSNorm as six operators and a conversion, the rotary embedding as five, SiLU x up as two.
 :class:`PrefillOps` does each in one C pass. float32 arithmetic rounded once to bfloat16, so
 results differ from torch's only where torch rounds an intermediate to bfloat16 too.

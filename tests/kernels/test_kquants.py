@@ -1,4 +1,4 @@
-"""K-quant products (:mod:`stoic.model._qkernels`, ``_kquants.c``): Q4_K, Q5_K and Q6_K blocks
+"""K-quant products (:mod:`stoic.kernels._qkernels`, ``_kquants.c``): Q4_K, Q5_K and Q6_K blocks
 (and Q5_0 and Q5_1, which Q4_K_M files hold where a width is not a multiple of 256) de-quantise
 bit for bit to gguf-py's numbers and multiply to the float product within float32
 rounding, on the AVX2 and the AVX-512 build; a file that mixes types runs each matrix on its
@@ -15,8 +15,9 @@ import torch
 from gguf_blocks import gguf_py, quantize, random_blocks, write_llama_gguf
 
 import stoic
-from stoic.model import ModelRunner, _qkernels, default_cache_dir, load_model
-from stoic.model._qkernels import Kernels, KernelsUnavailable, load_kernels
+from stoic.kernels import _qkernels
+from stoic.kernels._qkernels import Kernels, KernelsUnavailable, load_kernels
+from stoic.model import ModelRunner, default_cache_dir, load_model
 from stoic.model._quant import MixedMatrix, QuantizedMatrix
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")

@@ -336,7 +336,7 @@ class Kernels:
         self.g8_pack: Callable[..., int] = lib.stoic_g8_pack
         self.g8_bytes: Callable[[int, int, int], int] = lib.stoic_g8_bytes
         self.g8_mm: Callable[..., int] = lib.stoic_g8_mm
-        #: the layer kernels (:mod:`._cdecode` calls them)
+        #: the layer kernels (:mod:`stoic.model._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
         self.layer_post: Callable[..., int] = lib.stoic_layer_post
@@ -344,7 +344,7 @@ class Kernels:
         #: deterministic mode), each row bitwise as :attr:`attention` computes it
         self.prefill_attention: Callable[..., int] = lib.stoic_prefill_attention
         #: a prompt chunk's causal attention over the pools in place (the default mode's prefill
-        #: chunks, :mod:`._cattention`), where :attr:`chunk_attention_available` (AVX-512)
+        #: chunks, :mod:`stoic.model._cattention`), where :attr:`chunk_attention_available` (AVX-512)
         self.chunk_attention: Callable[..., int] = lib.stoic_chunk_attention
         self.chunk_attention_available = bool(lib.stoic_chunk_attention_available())
         #: the bfloat16 prefill's elementwise operators (:mod:`._cops` calls them)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stoic.model._qkernels import Kernels, load_kernels
+from stoic.kernels._qkernels import Kernels, load_kernels
 
 BLOCK = 16
 #: (first position, rows) of the runs of one step: chunks crossing the kernel's row tiles (16)
@@ -20,7 +20,7 @@ RUNS = ((0, 37), (100, 21), (203, 1), (61, 3), (5, 18))
 @pytest.fixture(scope="module")
 def avx2_kernels(tmp_path_factory: pytest.TempPathFactory, kernels: Kernels) -> Kernels:
     """The kernels built without AVX-512 (the 8-lane attention, as on an AVX2 CPU)."""
-    from stoic.model import _qkernels
+    from stoic.kernels import _qkernels
 
     flags = _qkernels._cpu_flags() - {"avx512f"}
     with pytest.MonkeyPatch.context() as patch:

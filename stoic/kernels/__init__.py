@@ -1,0 +1,38 @@
+"""stoic's CPU kernels in C: products over a GGUF file's quantised blocks (one row, rows, tiles,
+int8 activations), the decode step's fused layer operators, paged attention over the blocks in
+place, and the bfloat16 prefill's elementwise operators.
+
+The C sources here are compiled once per (source, compiler, flags) into the cache directory with
+the machine's C compiler and loaded with :mod:`ctypes` (:func:`load_kernels`); the Python classes
+are their typed bindings. Nothing here knows a model, a request or an actor.
+"""
+
+from ._cops import PrefillOps
+from ._gemm8 import Gemm8
+from ._qkernels import (
+    C_POOL_DTYPES,
+    G8_TYPES,
+    GGML_TYPES,
+    MAX_HEAD_DIM,
+    G8Layout,
+    GgmlType,
+    Kernels,
+    KernelsUnavailable,
+    Product,
+    load_kernels,
+)
+
+__all__ = [
+    "C_POOL_DTYPES",
+    "G8_TYPES",
+    "GGML_TYPES",
+    "MAX_HEAD_DIM",
+    "G8Layout",
+    "Gemm8",
+    "GgmlType",
+    "Kernels",
+    "KernelsUnavailable",
+    "PrefillOps",
+    "Product",
+    "load_kernels",
+]
