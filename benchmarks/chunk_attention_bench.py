@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from step_bench import BLOCK, GREEDY
 
+from stoic.gguf import default_cache_dir
 from stoic.kernels._qkernels import Kernels, load_kernels
-from stoic.model import ModelRunner, PagedKVCache, default_cache_dir, load_model
+from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.request import SeqChunk, StepBatch
 
 #: (first position, rows) of the chunks the kernel table times

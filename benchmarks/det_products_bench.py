@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
+from stoic.gguf import default_cache_dir
 from stoic.kernels import _qkernels
 from stoic.kernels._qkernels import Kernels, load_kernels
-from stoic.model import ModelRunner, default_cache_dir, load_model
+from stoic.model import ModelRunner, load_model
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 

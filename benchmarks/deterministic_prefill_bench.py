@@ -173,8 +173,8 @@ def compare(runner: ModelRunner, budget: int, rounds: int) -> None:
 def kernel(rounds: int) -> None:
     """The ``--kernel`` table: the attention of one 256-row chunk at several positions (9 query
     heads over 3 kv heads of 64, as the default model; blocks of 16), each kernel alone."""
+    from stoic.gguf import default_cache_dir
     from stoic.kernels._qkernels import load_kernels
-    from stoic.model import default_cache_dir
 
     kernels = load_kernels(default_cache_dir())
     heads, kv_heads, dh, rows = 9, 3, 64, 256

@@ -19,7 +19,8 @@ import resource
 import statistics
 import time
 
-from stoic.model import ModelRunner, PagedKVCache, default_cache_dir, load_model
+from stoic.gguf import default_cache_dir
+from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 BLOCK = 16

@@ -27,8 +27,9 @@ from collections.abc import Callable
 import torch
 from chunk_attention_bench import Bed, _alternate
 
+from stoic.gguf import default_cache_dir
 from stoic.kernels._qkernels import Kernels, load_kernels
-from stoic.model import ModelRunner, default_cache_dir, load_model
+from stoic.model import ModelRunner, load_model
 
 #: the steps timed (``Bed.run``'s kinds)
 STEPS = ("decode 31", "mixed 31 + 225", "prefill 256")

@@ -36,8 +36,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from stoic.gguf import default_cache_dir
 from stoic.kernels._qkernels import GGML_TYPES, Kernels, load_kernels
-from stoic.model import LoadedModel, ModelRunner, PagedKVCache, default_cache_dir, load_model
+from stoic.model import LoadedModel, ModelRunner, PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from stoic.gguf import default_cache_dir
 from stoic.kernels import Kernels, KernelsUnavailable, load_kernels
-from stoic.model import default_cache_dir
 from stoic.model.testing import dequantized_model_dir
 
 # Property tests: the default profile is derandomized, so a commit that passed keeps passing

@@ -24,15 +24,8 @@ from ..actors import (
 from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
 from ..executor import ExecutorFault, make_backend
-from ..model import (
-    CacheSizing,
-    LoadedModel,
-    default_cache_dir,
-    load_model,
-    require_deterministic,
-    require_quantized,
-    token_codec,
-)
+from ..gguf import default_cache_dir, require_quantized
+from ..model import CacheSizing, LoadedModel, load_model, require_deterministic, token_codec
 from ..request import Request, SamplingParams
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
 from ._incidents import Activity, IncidentLog, RecordingHealth

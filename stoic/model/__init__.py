@@ -1,6 +1,5 @@
 """Everything that touches torch and transformers. Knows nothing of actors or HTTP."""
 
-from ._cache import default_cache_dir
 from ._codec import load_token_codec, token_codec, vocab_size
 from ._compute import ComputePath
 from ._cpu import CpuBudget, cpu_budget
@@ -17,7 +16,6 @@ from ._loader import (
 )
 from ._memory import CacheBudget, CacheSizing, DeviceMemory, device_memory, size_kv_cache
 from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache
-from ._quant import require_quantized
 from ._runner import ModelRunner
 from ._source import check_model_source
 from ._stepprogress import StepProgress
@@ -40,14 +38,12 @@ __all__ = [
     "check_model_source",
     "cpu_budget",
     "cuda_devices",
-    "default_cache_dir",
     "default_gguf_path",
     "device_memory",
     "empty_device_cache",
     "load_model",
     "load_token_codec",
     "require_deterministic",
-    "require_quantized",
     "resolve_device",
     "resolve_dtype",
     "size_kv_cache",

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from ..gguf import MAX_KERNEL_ROWS
 from ..kernels import C_POOL_DTYPES, MAX_HEAD_DIM, Kernels, Product
 from ._paged import StepMetadata
-from ._quant import MAX_KERNEL_ROWS
 from ._stepprogress import tick
 
 __all__ = ["CDecoder", "LayerWeights", "attention_runs", "block_tables"]

@@ -18,7 +18,7 @@ def matrix_types(gguf: Path | None) -> dict[str, str] | None:
     cannot be read."""
     if gguf is None:
         return None
-    from ._gguf import GgufError, read_gguf_header
+    from ..gguf import GgufError, read_gguf_header
 
     try:
         tensors = read_gguf_header(gguf).tensors.values()

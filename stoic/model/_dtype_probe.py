@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .._logging import get_logger
-from ._cache import default_cache_dir
+from ..gguf import default_cache_dir
 
 __all__ = ["probe_cpu_dtype"]
 

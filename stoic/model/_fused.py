@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..gguf import EVERY_ROW, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from ..kernels import Kernels, PrefillOps
 from ._attention import AttentionBackend, choose_attention
 from ._cdecode import CDecoder, layer_weights
 from ._deterministic import RotaryTable
 from ._paged import StepMetadata
-from ._quant import EVERY_ROW, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from ._stepprogress import tick
 
 __all__ = ["FUSED_TYPES", "FusedLlama", "fuse_llama", "fused_config"]

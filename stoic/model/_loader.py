@@ -37,9 +37,15 @@ import torch
 from .._logging import get_logger
 from ..config import Quantization
 from ..errors import ModelUnavailable
-from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
-from ._gguf_meta import write_gguf_metadata
-from ._gguf_weights import GgufWeights
+from ..gguf import (
+    GgufWeights,
+    commit_entry,
+    default_cache_dir,
+    find_entry,
+    gguf_content_key,
+    new_entry_dir,
+    write_gguf_metadata,
+)
 from ._precision import (
     Precision,
     parse_dtype,
@@ -199,10 +205,9 @@ def _load_gguf(
 
     :raises ModelUnavailable: as :func:`._gguf_weights.load_gguf_model`.
     """
+    from ..gguf import GgufFile, kernels_for, lazy_tensors, load_gguf_model
     from ..kernels import Kernels
     from ._fused import fused_config
-    from ._gguf_weights import GgufFile, lazy_tensors, load_gguf_model
-    from ._quant import kernels_for
 
     kernels: Kernels | None = None
     lazy: set[str] = set()

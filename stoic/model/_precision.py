@@ -133,9 +133,8 @@ def decodes_on_blocks(gguf: Path, device: torch.device, cache_root: Path) -> boo
     """Whether a model loaded from ``gguf`` on ``device`` can decode on its quantised blocks
     with the C layers: a file of :data:`C_LAYER_FILES`, and the kernels built (or buildable)
     here."""
+    from ..gguf import GgufError, kernels_for, read_gguf_header
     from ..kernels import Kernels
-    from ._gguf import GgufError, read_gguf_header
-    from ._quant import kernels_for
 
     try:
         if read_gguf_header(gguf).architecture not in C_LAYER_FILES:

@@ -16,9 +16,17 @@ import torch
 from .._logging import get_logger
 from ..config import Quantization, WeightLayouts
 from ..errors import ModelUnavailable
+from ..gguf import (
+    DENSE_KERNEL_ROWS,
+    EVERY_ROW,
+    MAX_KERNEL_ROWS,
+    QLinear,
+    choose_layouts,
+    default_cache_dir,
+    prepare_quantized,
+)
 from ..request import GrammarBackend, SamplingParams, SeqChunk, StepBatch, StepOutput
 from ._attention import AttentionBackend, TorchPagedAttention, register_attention
-from ._cache import default_cache_dir
 from ._compute import ComputePath, matrix_types
 from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._deterministic import cache_refusal, refusal, refuse
@@ -28,14 +36,6 @@ from ._loader import LoadedModel
 from ._logits import OutputLayer
 from ._memory import device_memory, release_free_memory
 from ._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
-from ._quant import (
-    DENSE_KERNEL_ROWS,
-    EVERY_ROW,
-    MAX_KERNEL_ROWS,
-    QLinear,
-    choose_layouts,
-    prepare_quantized,
-)
 from ._sampling import sample
 from ._source import one_line
 from ._stepprogress import StepProgress, tick

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelUnavailable
-from ._gguf import GgufError, GgufHeader, read_gguf_header
+from ..gguf import GgufError, GgufHeader, read_gguf_header
 
 __all__ = [
     "LOAD_ERRORS",

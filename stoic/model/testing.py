@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from ..gguf import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
 from ..request import StepBatch
-from ._cache import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
 from ._loader import default_gguf_path, resolve_model_path
 from ._paged import PagedKVCache
 from ._runner import ModelRunner

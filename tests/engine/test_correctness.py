@@ -13,7 +13,8 @@ import torch
 from support import wait_idle
 
 import stoic
-from stoic.model import default_cache_dir, load_model
+from stoic.gguf import default_cache_dir
+from stoic.model import load_model
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
 

@@ -1,5 +1,5 @@
 """The bfloat16 prefill's elementwise operators in C (:mod:`stoic.kernels._cops`) and the packed
-bfloat16 products (:mod:`stoic.model._packed`): torch's numbers up to bfloat16 rounding."""
+bfloat16 products (:mod:`stoic.gguf._packed`): torch's numbers up to bfloat16 rounding."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from stoic.gguf._packed import PackedLinear
 from stoic.kernels._cops import PrefillOps
 from stoic.kernels._qkernels import Kernels
 from stoic.model import ModelRunner, load_model
 from stoic.model._fused import _rotate
-from stoic.model._packed import PackedLinear
 from stoic.model.testing import final_hidden_states
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 

@@ -11,10 +11,10 @@ import torch
 from gguf_blocks import gguf_py, random_blocks
 from test_int8rows import assert_int8_product, quantized_x, vnni_kernels
 
+from stoic.gguf._quant import QLinear, QuantizedMatrix
 from stoic.kernels._gemm8 import G8_TYPES, Gemm8
 from stoic.kernels._qkernels import Kernels
 from stoic.model import ModelRunner, PagedKVCache, load_model
-from stoic.model._quant import QLinear, QuantizedMatrix
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 __all__ = ["vnni_kernels"]  # the fixture, used by name

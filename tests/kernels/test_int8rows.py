@@ -15,9 +15,10 @@ import pytest
 import torch
 from gguf_blocks import gguf_py, random_blocks
 
+from stoic.gguf import default_cache_dir
 from stoic.kernels import _qkernels
 from stoic.kernels._qkernels import G8_TYPES, Kernels, KernelsUnavailable, load_kernels
-from stoic.model import ModelRunner, PagedKVCache, default_cache_dir, load_model
+from stoic.model import ModelRunner, PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 
 #: the types whose one-row products take int8 activations

@@ -15,10 +15,11 @@ import torch
 from gguf_blocks import gguf_py, quantize, random_blocks, write_llama_gguf
 
 import stoic
+from stoic.gguf import default_cache_dir
+from stoic.gguf._quant import MixedMatrix, QuantizedMatrix
 from stoic.kernels import _qkernels
 from stoic.kernels._qkernels import Kernels, KernelsUnavailable, load_kernels
-from stoic.model import ModelRunner, default_cache_dir, load_model
-from stoic.model._quant import MixedMatrix, QuantizedMatrix
+from stoic.model import ModelRunner, load_model
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 ISAS = ("avx2", "avx512")

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0)
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    from stoic.model import default_cache_dir
+    from stoic.gguf import default_cache_dir
 
     try:
         load_kernels(default_cache_dir())

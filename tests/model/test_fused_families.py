@@ -18,7 +18,9 @@ from gguf_blocks import BYTE_VOCAB, write_model_gguf
 from support import greedy_reference
 
 import stoic
-from stoic.model import ModelRunner, _gguf_weights, default_cache_dir, load_model
+from stoic.gguf import _weights as _gguf_weights
+from stoic.gguf import default_cache_dir
+from stoic.model import ModelRunner, load_model
 from stoic.model._fused import FusedLlama
 
 #: family -> (config class, model class, config overrides, GGUF architecture)

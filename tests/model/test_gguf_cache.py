@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from gguf_fakes import write_gguf
 
-from stoic.model import default_cache_dir
-from stoic.model._cache import (
+from stoic.gguf import default_cache_dir
+from stoic.gguf._cache import (
     MANIFEST,
     STALE_PARTIAL_S,
     CacheEntry,
@@ -26,8 +26,8 @@ from stoic.model._cache import (
     remove_entry,
     select_for_prune,
 )
-from stoic.model._cache import _legacy_path as legacy_path
-from stoic.model._gguf import GgufError, read_gguf_header
+from stoic.gguf._cache import _legacy_path as legacy_path
+from stoic.gguf._header import GgufError, read_gguf_header
 from stoic.model._progress import heartbeat
 
 

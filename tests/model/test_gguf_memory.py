@@ -55,7 +55,7 @@ def test_a_mid_size_file_loads_without_a_float_copy(tmp_path: Path) -> None:
     private memory than its norms and a few MiB of bookkeeping (the projections and the output
     layer stay on the file's shared pages), and the runner's repacked layouts stay within 3.5x
     the file's bytes (a float32 model was 3.8x before any layout; bfloat16 copies 1.9x more)."""
-    from stoic.model import default_cache_dir
+    from stoic.gguf import default_cache_dir
 
     gguf = write_llama_gguf(
         tmp_path / "mid.gguf",

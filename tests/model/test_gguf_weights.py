@@ -1,4 +1,4 @@
-"""A GGUF model built from the file's own tensors (:mod:`stoic.model._gguf_weights`): the same
+"""A GGUF model built from the file's own tensors (:mod:`stoic.gguf._weights`): the same
 weights as transformers' de-quantisation, no float32 model, no converted copy on disk."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from stoic.errors import ModelUnavailable
+from stoic.gguf import _weights as gw
+from stoic.gguf._header import read_gguf_header
+from stoic.gguf._metadata import write_gguf_metadata
+from stoic.gguf._weights import QuantizedEmbedding, lazy_tensors, load_gguf_model
 from stoic.model import ModelRunner, default_gguf_path, load_model
-from stoic.model import _gguf_weights as gw
-from stoic.model._gguf import read_gguf_header
-from stoic.model._gguf_meta import write_gguf_metadata
-from stoic.model._gguf_weights import QuantizedEmbedding, lazy_tensors, load_gguf_model
 from stoic.model._loader import gguf_metadata_dir
 
 pytestmark = pytest.mark.model

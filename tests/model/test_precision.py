@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from gguf_fakes import write_gguf
 
+from stoic.gguf import default_cache_dir
+from stoic.gguf._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from stoic.kernels._qkernels import Kernels
-from stoic.model import ModelRunner, _precision, default_cache_dir, default_gguf_path, load_model
+from stoic.model import ModelRunner, _precision, default_gguf_path, load_model
 from stoic.model._precision import Precision, resolve_precision
-from stoic.model._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from stoic.model.testing import final_hidden_states
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 

@@ -1,4 +1,4 @@
-"""Quantised-weight products (:mod:`stoic.kernels._qkernels`, :mod:`stoic.model._quant`): the
+"""Quantised-weight products (:mod:`stoic.kernels._qkernels`, :mod:`stoic.gguf._quant`): the
 GGUF file's own blocks hold exactly the numbers of the de-quantised model, and multiplying by
 them gives the float32 product up to the order of the sums."""
 
@@ -13,6 +13,14 @@ import torch
 from gguf_blocks import gguf_py, random_blocks
 
 from stoic.errors import ModelUnavailable
+from stoic.gguf._quant import (
+    MAX_KERNEL_ROWS,
+    QLinear,
+    QuantizedMatrix,
+    choose_layouts,
+    prepare_quantized,
+    read_llama_blocks,
+)
 from stoic.kernels._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
 from stoic.model import (
     ComputePath,
@@ -20,14 +28,6 @@ from stoic.model import (
     ModelRunner,
     default_gguf_path,
     load_model,
-)
-from stoic.model._quant import (
-    MAX_KERNEL_ROWS,
-    QLinear,
-    QuantizedMatrix,
-    choose_layouts,
-    prepare_quantized,
-    read_llama_blocks,
 )
 
 #: the types of 32-weight blocks (the K-quants' tests: test_kquants.py)

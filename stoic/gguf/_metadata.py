@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import mmap
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,10 +46,11 @@ def _metadata_read_once() -> Iterator[None]:
     are made once a file, over plain arrays. Not for concurrent use by other threads' GGUF
     loads (the build runs once a file, at start)."""
     import gguf.gguf_reader
-    import transformers.modeling_gguf_pytorch_utils
 
     reader: Any = gguf.gguf_reader
-    hf_gguf: Any = transformers.modeling_gguf_pytorch_utils
+    # the module itself, not an attribute of the package: transformers' lazy package does not
+    # expose its submodules as attributes (5.25: AttributeError even once imported)
+    hf_gguf: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     original: Any = hf_gguf.load_gguf_checkpoint
 
     @functools.lru_cache(maxsize=2)

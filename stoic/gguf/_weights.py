@@ -38,7 +38,7 @@ import torch
 from .._logging import get_logger
 from ..errors import ModelUnavailable
 from ..kernels import GGML_TYPES, Kernels
-from ._gguf import GgufHeader, GgufTensor, read_gguf_header
+from ._header import GgufHeader, GgufTensor, read_gguf_header
 
 __all__ = [
     "GgufFile",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._gguf import GgufHeader
+from ._header import GgufHeader
 
 __all__ = [
     "CacheEntry",

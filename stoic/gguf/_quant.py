@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from .._logging import get_logger
 from ..config import Quantization, WeightLayouts
 from ..kernels import GGML_TYPES, Gemm8, Kernels, Product
-from ._gguf import GgufTensor
-from ._gguf_weights import GgufFile, kernel_matrix
+from ._header import GgufTensor
 from ._packed import PackedLinear
+from ._weights import GgufFile, kernel_matrix
 
 __all__ = [
     "DENSE_KERNEL_ROWS",
