@@ -30,9 +30,9 @@ from harness.report import markdown, quantile
 
 import stoic
 from stoic.engine import Constraint
-from stoic.model import LLGuidanceBackend
-from stoic.model._constrain import GrammarStates
 from stoic.request import GrammarVocab, SamplingParams, SeqChunk
+from stoic.sampling import LLGuidanceBackend
+from stoic.sampling._constrain import GrammarStates
 
 SCHEMA = {
     "type": "object",

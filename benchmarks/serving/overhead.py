@@ -93,7 +93,7 @@ def profile_section(bench: Bench) -> str:
     lines += [
         "",
         "Executor categories: *forward* = `ModelRunner.execute` minus the rest (transformers "
-        "layers, paged attention, LM head); *sampling* = `stoic/model/_sampling.py:sample`; *step "
+        "layers, paged attention, LM head); *sampling* = `stoic/sampling/_sampler.py:sample`; *step "
         "inputs* = `build_inputs` and KV block zeroing; *idle* = blocked on the step queue. Event "
         "loop: each sample goes to the innermost frame it recognises (detokenising: "
         "`Sequence.detokenize` and tokenizer calls; HTTP: `stoic/http`, aiohttp, JSON, pydantic; "

@@ -20,17 +20,10 @@ from ..actors import (
 )
 from ..config import EngineConfig
 from ..executor import Executor, StepBackend
-from ..model import (
-    CacheSizing,
-    KVCacheSpec,
-    LLGuidanceBackend,
-    LoadedModel,
-    cpu_budget,
-    token_codec,
-    vocab_size,
-)
+from ..model import CacheSizing, KVCacheSpec, LoadedModel, cpu_budget, token_codec, vocab_size
 from ..request import GrammarVocab
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
+from ..sampling import LLGuidanceBackend
 from ..scheduler import SchedulerConfig, SchedulerCore
 from ._incidents import IncidentLog
 from ._recovery import Recovery

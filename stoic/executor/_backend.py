@@ -23,7 +23,6 @@ from ..model import (
     CacheSizing,
     ComputePath,
     KVCacheSpec,
-    LLGuidanceBackend,
     LoadedModel,
     ModelRunner,
     PagedKVCache,
@@ -31,6 +30,7 @@ from ..model import (
     size_kv_cache,
 )
 from ..request import GrammarVocab, StepBatch, StepOutput
+from ..sampling import LLGuidanceBackend
 from ._failures import ExecutorFault, classify_failure
 from ._process import WorkerPool, WorkerProcess
 from ._procworker import WorkerSpec

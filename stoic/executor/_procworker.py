@@ -136,7 +136,6 @@ def worker_main(conn: Connection, parent: int) -> None:
     import transformers  # noqa: F401  (the model classes load lazily from here)
 
     from ..model import (
-        LLGuidanceBackend,
         ModelRunner,
         PagedKVCache,
         StepProgress,
@@ -144,6 +143,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         load_model,
         size_kv_cache,
     )
+    from ..sampling import LLGuidanceBackend
     from ._failures import classify_failure
 
     if not conn.poll(0):  # imports done, nothing to load yet

@@ -4,7 +4,6 @@ from ._codec import load_token_codec, token_codec, vocab_size
 from ._compute import ComputePath
 from ._cpu import CpuBudget, cpu_budget
 from ._deterministic import require_deterministic
-from ._llguidance import LLGuidanceBackend
 from ._loader import (
     DEFAULT_MODEL_NAME,
     LoadedModel,
@@ -29,7 +28,6 @@ __all__ = [
     "CpuBudget",
     "DeviceMemory",
     "KVCacheSpec",
-    "LLGuidanceBackend",
     "LoadedModel",
     "ModelRunner",
     "PagedKVCache",

@@ -26,9 +26,9 @@ from ..gguf import (
     prepare_quantized,
 )
 from ..request import GrammarBackend, SamplingParams, SeqChunk, StepBatch, StepOutput
+from ..sampling import GrammarStates, apply_bitmask, finite_logprobs, sample
 from ._attention import AttentionBackend, TorchPagedAttention, register_attention
 from ._compute import ComputePath, matrix_types
-from ._constrain import GrammarStates, apply_bitmask, finite_logprobs
 from ._deterministic import cache_refusal, refusal, refuse
 from ._fused import FusedLlama, fuse_llama
 from ._inputs import build_inputs
@@ -36,7 +36,6 @@ from ._loader import LoadedModel
 from ._logits import OutputLayer
 from ._memory import device_memory, release_free_memory
 from ._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
-from ._sampling import sample
 from ._source import one_line
 from ._stepprogress import StepProgress, tick
 from ._threads import ThreadGovernor

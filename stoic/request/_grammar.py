@@ -2,7 +2,7 @@
 backend (compile a constraint once; per sequence a matcher that gives the allowed tokens of the
 next step, accepts a token, rolls back).
 
-The one backend is llguidance (:mod:`stoic.model._llguidance`); another (xgrammar) would
+The one backend is llguidance (:mod:`stoic.sampling._llguidance`); another (xgrammar) would
 implement :class:`GrammarBackend`, :class:`Grammar` and :class:`GrammarMatcher`.
 """
 

@@ -17,8 +17,8 @@ from stoic.errors import InvalidRequest
 from stoic.http._toolconv import render_conversation
 from stoic.http._toolparse import ToolCallStream, parse_output, scan
 from stoic.http._tools import ToolPlan, ToolSyntax, calls_grammar, tool_plan, tool_syntax
-from stoic.model import LLGuidanceBackend
 from stoic.request import Constraint, GrammarVocab
+from stoic.sampling import LLGuidanceBackend
 
 WEATHER = {
     "type": "function",

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stoic.errors import InvalidRequest
-from stoic.model._sampling import adjust_logits, sample
 from stoic.request import SamplingParams, SeqChunk
+from stoic.sampling._sampler import adjust_logits, sample
 
 VOCAB = 8
 EOS = 7

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from stoic.errors import InvalidRequest
-from stoic.model import LLGuidanceBackend
-from stoic.model._constrain import GrammarStates, apply_bitmask
 from stoic.request import Constraint, GrammarVocab, SamplingParams, SeqChunk
+from stoic.sampling import LLGuidanceBackend
+from stoic.sampling._constrain import GrammarStates, apply_bitmask
 
 EOS = 2
 
