@@ -26,8 +26,9 @@ import torch
 from step_bench import GREEDY, Stream
 
 from stoic.kernels._gemm8 import Gemm8
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 
 def _runner(model: str, int8: bool) -> ModelRunner:

@@ -31,8 +31,9 @@ from step_bench import BLOCK, GREEDY
 
 from stoic.gguf import default_cache_dir
 from stoic.kernels._qkernels import Kernels, load_kernels
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 #: (first position, rows) of the chunks the kernel table times
 CHUNKS = ((0, 225), (0, 256), (150, 243), (512, 256))

@@ -34,7 +34,8 @@ import torch
 from stoic.gguf import default_cache_dir
 from stoic.kernels import _qkernels
 from stoic.kernels._qkernels import Kernels, load_kernels
-from stoic.model import ModelRunner, load_model
+from stoic.model import load_model
+from stoic.worker import ModelRunner
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 

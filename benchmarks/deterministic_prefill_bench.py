@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.model._cdecode import CDecoder
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=True)
 BLOCK = 16

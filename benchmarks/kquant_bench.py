@@ -122,7 +122,8 @@ def steps(files: list[Path], a: Kernels, b: Kernels, batches: list[int], dtype: 
     """The decode-step A/B (``--step``)."""
     import step_bench
 
-    from stoic.model import ModelRunner, load_model
+    from stoic.model import load_model
+    from stoic.worker import ModelRunner
 
     if torch.get_num_threads() == 1:  # Stream times with perf_counter: make it CPU time
         step_bench.time = _CpuClock()  # type: ignore[assignment]

@@ -20,8 +20,9 @@ import statistics
 import time
 
 from stoic.gguf import default_cache_dir
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 BLOCK = 16
 

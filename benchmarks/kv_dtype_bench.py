@@ -29,7 +29,8 @@ from chunk_attention_bench import Bed, _alternate
 
 from stoic.gguf import default_cache_dir
 from stoic.kernels._qkernels import Kernels, load_kernels
-from stoic.model import ModelRunner, load_model
+from stoic.model import load_model
+from stoic.worker import ModelRunner
 
 #: the steps timed (``Bed.run``'s kinds)
 STEPS = ("decode 31", "mixed 31 + 225", "prefill 256")

@@ -38,8 +38,9 @@ import torch
 
 from stoic.gguf import default_cache_dir
 from stoic.kernels._qkernels import GGML_TYPES, Kernels, load_kernels
-from stoic.model import LoadedModel, ModelRunner, PagedKVCache, load_model
+from stoic.model import LoadedModel, PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 BLOCK = 16

@@ -135,7 +135,7 @@ class EngineConfig:
     #: tokens per KV block
     block_size: int = 16
     #: KV blocks; ``None``: the process that runs the model sizes the cache after loading the
-    #: weights, from what ``gpu_memory_utilization`` leaves (:mod:`stoic.model._memory`)
+    #: weights, from what ``gpu_memory_utilization`` leaves (:mod:`stoic.worker._memory`)
     num_kv_blocks: int | None = None
     #: a cap on the KV cache in GiB; ``None``: 1 GiB on a CPU (the RAM is the machine's), none on
     #: a GPU

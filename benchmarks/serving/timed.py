@@ -48,7 +48,7 @@ def timed_serve(stats_path: str, argv: Sequence[str]) -> int:
     gaps between consecutive steps since the previous SIGUSR1; then the counters reset.
     """
     from stoic.cli import main as stoic_main
-    from stoic.model import _runner
+    from stoic.worker import _runner
 
     original = _runner.ModelRunner.execute
     fresh: dict[str, Any] = {"busy": 0.0, "steps": 0, "last": None, "gaps": []}

@@ -25,9 +25,10 @@ from ..config import EngineConfig, FaultSpec
 from ..errors import EngineFailed, EngineStopped, InvalidRequest, Overloaded, StoicError
 from ..executor import ExecutorFault, make_backend
 from ..gguf import default_cache_dir, require_quantized
-from ..model import CacheSizing, LoadedModel, load_model, require_deterministic, token_codec
+from ..model import LoadedModel, load_model, require_deterministic, token_codec
 from ..request import Request, SamplingParams
 from ..runtime import ActorStopped, ActorSystem, AskTimeout, MailboxFull, SupervisorEscalation
+from ..worker import CacheSizing
 from ._incidents import Activity, IncidentLog, RecordingHealth
 from ._stats import EngineStats, collect_stats
 from ._stream import CompletionResult, RequestStream

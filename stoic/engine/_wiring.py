@@ -20,11 +20,12 @@ from ..actors import (
 )
 from ..config import EngineConfig
 from ..executor import Executor, StepBackend
-from ..model import CacheSizing, KVCacheSpec, LoadedModel, cpu_budget, token_codec, vocab_size
+from ..model import KVCacheSpec, LoadedModel, token_codec, vocab_size
 from ..request import GrammarVocab
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ..sampling import LLGuidanceBackend
 from ..scheduler import SchedulerConfig, SchedulerCore
+from ..worker import CacheSizing, cpu_budget
 from ._incidents import IncidentLog
 from ._recovery import Recovery
 

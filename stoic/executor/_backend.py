@@ -18,19 +18,10 @@ import anyio
 
 from ..actors import FaultInjector, InjectedFault
 from ..config import EngineConfig, FaultSpec
-from ..model import (
-    CacheBudget,
-    CacheSizing,
-    ComputePath,
-    KVCacheSpec,
-    LoadedModel,
-    ModelRunner,
-    PagedKVCache,
-    ThreadGovernor,
-    size_kv_cache,
-)
+from ..model import ComputePath, KVCacheSpec, LoadedModel, PagedKVCache
 from ..request import GrammarVocab, StepBatch, StepOutput
 from ..sampling import LLGuidanceBackend
+from ..worker import CacheBudget, CacheSizing, ModelRunner, ThreadGovernor, size_kv_cache
 from ._failures import ExecutorFault, classify_failure
 from ._process import WorkerPool, WorkerProcess
 from ._procworker import WorkerSpec

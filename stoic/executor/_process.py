@@ -32,8 +32,9 @@ from .._logging import get_logger
 from ..actors import ProgressWatch
 from ..config import FaultSpec
 from ..errors import InsufficientMemory
-from ..model import CacheSizing, ComputePath, StepProgress
+from ..model import ComputePath, StepProgress
 from ..request import StepBatch, StepOutput
+from ..worker import CacheSizing
 from ._failures import ExecutorFault
 from ._procworker import PROGRESS_FD_ENV, WorkerSpec
 

@@ -48,8 +48,8 @@ from ..config import FaultSpec, Quantization, WeightLayouts
 from ..errors import InsufficientMemory
 
 if TYPE_CHECKING:
-    from ..model import CacheBudget
     from ..request import GrammarVocab
+    from ..worker import CacheBudget
 
 __all__ = ["PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
 
@@ -135,15 +135,9 @@ def worker_main(conn: Connection, parent: int) -> None:
     import torch
     import transformers  # noqa: F401  (the model classes load lazily from here)
 
-    from ..model import (
-        ModelRunner,
-        PagedKVCache,
-        StepProgress,
-        ThreadGovernor,
-        load_model,
-        size_kv_cache,
-    )
+    from ..model import PagedKVCache, StepProgress, load_model
     from ..sampling import LLGuidanceBackend
+    from ..worker import ModelRunner, ThreadGovernor, size_kv_cache
     from ._failures import classify_failure
 
     if not conn.poll(0):  # imports done, nothing to load yet

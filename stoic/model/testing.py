@@ -14,16 +14,12 @@ from typing import Any
 import torch
 
 from ..gguf import commit_entry, default_cache_dir, find_entry, gguf_content_key, new_entry_dir
-from ..request import StepBatch
 from ._loader import default_gguf_path, resolve_model_path
-from ._paged import PagedKVCache
-from ._runner import ModelRunner
 from ._source import check_gguf_file, load_errors
 
 __all__ = [
     "build_tiny_model",
     "dequantized_model_dir",
-    "final_hidden_states",
     "scattered_block_tables",
 ]
 
@@ -109,30 +105,6 @@ def build_tiny_model(target: Path, *, seed: int = 0) -> Path:
         if src.exists():
             shutil.copy(src, target / name)
     return target
-
-
-def final_hidden_states(
-    runner: ModelRunner, steps: list[StepBatch], num_blocks: int, block_size: int
-) -> tuple[list[torch.Tensor], PagedKVCache]:
-    """Run ``steps`` in order on a fresh, zeroed cache of ``num_blocks`` blocks; return the
-    final hidden states of the sampled rows of every step that samples (what the LM head is
-    given), and the cache: what two forward paths are compared on."""
-    cache = PagedKVCache(runner.kv_spec(num_blocks=num_blocks, block_size=block_size))
-    cache.zero_blocks(tuple(range(num_blocks)))
-    captured: list[torch.Tensor] = []
-    head = runner._head
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        captured.append(x.clone())
-        return head(x)
-
-    runner._head = spy  # type: ignore[assignment]
-    try:
-        for batch in steps:
-            runner.execute(batch, cache)
-    finally:
-        runner._head = head
-    return captured, cache
 
 
 def scattered_block_tables(

@@ -10,7 +10,7 @@ import structlog
 from support import collect, engine_config
 
 import stoic
-from stoic.model import cpu_budget
+from stoic.worker import cpu_budget
 
 
 async def _one_request(engine: stoic.Engine) -> str:

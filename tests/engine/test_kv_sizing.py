@@ -1,6 +1,6 @@
 """The KV cache is sized where the weights are, after they are loaded: a profiling forward at the
 step budget's largest shapes, then what ``gpu_memory_utilization`` of the device's total memory
-leaves. The device's figures are injected (:func:`stoic.model._memory.device_memory`); the
+leaves. The device's figures are injected (:func:`stoic.worker._memory.device_memory`); the
 server process never initialises CUDA."""
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from stoic.cli import build_parser, config_from_args
 from stoic.errors import InsufficientMemory
 from stoic.executor import ProcessBackend
 from stoic.executor import _backend as backend_module
-from stoic.model import CacheBudget, KVCacheSpec, ModelRunner, load_model
-from stoic.model import _memory as memory_module
-from stoic.model._memory import HostMemory, plan_cache
+from stoic.model import KVCacheSpec, load_model
+from stoic.worker import CacheBudget, ModelRunner
+from stoic.worker import _memory as memory_module
+from stoic.worker._memory import HostMemory, plan_cache
 
 GIB = 2**30
 MIB = 2**20

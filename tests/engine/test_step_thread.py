@@ -14,7 +14,7 @@ from support import engine_config
 import stoic
 from stoic.engine import _engine
 from stoic.executor import _backend
-from stoic.model import ModelRunner
+from stoic.worker import ModelRunner
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 

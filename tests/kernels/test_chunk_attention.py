@@ -18,9 +18,9 @@ from stoic.kernels._qkernels import Kernels
 from stoic.model import PagedKVCache
 from stoic.model._attention import CPagedAttention, TorchPagedAttention
 from stoic.model._cattention import PagedCAttention
-from stoic.model._inputs import build_inputs
 from stoic.model._paged import KVCacheSpec
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker._inputs import build_inputs
 
 
 class Chunk:

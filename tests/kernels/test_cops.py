@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from stoic.gguf._packed import PackedLinear
 from stoic.kernels._cops import PrefillOps
 from stoic.kernels._qkernels import Kernels
-from stoic.model import ModelRunner, load_model
+from stoic.model import load_model
 from stoic.model._fused import _rotate
-from stoic.model.testing import final_hidden_states
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
+from stoic.worker.testing import final_hidden_states
 
 #: one bfloat16 step (8 bits of mantissa): what rounding an intermediate once more can move
 BF16 = {"rtol": 2**-7, "atol": 1e-6}

@@ -14,8 +14,9 @@ from test_int8rows import assert_int8_product, quantized_x, vnni_kernels
 from stoic.gguf._quant import QLinear, QuantizedMatrix
 from stoic.kernels._gemm8 import G8_TYPES, Gemm8
 from stoic.kernels._qkernels import Kernels
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 __all__ = ["vnni_kernels"]  # the fixture, used by name
 

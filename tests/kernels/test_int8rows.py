@@ -18,8 +18,9 @@ from gguf_blocks import gguf_py, random_blocks
 from stoic.gguf import default_cache_dir
 from stoic.kernels import _qkernels
 from stoic.kernels._qkernels import G8_TYPES, Kernels, KernelsUnavailable, load_kernels
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 #: the types whose one-row products take int8 activations
 INT8_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")

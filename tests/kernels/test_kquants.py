@@ -19,7 +19,8 @@ from stoic.gguf import default_cache_dir
 from stoic.gguf._quant import MixedMatrix, QuantizedMatrix
 from stoic.kernels import _qkernels
 from stoic.kernels._qkernels import Kernels, KernelsUnavailable, load_kernels
-from stoic.model import ModelRunner, load_model
+from stoic.model import load_model
+from stoic.worker import ModelRunner
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 ISAS = ("avx2", "avx512")

@@ -19,8 +19,9 @@ import torch
 from support import greedy_reference
 
 from stoic.errors import ModelUnavailable
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 pytestmark = pytest.mark.model
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stoic.kernels._qkernels import Kernels
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.model._attention import (
     CPagedAttention,
     TorchPagedAttention,
@@ -20,8 +20,9 @@ from stoic.model._attention import (
     interface_attention,
     to_device,
 )
-from stoic.model._inputs import build_inputs
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
+from stoic.worker._inputs import build_inputs
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 LOGPROBS = SamplingParams(max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from stoic.kernels._qkernels import KernelsUnavailable, load_kernels
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.model._attention import TorchPagedAttention
-from stoic.model.testing import final_hidden_states, scattered_block_tables
+from stoic.model.testing import scattered_block_tables
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
+from stoic.worker.testing import final_hidden_states
 
 pytestmark = pytest.mark.model
 GREEDY = SamplingParams(max_tokens=64, temperature=0)

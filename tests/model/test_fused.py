@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.model._fused import SPLIT_MLP_ROWS, fuse_llama
-from stoic.model.testing import final_hidden_states
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
+from stoic.worker.testing import final_hidden_states
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

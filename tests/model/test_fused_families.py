@@ -20,8 +20,9 @@ from support import greedy_reference
 import stoic
 from stoic.gguf import _weights as _gguf_weights
 from stoic.gguf import default_cache_dir
-from stoic.model import ModelRunner, load_model
+from stoic.model import load_model
 from stoic.model._fused import FusedLlama
+from stoic.worker import ModelRunner
 
 #: family -> (config class, model class, config overrides, GGUF architecture)
 FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str]] = {

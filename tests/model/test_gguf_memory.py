@@ -22,7 +22,8 @@ _PROBE = textwrap.dedent(
     """
     import json, sys
     import torch, transformers  # imported before the first reading
-    from stoic.model import ModelRunner, load_model
+    from stoic.model import load_model
+    from stoic.worker import ModelRunner
     from stoic.kernels._qkernels import load_kernels
 
     def anon():

@@ -10,9 +10,10 @@ import torch
 
 from stoic.errors import ModelUnavailable
 from stoic.kernels._qkernels import Kernels
-from stoic.model import ModelRunner, load_model
-from stoic.model.testing import final_hidden_states
+from stoic.model import load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
+from stoic.worker.testing import final_hidden_states
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 BLOCK = 16

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, load_model
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -115,8 +116,8 @@ def test_decodes_split_into_groups_attend_like_one_group(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Grouping decodes by context length changes no token and no log-probability."""
-    import stoic.model._inputs as inputs
     import stoic.model._paged as paged
+    import stoic.worker._inputs as inputs
 
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
     lengths = [3, 5, 20, 41, 60, 9]

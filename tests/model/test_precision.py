@@ -17,10 +17,11 @@ from gguf_fakes import write_gguf
 from stoic.gguf import default_cache_dir
 from stoic.gguf._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
 from stoic.kernels._qkernels import Kernels
-from stoic.model import ModelRunner, _precision, default_gguf_path, load_model
+from stoic.model import _precision, default_gguf_path, load_model
 from stoic.model._precision import Precision, resolve_precision
-from stoic.model.testing import final_hidden_states
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
+from stoic.worker.testing import final_hidden_states
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
 CPU = torch.device("cpu")

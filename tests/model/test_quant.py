@@ -22,13 +22,8 @@ from stoic.gguf._quant import (
     read_llama_blocks,
 )
 from stoic.kernels._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
-from stoic.model import (
-    ComputePath,
-    LoadedModel,
-    ModelRunner,
-    default_gguf_path,
-    load_model,
-)
+from stoic.model import ComputePath, LoadedModel, default_gguf_path, load_model
+from stoic.worker import ModelRunner
 
 #: the types of 32-weight blocks (the K-quants' tests: test_kquants.py)
 BLOCK32 = sorted(kind for kind, ggml in GGML_TYPES.items() if ggml.weights == 32)

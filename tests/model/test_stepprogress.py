@@ -17,10 +17,11 @@ from unittest import mock
 import pytest
 
 from stoic.kernels._qkernels import Kernels
-from stoic.model import ModelRunner, PagedKVCache, StepProgress, load_model
+from stoic.model import PagedKVCache, StepProgress, load_model
 from stoic.model._cdecode import CDecoder
 from stoic.model._stepprogress import tick
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner
 
 #: the child: maps the page named by argv[1], ticks 5 times, blocks on stdin, ticks 3 more
 _CHILD = textwrap.dedent(

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stoic.model import ModelRunner, PagedKVCache, ThreadGovernor, load_model
-from stoic.model._threads import HOLD, MAX_HOLD, ContentionProbe
+from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
+from stoic.worker import ModelRunner, ThreadGovernor
+from stoic.worker._threads import HOLD, MAX_HOLD, ContentionProbe
 
 
 class FakeProbe:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model._attention import to_device
+from ..model._paged import DecodeGroup, PagedKVCache, PrefillChunk, StepMetadata, group_decodes
 from ..request import SeqChunk, StepBatch
-from ._attention import to_device
-from ._paged import DecodeGroup, PagedKVCache, PrefillChunk, StepMetadata, group_decodes
 
 __all__ = ["StepInputs", "build_inputs"]
 

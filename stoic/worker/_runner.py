@@ -25,19 +25,19 @@ from ..gguf import (
     default_cache_dir,
     prepare_quantized,
 )
+from ..model._attention import AttentionBackend, TorchPagedAttention, register_attention
+from ..model._compute import ComputePath, matrix_types
+from ..model._deterministic import cache_refusal, refusal, refuse
+from ..model._fused import FusedLlama, fuse_llama
+from ..model._loader import LoadedModel
+from ..model._logits import OutputLayer
+from ..model._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
+from ..model._source import one_line
+from ..model._stepprogress import StepProgress, tick
 from ..request import GrammarBackend, SamplingParams, SeqChunk, StepBatch, StepOutput
 from ..sampling import GrammarStates, apply_bitmask, finite_logprobs, sample
-from ._attention import AttentionBackend, TorchPagedAttention, register_attention
-from ._compute import ComputePath, matrix_types
-from ._deterministic import cache_refusal, refusal, refuse
-from ._fused import FusedLlama, fuse_llama
 from ._inputs import build_inputs
-from ._loader import LoadedModel
-from ._logits import OutputLayer
 from ._memory import device_memory, release_free_memory
-from ._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
-from ._source import one_line
-from ._stepprogress import StepProgress, tick
 from ._threads import ThreadGovernor
 
 _log = get_logger("stoic.model")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stoic.model import CpuBudget, cpu_budget
+from stoic.worker import CpuBudget, cpu_budget
 
 
 def _lay(proc: Path, cgroup: str, mountinfo: str) -> None:

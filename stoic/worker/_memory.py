@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..errors import InsufficientMemory
+from ..model._paged import PagedKVCache
 from ..request import SamplingParams, SeqChunk, StepBatch
 from ._cpu import cgroup_chain
-from ._paged import PagedKVCache
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
