@@ -23,25 +23,29 @@ allocations. The block tables, free list, prefix hash index and reference counts
 bookkeeping (no I/O, no tensors) that only the scheduler changes, so they live beside the
 planner, which consults them synchronously. The cache manager keeps the physical side: the KV
 tensors' lifetime and their drop after a failure (``DropAll``); the core forgets every block
-at the same moment (:meth:`~stoic.scheduler._core_recovery.CoreRecovery.executor_down`).
+at the same moment (:meth:`SchedulerCore.executor_down`).
 
-Blocks go back one way (``_release``); sequences end with an error one way (:meth:`fail_all`).
+Two collaborators hold the rest, each with its own state: the queues with the block tables and
+the prefix cache's hashes (:class:`~stoic.scheduler._queues.SeqQueues`: blocks go back one way,
+``release``), and what an executor failure does to the sequences, poison isolation included
+(:class:`~stoic.scheduler._recovery.Recovery`). Sequences end with an error one way
+(:meth:`SchedulerCore.fail_all`, :meth:`SchedulerCore._fail`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..errors import EngineFailed, EngineStopped
+from ..errors import EngineFailed, EngineStopped, FailureKind, StoicError
 from ..request import SamplingParams, StepBatch, StepOutput
 from ._allocator import BlockAllocator
 from ._budget import StepBudget
-from ._core_blocks import CoreBlocks
-from ._core_recovery import CoreRecovery
 from ._plan import Planned, chunks_of, plan_step
-from ._records import SchedulerConfig, SchedulerStats
+from ._queues import SeqQueues
+from ._records import Recovered, SchedulerConfig, SchedulerStats
+from ._recovery import Recovery
 from ._sequence import SeqStatus, Sequence, Stream
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats", "Step"]
@@ -62,7 +66,7 @@ class _Inflight:
     planned: tuple[Planned, ...]
 
 
-class SchedulerCore(CoreBlocks, CoreRecovery):
+class SchedulerCore:
     """Waiting and running queues, the step plan and every sequence's fate.
 
     Invariants (checked by ``tests/scheduler/``): every admitted sequence ends with exactly one
@@ -71,22 +75,23 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
     at most one step is in flight; the tokens of a step never exceed the token budget; a
     result whose step or incarnation is not the one in flight changes nothing.
 
-    Two mixins over the same state hold the rest: the block tables and the prefix cache's
-    bookkeeping (:class:`~stoic.scheduler._core_blocks.CoreBlocks`), and the executor's
-    lifecycle and failures, i.e. fencing, fail/resume, poison isolation and the engine's end
-    (:class:`~stoic.scheduler._core_recovery.CoreRecovery`).
+    The queues and block tables are a :class:`~stoic.scheduler._queues.SeqQueues`; what an
+    executor failure does to the sequences (fail or resume, poison isolation) is decided by a
+    :class:`~stoic.scheduler._recovery.Recovery`; the core fences the executor and ends
+    sequences.
     """
 
     def __init__(self, config: SchedulerConfig, tokenizer: Any) -> None:
         self.cfg = config
         self._tokenizer = tokenizer
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
-        self._by_request: dict[str, Sequence] = {}
         self._next_seq_id = 0
         self._next_step_id = 0
         #: the KV cache's logical side: block tables, free list, prefix cache (see the module)
         self.allocator = BlockAllocator(config.num_blocks)
+        self.queues = SeqQueues(self.allocator, config.block_size)
+        self.recovery = Recovery(
+            self.queues, policy=config.recovery, max_resumes=config.max_resumes, fail=self._fail
+        )
         self._incarnation: int | None = None
         self._inflight: _Inflight | None = None
         #: set once the engine is failed for good: nothing is admitted or stepped again
@@ -97,12 +102,6 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
         self.budget = StepBudget(
             config.max_num_batched_tokens, config.max_num_seqs, config.block_size
         )
-        # poison isolation (``"resume"``): while a suspect exists, the one under test runs alone
-        # and every other sequence is held back here, in admission order
-        self._held: list[Sequence] = []
-        self._probe: Sequence | None = None
-        #: failures charged to suspects (not to the engine) since the last clean step
-        self._suspect_charges = 0
         # statistics
         self._steps = 0
         self._preemptions = 0
@@ -113,16 +112,13 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
         self._prompt_tokens = 0
         self._generated = 0
         self._prefix_cached_tokens = 0
-        self._resumed = 0
-        self._exhausted = 0
-        self._isolated = 0
-        self._isolation_failures = 0
 
     # -- reading --------------------------------------------------------------------------------
     @property
     def idle(self) -> bool:
         """No sequence is waiting or running."""
-        return not self._running and not self._waiting and not self._held
+        q = self.queues
+        return not q.running and not q.waiting and not q.held
 
     @property
     def can_step(self) -> bool:
@@ -140,12 +136,12 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
 
     @property
     def running(self) -> tuple[Sequence, ...]:
-        return tuple(self._running)
+        return tuple(self.queues.running)
 
     @property
     def waiting(self) -> tuple[Sequence, ...]:
         """Sequences admitted and not running (those held back by an isolation included)."""
-        return (*self._waiting, *self._held)
+        return (*self.queues.waiting, *self.queues.held)
 
     def inflight_prompts(self) -> list[str]:
         """The prompts of the step in flight's sequences, as text (fault rehearsals match on
@@ -156,8 +152,8 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            running=len(self._running),
-            waiting=len(self._waiting) + len(self._held),
+            running=len(self.queues.running),
+            waiting=len(self.queues.waiting) + len(self.queues.held),
             steps=self._steps,
             preemptions=self._preemptions,
             fenced_results=self._fenced,
@@ -170,10 +166,10 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             kv_blocks_used=self.allocator.used_blocks,
             kv_blocks_total=self.allocator.num_blocks,
             kv_blocks_cached=self.allocator.cached_blocks,
-            requests_resumed=self._resumed,
-            resumes_exhausted=self._exhausted,
-            requests_isolated=self._isolated,
-            isolation_failures=self._isolation_failures,
+            requests_resumed=self.recovery.resumed,
+            resumes_exhausted=self.recovery.exhausted,
+            requests_isolated=self.recovery.isolated,
+            isolation_failures=self.recovery.isolation_failures,
             token_budget=self.budget.tokens,
             seq_budget=self.budget.seqs,
         )
@@ -208,14 +204,13 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             generated,
         )
         self._next_seq_id += 1
-        self._by_request[request_id] = seq
-        (self._held if self._probe is not None else self._waiting).append(seq)
+        self.queues.admit(seq, hold=self.recovery.probe is not None)
         self._prompt_tokens += seq.prompt_len
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:
         """End the request's stream with ``"abort"`` and free its blocks (None if unknown)."""
-        seq = self._by_request.get(request_id)
+        seq = self.queues.by_request.get(request_id)
         if seq is not None:
             seq.stream.finish("abort")
             self._remove(seq)
@@ -223,24 +218,16 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
 
     def _remove(self, seq: Sequence) -> None:
         """Forget a sequence (whatever its state) and give its blocks back."""
-        if seq.status is SeqStatus.RUNNING:
-            self._running.remove(seq)
-        elif seq.status is SeqStatus.WAITING:
-            (self._held if seq in self._held else self._waiting).remove(seq)
-        seq.status = SeqStatus.FINISHED
-        self._by_request.pop(seq.request_id, None)
-        self._release(seq)
-        if seq is self._probe:
-            self._next_probe()
+        self.queues.unlink(seq)
+        if seq is self.recovery.probe:
+            self.recovery.next_probe()
 
     def _preempt(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back; it is recomputed when readmitted (queue front;
         its full blocks stay in the prefix cache, so it may share them again)."""
-        self._running.remove(seq)
-        self._release(seq)
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        self._waiting.appendleft(seq)
+        self.queues.running.remove(seq)
+        self.queues.restart(seq)
+        self.queues.waiting.appendleft(seq)
         self._preemptions += 1
 
     # -- planning -------------------------------------------------------------------------------
@@ -256,14 +243,14 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             return None
         cfg = self.cfg
         plan = plan_step(
-            self._running,
-            self._waiting,
+            self.queues.running,
+            self.queues.waiting,
             budget=self.budget.tokens,
             max_num_seqs=self.budget.seqs,
             allocator=self.allocator,
             block_size=cfg.block_size,
             preempt=self._preempt,
-            prefix_hashes=self._prefix_hashes if cfg.prefix_caching else None,
+            prefix_hashes=self.queues.prefix_hashes if cfg.prefix_caching else None,
         )
         if not plan.planned:
             return None
@@ -291,7 +278,6 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             return None
         self._inflight = None
         self._steps += 1
-        self._suspect_charges = 0
         touched: list[Sequence] = []
         for p in inflight.planned:
             seq = p.seq
@@ -300,7 +286,7 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             seq.num_computed += p.n_tokens
             seq.strikes = seq.solo_failures = 0  # a clean step: not a suspect
             if self.cfg.prefix_caching:
-                self._commit_full_blocks(seq)
+                self.queues.commit_full_blocks(seq)
             token = output.sampled.get(seq.seq_id)
             if p.sample and token is not None:
                 seq.append(token, self.cfg.eos_token_ids)
@@ -310,13 +296,11 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
             if seq.finish_reason is not None:
                 # out of the running queue and its blocks back now, so the next plan can use them;
                 # it is forgotten (and its stream finished) by emit()
-                self._running.remove(seq)
+                self.queues.running.remove(seq)
                 seq.status = SeqStatus.FINISHED
-                self._release(seq)
+                self.queues.release(seq)
         self.budget.clean_step()
-        probe = self._probe
-        if probe is not None and (probe.strikes == 0 or probe.status is SeqStatus.FINISHED):
-            self._next_probe()
+        self.recovery.clean_step()
         return touched
 
     def emit(self, touched: list[Sequence]) -> list[Sequence]:
@@ -330,3 +314,73 @@ class SchedulerCore(CoreBlocks, CoreRecovery):
                 self._remove(seq)
                 ended.append(seq)
         return ended
+
+    # -- the executor's lifecycle and the ways sequences end with an error -----------------------
+    def executor_ready(self, incarnation: int) -> None:
+        """Executor ``incarnation`` is ready: steps go to it."""
+        if self.failed is None:
+            self._incarnation = incarnation
+
+    def executor_down(
+        self,
+        error: BaseException,
+        kind: FailureKind,
+        *,
+        final: str | None = None,
+        final_if_charged: str | None = None,
+    ) -> Recovered:
+        """The executor failed: fence it (its late results are dropped), forget every block (the
+        KV tensors and the prefix cache go with it: the cache manager's ``DropAll``), back the
+        budget off after an out-of-memory failure, and let :class:`~._recovery.Recovery` settle
+        the sequences that had started (fail or resume; waiting ones stay queued). With
+        ``final``, or ``final_if_charged`` and a failure charged to the engine
+        (:meth:`~._recovery.Recovery.charged`), the engine fails instead (:meth:`fail_engine`).
+        """
+        freed = self.allocator.free_all()
+        planned = self._inflight.planned if self._inflight is not None else ()
+        batch = [p.seq for p in planned if p.seq.status is SeqStatus.RUNNING]
+        charged = self.recovery.charged(batch)
+        final = final or (final_if_charged if charged else None)
+        if final is not None:
+            return Recovered(self.fail_engine(final), 0, 0, 0, charged, freed)
+        prefilling = {p.seq.seq_id for p in planned if p.n_tokens > 1}
+        self._incarnation = None
+        self._inflight = None
+        if kind == "oom":
+            self.budget.out_of_memory()
+        settled = self.recovery.settle(batch, prefilling, error, kind)
+        return settled._replace(charged=charged, blocks_freed=freed)
+
+    def fail_all(self, error: Callable[[Sequence], StoicError]) -> int:
+        """The one exit path for errors: end every waiting and running sequence with
+        ``error(seq)`` and give its blocks back. Returns how many ended."""
+        ended = self.queues.everyone()
+        for seq in ended:
+            self._fail(seq, error(seq))
+        return len(ended)
+
+    def _fail(self, seq: Sequence, error: StoicError) -> None:
+        seq.stream.fail(error)
+        self._remove(seq)
+        self._failed_sequences += 1
+
+    def fail_engine(self, reason: str) -> int:
+        """The engine is failed for good: fence, end every sequence, refuse new ones."""
+        if self.failed is not None:
+            return 0
+        self.failed = reason
+        self._incarnation = None
+        self._inflight = None
+        return self.fail_all(
+            lambda seq: EngineFailed(f"engine failed: {reason}", partial=seq.partial())
+        )
+
+    def stop(self) -> int:
+        """End every sequence with :class:`~stoic.errors.EngineStopped` (a drain's deadline, or
+        the scheduler stopping) and admit nothing more."""
+        self.admitting = False
+        return self.fail_all(
+            lambda seq: EngineStopped(
+                "engine stopped before the request finished", partial=seq.partial()
+            )
+        )
