@@ -4,7 +4,10 @@ SIGINT and SIGTERM exit the process at once, status 0 and printing nothing, from
 heavy is imported (the CLI's own imports: pydantic, structlog, asyncio; then torch): a
 :class:`KeyboardInterrupt` raised inside an import ends in a traceback. This module imports
 nothing but the standard library's smallest modules, and neither does ``import stoic``
-(:mod:`stoic`'s names are imported at first use). :mod:`stoic._cli_signals` takes it from here.
+(:mod:`stoic`'s names are imported at first use). :mod:`stoic.cli._signals` takes it from here.
+
+At the top of the package, not in :mod:`stoic.cli`: importing ``stoic.cli.anything`` runs the
+package's ``__init__``, which imports the whole CLI (structlog, pydantic, asyncio).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def quiet_signals() -> dict[int, Any]:
 
 
 def main() -> int:
-    """The ``stoic`` command (:func:`stoic.cli.main`), its signals quiet before it is imported."""
+    """The ``stoic`` command (:func:`stoic.cli.main`), its signals quiet before it is imported;
+    returns its exit status."""
     quiet_signals()
     from .cli import main as cli_main
 

@@ -5,7 +5,8 @@ At the top of the package, not in :mod:`stoic.executor`: ``-m`` imports every pa
 before the module's first statement, and ``stoic.executor`` imports torch (seconds), while
 ``stoic`` imports nothing heavy. So this module's first statements run at once: SIGINT is
 ignored and the process title set before any import can be interrupted. Imported by nobody, so
-``-m`` runs it without importing it twice.
+``-m`` runs it without importing it twice. Nor in :mod:`stoic.cli`: no user runs it (the
+executor does), and ``stoic.cli``'s ``__init__`` imports the whole command line.
 """
 
 import signal

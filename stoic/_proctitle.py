@@ -7,6 +7,10 @@ executor incarnation 3. The worker sets the first three itself; the server tells
 
 Through the ``setproctitle`` package (a dependency); without it the title stays the command
 line (``python -m stoic._procmain FD PARENT_PID``) and nothing fails.
+
+The executor's, not the CLI's, yet at the top of the package for :mod:`stoic._procmain`'s sake:
+the worker sets its first title before it imports :mod:`stoic.executor` (and so torch, seconds),
+and importing ``stoic.executor._proctitle`` would import the package first.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def test_the_cli_restores_pythons_handlers_after_the_entry_point_quieted_them() 
         """
         import signal
         from stoic._entry import exit_at_once, quiet_signals
-        from stoic._cli_signals import exit_on_signals
+        from stoic.cli._signals import exit_on_signals
         before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         quiet_signals()
         with exit_on_signals() as restore:

@@ -8,8 +8,7 @@ import sys
 import pytest
 import structlog
 
-from stoic._http_args import http_options
-from stoic.cli import build_parser, config_from_args
+from stoic.cli import build_parser, config_from_args, http_options
 from stoic.ray._cli import serve_replicas
 
 

@@ -163,7 +163,7 @@ def parse_profile(path: Path, seconds: float, rate: int, command: str) -> Profil
                 _frame_key(f)
                 for f in frames
                 if _file(f).startswith(("stoic/", "aiohttp/"))
-                and not _file(f).startswith(("stoic/__main__.py", "stoic/cli.py"))
+                and not _file(f).startswith(("stoic/__main__.py", "stoic/cli/"))
             }
             for key in keys:
                 c[key] += k

@@ -1,5 +1,6 @@
-"""``stoic serve --replicas N``: the command-line side of :mod:`stoic.ray` (importable without
-Ray installed: ``stoic serve --help`` lists these flags everywhere)."""
+"""``stoic serve --replicas N``: the command-line side of :mod:`stoic.ray`, from parsed flags to
+running replicas (importable without Ray installed). The flags themselves are the CLI's
+(:mod:`stoic.cli._scale_out_flags`: the layers above may import this one, not the reverse)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,6 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .._argtypes import (
-    auto_or_non_negative_float,
-    non_negative_float,
-    non_negative_int,
-    positive_int,
-)
 from .._logging import get_logger
 from ..config import EngineConfig
 from ..errors import StoicError
@@ -22,80 +17,9 @@ if TYPE_CHECKING:
     from ..http import AccessPolicy, ServerLimits
     from ._launch import ReplicaOptions
 
-__all__ = ["add_ray_args", "replica_options", "serve_replicas"]
+__all__ = ["replica_options", "serve_replicas"]
 
 _log = get_logger("stoic.cli")
-
-
-def add_ray_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "scale-out on Ray Serve (needs the ray extra: pip install -e '.[ray]'; docs/scale-out.md)"
-    )
-    g.add_argument(
-        "--replicas",
-        type=positive_int,
-        metavar="N",
-        help="serve N engine replicas on Ray Serve behind this server's endpoint; every engine "
-        "flag applies to each replica; a request whose replica dies or fails continues on "
-        "another (default: no Ray, one engine in this process)",
-    )
-    g.add_argument(
-        "--ray-address",
-        metavar="ADDR",
-        help="with --replicas: join this Ray cluster (default: $RAY_ADDRESS, else start a local "
-        "Ray and split this machine's cores between the replicas)",
-    )
-    g.add_argument(
-        "--replica-cpus",
-        type=non_negative_float,
-        metavar="C",
-        help="CPUs Ray reserves per replica (and its torch threads) (default: a local Ray's "
-        "cores divided by the replicas; 1 on a cluster)",
-    )
-    g.add_argument(
-        "--replica-gpus",
-        type=auto_or_non_negative_float,
-        default="auto",
-        metavar="G",
-        help="GPUs Ray reserves per replica; a replica asked for GPUs that sees none fails at "
-        "start instead of serving on the CPU (default %(default)s: 1 where the Ray cluster has "
-        "GPUs and --device is not cpu, else 0)",
-    )
-    g.add_argument(
-        "--max-ongoing-requests",
-        type=positive_int,
-        metavar="N",
-        help="requests one replica holds at once; Serve queues the rest and routes each to a "
-        "replica with room (default: --max-num-seqs, a full batch)",
-    )
-    g.add_argument(
-        "--max-replicas",
-        type=positive_int,
-        metavar="N",
-        help="autoscale on ongoing requests up to N replicas (--replicas is the initial count) "
-        "(default: no autoscaling)",
-    )
-    g.add_argument(
-        "--min-replicas",
-        type=non_negative_int,
-        metavar="N",
-        help="with --max-replicas: never fewer than N replicas (default 1)",
-    )
-    g.add_argument(
-        "--target-ongoing-requests",
-        type=non_negative_float,
-        metavar="R",
-        help="with --max-replicas: ongoing requests per replica to scale to (default: half of "
-        "--max-ongoing-requests)",
-    )
-    g.add_argument(
-        "--max-migrations",
-        type=non_negative_int,
-        default=3,
-        metavar="N",
-        help="times one request may move to another replica when its replica dies or fails "
-        "(default %(default)s)",
-    )
 
 
 def replica_options(args: argparse.Namespace) -> ReplicaOptions:

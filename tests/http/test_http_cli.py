@@ -188,6 +188,21 @@ def test_every_serve_option_says_its_default() -> None:
             assert str(action.default) in shown, action.option_strings
 
 
+def test_serve_help_groups_every_option_by_job() -> None:
+    """`stoic serve --help` shows five titled groups, in this order, and every option sits in
+    exactly one of them (only -h in argparse's own "options")."""
+    parser = _serve_parser()
+    groups = {g.title: g for g in parser._action_groups if g._group_actions}
+    assert list(groups) == ["options", "model", "engine", "server", "recovery", "scale-out"]
+    assert [a.dest for a in groups["options"]._group_actions] == ["help"]
+    grouped = [a for title in list(groups)[1:] for a in groups[title]._group_actions]
+    assert len(grouped) == len({id(a) for a in grouped}) == len(parser._actions) - 1
+    assert "--model" in {o for a in groups["model"]._group_actions for o in a.option_strings}
+    assert "--replicas" in {o for a in groups["scale-out"]._group_actions for o in a.option_strings}
+    text = parser.format_help()
+    assert all(f"\n{title}:\n" in text for title in list(groups)[1:])
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -217,7 +232,7 @@ def test_access_and_limit_options_map_to_the_server() -> None:
     import os
     from unittest import mock
 
-    from stoic._http_args import http_options
+    from stoic.cli import http_options
 
     argv = ["serve", "--api-key", "sk-1", "--api-key", "sk-2", "--admin-key", "adm"]
     argv += ["--metrics-require-key", "--max-request-bytes", "1000", "--max-connections", "7"]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .gguf import (
+from ..gguf import (
     CONVERTED,
     CacheEntry,
     default_cache_dir,

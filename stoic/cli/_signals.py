@@ -20,8 +20,8 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
-from ._entry import SIGNALS, exit_at_once, quiet_signals
-from ._logging import get_logger
+from .._entry import SIGNALS, exit_at_once, quiet_signals
+from .._logging import get_logger
 
 __all__ = ["SIGNALS", "cancel_on_signals", "exit_on_signals"]
 

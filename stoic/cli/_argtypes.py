@@ -1,10 +1,21 @@
-"""Argument types for the command line: a bad value is a usage error naming it (exit 2)."""
+"""Argument types for the command line: a bad value is a usage error naming it (exit 2).
+
+Each type takes the flag's text and returns its value, or raises
+:class:`argparse.ArgumentTypeError` (or :class:`ValueError`, for text that is not a number),
+which argparse reports as ``error: argument --flag: ...`` with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import TypeAlias
+
+#: a titled group of flags in ``--help`` (what :meth:`argparse.ArgumentParser.add_argument_group`
+#: returns; argparse names the class privately)
+ArgumentGroup: TypeAlias = argparse._ArgumentGroup
 
 __all__ = [
+    "ArgumentGroup",
     "auto_or_non_negative_float",
     "non_negative_float",
     "non_negative_int",

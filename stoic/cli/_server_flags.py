@@ -1,4 +1,6 @@
-"""``stoic serve``'s access and limit flags, and the objects they describe.
+"""``stoic serve``'s server flags: the HTTP endpoint (address and port, access keys, request and
+connection limits, the stored responses of ``POST /v1/responses``), its shutdown drain and its log
+lines, and the objects they describe (:func:`http_options`, the config's ``drain_timeout``).
 
 Keys given on the command line show in the process list; ``STOIC_API_KEY`` /
 ``STOIC_ADMIN_KEY`` or a key file (``--api-key-file``) keep them out of it.
@@ -9,21 +11,59 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._argtypes import positive_float, positive_int
+from ..config import EngineConfig
+from ._argtypes import ArgumentGroup, non_negative_float, port, positive_float, positive_int
 
 if TYPE_CHECKING:
-    from .http import AccessPolicy, ServerLimits
+    from ..http import AccessPolicy, ServerLimits
 
-__all__ = ["add_http_args", "add_responses_args", "http_options"]
+__all__ = ["add_server_args", "http_options", "server_fields"]
 
+_DEFAULTS = EngineConfig()
 _MIB = 1024 * 1024
 
 
-def add_http_args(p: argparse.ArgumentParser) -> None:
-    """The ``access`` and ``limits`` argument groups."""
-    g = p.add_argument_group("access")
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``server`` group of flags to ``p``."""
+    g = p.add_argument_group(
+        "server",
+        "the HTTP endpoint: its address, access keys, request and connection limits, stored "
+        "responses; the drain on shutdown; log lines",
+    )
+    _add_listen_args(g)
+    _add_access_args(g)
+    _add_limit_args(g)
+    _add_responses_args(g)
+
+
+def _add_listen_args(g: ArgumentGroup) -> None:
+    """Where the server listens, how long it drains on a signal, what it logs."""
+    g.add_argument("--host", default="127.0.0.1", help="(default %(default)s)")
+    g.add_argument("--port", type=port, default=8000, help="(default %(default)s)")
+    g.add_argument(
+        "--drain-timeout",
+        type=non_negative_float,
+        default=_DEFAULTS.drain_timeout,
+        help="seconds running requests get to finish on SIGINT/SIGTERM (default %(default)s)",
+    )
+    g.add_argument(
+        "--log-format",
+        choices=["console", "json"],
+        default="console",
+        help="log lines on stderr: readable, or one JSON object per line (default %(default)s)",
+    )
+    g.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="(default %(default)s)",
+    )
+
+
+def _add_access_args(g: ArgumentGroup) -> None:
+    """API keys and the admin key."""
     g.add_argument(
         "--api-key",
         action="append",
@@ -49,7 +89,10 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="/metrics needs an API key (or the admin key) too (default: /metrics is open)",
     )
-    g = p.add_argument_group("limits")
+
+
+def _add_limit_args(g: ArgumentGroup) -> None:
+    """Request body size and timeouts, idle and open connections."""
     g.add_argument(
         "--max-request-bytes",
         type=positive_int,
@@ -89,9 +132,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_responses_args(p: argparse.ArgumentParser) -> None:
-    """The ``responses`` argument group (the stored responses of ``POST /v1/responses``)."""
-    g = p.add_argument_group("responses")
+def _add_responses_args(g: ArgumentGroup) -> None:
+    """The stored responses of ``POST /v1/responses``."""
     g.add_argument(
         "--responses-db",
         metavar="PATH",
@@ -109,13 +151,19 @@ def add_responses_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def server_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~stoic.EngineConfig` fields the server flags set (not yet validated: the
+    config does that)."""
+    return {"drain_timeout": args.drain_timeout}
+
+
 def http_options(args: argparse.Namespace) -> tuple[AccessPolicy, ServerLimits]:
     """The access policy and limits ``args`` describe.
 
     :raises ValueError: for a bad key (empty, the admin key reused as an API key).
     :raises OSError: if a key file cannot be read.
     """
-    from .http import AccessPolicy, ServerLimits, load_keys
+    from ..http import AccessPolicy, ServerLimits, load_keys
 
     admin = args.admin_key or os.environ.get("STOIC_ADMIN_KEY") or None
     access = AccessPolicy(
