@@ -7,10 +7,13 @@ products of a decode step's shapes (one row, and a batch of 32; 576 by 1536 is t
 model's MLP) and picks bfloat16 only when it is at least 10% faster: float32 is the safe default
 (exact greedy outputs do not change with the batch), so bf16 must earn its place.
 
-The result is cached per CPU model, torch version and thread count in
-``<cache dir>/dtype-probe.json``: the probe (tens of milliseconds) runs once per machine, and a
-restarted executor reuses the answer. The server resolves the dtype once and hands the worker
-processes the resolved name, so they never disagree.
+The result is cached per CPU model, torch version and the CPUs this process may run on (its
+affinity, not torch's current thread count, which the thread governor lowers and raises at run
+time: keyed by that, two engines started in one process a minute apart could resolve ``auto``
+differently and give different tokens) in ``<cache dir>/dtype-probe.json``: the probe (tens of
+milliseconds) runs once per machine, and a restarted executor reuses the answer. The server
+resolves the dtype once and hands the worker processes the resolved name, so they never
+disagree.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ def _cpu_model() -> str:
 
 
 def _probe_key() -> str:
-    return f"{_cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    return f"{_cpu_model()} | torch {torch.__version__} | {cpus} cpus"
 
 
 def time_matmuls(dtype: torch.dtype) -> float:

@@ -54,6 +54,20 @@ def test_the_answer_is_cached_per_cpu_and_torch_version(tmp_path: Path) -> None:
     assert len(calls) == 4
 
 
+def test_the_cached_answer_does_not_follow_torch_s_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread governor changes torch's thread count while engines run; an engine started
+    later in the same process (or a restarted one) reads the same cached answer instead of
+    probing again under another key and perhaps choosing the other dtype."""
+    calls, measure = _fake(1.0, 0.5)
+    assert probe_cpu_dtype(tmp_path, measure=measure) == torch.bfloat16  # type: ignore[arg-type]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    slower, other = _fake(0.5, 1.0)
+    assert probe_cpu_dtype(tmp_path, measure=other) == torch.bfloat16  # type: ignore[arg-type]
+    assert slower == [] and len(calls) == 2
+
+
 def test_auto_on_this_cpu_measures_and_explicit_names_do_not(tmp_path: Path) -> None:
     """``auto`` on a CPU resolves through a real probe (timings positive, choice cached);
     an explicit dtype is taken as given; an unknown name is a ValueError."""
