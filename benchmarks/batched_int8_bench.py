@@ -25,7 +25,7 @@ import time
 import torch
 from step_bench import GREEDY, Stream
 
-from stoic.kernels._gemm8 import Gemm8
+from stoic.kernels import Gemm8
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SeqChunk, StepBatch
 from stoic.worker import ModelRunner

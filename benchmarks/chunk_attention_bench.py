@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from step_bench import BLOCK, GREEDY
 
 from stoic.gguf import default_cache_dir
-from stoic.kernels._qkernels import Kernels, load_kernels
+from stoic.kernels import Kernels, load_kernels
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SeqChunk, StepBatch
 from stoic.worker import ModelRunner

@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 
 from stoic.gguf import default_cache_dir
-from stoic.kernels import _qkernels
-from stoic.kernels._qkernels import Kernels, load_kernels
+from stoic.kernels import Kernels, _qkernels, load_kernels
 from stoic.model import load_model
 from stoic.worker import ModelRunner
 

@@ -175,7 +175,7 @@ def kernel(rounds: int) -> None:
     """The ``--kernel`` table: the attention of one 256-row chunk at several positions (9 query
     heads over 3 kv heads of 64, as the default model; blocks of 16), each kernel alone."""
     from stoic.gguf import default_cache_dir
-    from stoic.kernels._qkernels import load_kernels
+    from stoic.kernels import load_kernels
 
     kernels = load_kernels(default_cache_dir())
     heads, kv_heads, dh, rows = 9, 3, 64, 256

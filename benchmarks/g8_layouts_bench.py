@@ -29,9 +29,8 @@ import numpy as np
 import torch
 from step_bench import random_blocks
 
-from stoic.gguf import default_cache_dir
-from stoic.gguf._packed import PackedLinear
-from stoic.kernels._gemm8 import Gemm8
+from stoic.gguf import PackedLinear, default_cache_dir
+from stoic.kernels import Gemm8
 from stoic.kernels._qkernels import _G8, GGML_TYPES, Kernels, load_kernels
 
 #: (matrix, GGML type, output rows, input width)

@@ -28,7 +28,7 @@ import torch
 from chunk_attention_bench import Bed, _alternate
 
 from stoic.gguf import default_cache_dir
-from stoic.kernels._qkernels import Kernels, load_kernels
+from stoic.kernels import Kernels, load_kernels
 from stoic.model import load_model
 from stoic.worker import ModelRunner
 

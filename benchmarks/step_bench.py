@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from stoic.gguf import default_cache_dir
-from stoic.kernels._qkernels import GGML_TYPES, Kernels, load_kernels
+from stoic.kernels import GGML_TYPES, Kernels, load_kernels
 from stoic.model import LoadedModel, PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner

@@ -31,8 +31,7 @@ from harness.report import markdown, quantile
 import stoic
 from stoic.engine import Constraint
 from stoic.request import GrammarVocab, SamplingParams, SeqChunk
-from stoic.sampling import LLGuidanceBackend
-from stoic.sampling._constrain import GrammarStates
+from stoic.sampling import GrammarStates, LLGuidanceBackend
 
 SCHEMA = {
     "type": "object",

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from stoic.kernels._qkernels import GGML_TYPES
+from stoic.kernels import GGML_TYPES
 
 QK_K = 256
 

@@ -189,7 +189,7 @@ class Bench:
     async def http_phase(self, model_dir: Path) -> None:
         from transformers import AutoTokenizer
 
-        from stoic.model._loader import default_gguf_path
+        from stoic.model import default_gguf_path
 
         systems: list[System] = []
         try:

@@ -18,19 +18,17 @@ from ._cache import (
     select_for_prune,
 )
 from ._header import GgufError, GgufHeader, GgufTensor, read_gguf_header
+from ._matrices import MixedMatrix, QuantizedMatrix, read_llama_blocks
 from ._metadata import write_gguf_metadata
 from ._packed import PackedLinear
 from ._quant import (
     DENSE_KERNEL_ROWS,
     EVERY_ROW,
     MAX_KERNEL_ROWS,
-    MixedMatrix,
     QLinear,
-    QuantizedMatrix,
     choose_layouts,
     kernels_for,
     prepare_quantized,
-    read_llama_blocks,
     require_quantized,
 )
 from ._weights import (

@@ -71,7 +71,7 @@ async def engine(request: pytest.FixtureRequest, default_model_dir: Path) -> Any
     with ``quantization="gguf"`` (decode steps multiply by the file's 4-/8-bit blocks; the start
     fails if they cannot be used), in a thread and in a worker process."""
     if request.param != "none":
-        from stoic.kernels._qkernels import KernelsUnavailable, load_kernels
+        from stoic.kernels import KernelsUnavailable, load_kernels
 
         try:
             load_kernels(default_cache_dir())

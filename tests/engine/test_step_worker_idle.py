@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from stoic.executor._thread import StepWorker
+from stoic.executor import StepWorker
 
 pytestmark = pytest.mark.asyncio
 

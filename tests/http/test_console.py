@@ -162,8 +162,8 @@ async def test_the_stream_sends_a_snapshot_a_second_and_ends_when_the_server_dra
 async def test_a_ray_front_end_shows_one_row_per_replica_from_its_board() -> None:
     """``stoic serve --replicas``: the front end's replica view (what the replicas posted to
     their board) becomes the console's replica rows, in replica order."""
+    from stoic.ray import RayEngine
     from stoic.ray._board import Posting
-    from stoic.ray._ingress import RayEngine
     from stoic.ray._stats import ReplicaView
 
     class Handle:

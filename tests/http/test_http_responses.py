@@ -22,8 +22,7 @@ from http_helpers import Server, read_events, run_app
 
 from stoic.cli import build_parser
 from stoic.errors import ExecutorFailed, StorageFailed
-from stoic.http import AccessPolicy, ResponseStore, create_app
-from stoic.http._engine import EngineLike
+from stoic.http import AccessPolicy, EngineLike, ResponseStore, create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -14,11 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stoic.kernels._qkernels import Kernels
-from stoic.model import PagedKVCache
+from stoic.kernels import Kernels
+from stoic.model import KVCacheSpec, PagedKVCache
 from stoic.model._attention import CPagedAttention, TorchPagedAttention
 from stoic.model._cattention import PagedCAttention
-from stoic.model._paged import KVCacheSpec
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker._inputs import build_inputs
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stoic.gguf._packed import PackedLinear
-from stoic.kernels._cops import PrefillOps
-from stoic.kernels._qkernels import Kernels
+from stoic.gguf import PackedLinear
+from stoic.kernels import Kernels, PrefillOps
 from stoic.model import load_model
 from stoic.model._fused import _rotate
 from stoic.request import SamplingParams, SeqChunk, StepBatch

@@ -11,9 +11,8 @@ import torch
 from gguf_blocks import gguf_py, random_blocks
 from test_int8rows import assert_int8_product, quantized_x, vnni_kernels
 
-from stoic.gguf._quant import QLinear, QuantizedMatrix
-from stoic.kernels._gemm8 import G8_TYPES, Gemm8
-from stoic.kernels._qkernels import Kernels
+from stoic.gguf import QLinear, QuantizedMatrix
+from stoic.kernels import G8_TYPES, Gemm8, Kernels
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner

@@ -16,8 +16,7 @@ import torch
 from gguf_blocks import gguf_py, random_blocks
 
 from stoic.gguf import default_cache_dir
-from stoic.kernels import _qkernels
-from stoic.kernels._qkernels import G8_TYPES, Kernels, KernelsUnavailable, load_kernels
+from stoic.kernels import G8_TYPES, Kernels, KernelsUnavailable, _qkernels, load_kernels
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner

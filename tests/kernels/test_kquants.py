@@ -15,10 +15,8 @@ import torch
 from gguf_blocks import gguf_py, quantize, random_blocks, write_llama_gguf
 
 import stoic
-from stoic.gguf import default_cache_dir
-from stoic.gguf._quant import MixedMatrix, QuantizedMatrix
-from stoic.kernels import _qkernels
-from stoic.kernels._qkernels import Kernels, KernelsUnavailable, load_kernels
+from stoic.gguf import MixedMatrix, QuantizedMatrix, default_cache_dir
+from stoic.kernels import Kernels, KernelsUnavailable, _qkernels, load_kernels
 from stoic.model import load_model
 from stoic.worker import ModelRunner
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stoic.kernels._qkernels import Kernels, load_kernels
+from stoic.kernels import Kernels, load_kernels
 
 BLOCK = 16
 #: (first position, rows) of the runs of one step: chunks crossing the kernel's row tiles (16)

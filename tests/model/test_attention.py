@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from stoic.kernels._qkernels import Kernels
+from stoic.kernels import Kernels
 from stoic.model import PagedKVCache, load_model
 from stoic.model._attention import (
     CPagedAttention,

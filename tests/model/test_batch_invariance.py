@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf_blocks import random_blocks
 
-from stoic.kernels import _qkernels
-from stoic.kernels._qkernels import GGML_TYPES, Kernels, load_kernels
+from stoic.kernels import GGML_TYPES, Kernels, _qkernels, load_kernels
 
 #: batch sizes, on and off the kernels' 4- and 8-row tiles and the 16-lane routine's limit
 SIZES = (2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 48, 64)

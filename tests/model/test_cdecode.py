@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from stoic.kernels._qkernels import KernelsUnavailable, load_kernels
+from stoic.kernels import KernelsUnavailable, load_kernels
 from stoic.model import PagedKVCache, load_model
 from stoic.model._attention import TorchPagedAttention
 from stoic.model.testing import scattered_block_tables

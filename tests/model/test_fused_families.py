@@ -160,7 +160,7 @@ async def test_a_family_runs_fused_and_decodes_like_transformers(
     path = str(hf if source == "hf" else gguf)
     quantization = "none" if source == "hf" else "gguf"
     if source == "gguf":
-        from stoic.kernels._qkernels import KernelsUnavailable, load_kernels
+        from stoic.kernels import KernelsUnavailable, load_kernels
 
         try:
             load_kernels(default_cache_dir())

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from gguf_fakes import write_gguf
 
-from stoic.gguf import default_cache_dir
+from stoic.gguf import GgufError, default_cache_dir, read_gguf_header
 from stoic.gguf._cache import (
     MANIFEST,
     STALE_PARTIAL_S,
@@ -27,7 +27,6 @@ from stoic.gguf._cache import (
     select_for_prune,
 )
 from stoic.gguf._cache import _legacy_path as legacy_path
-from stoic.gguf._header import GgufError, read_gguf_header
 from stoic.model._progress import heartbeat
 
 

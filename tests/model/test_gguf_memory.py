@@ -24,7 +24,7 @@ _PROBE = textwrap.dedent(
     import torch, transformers  # imported before the first reading
     from stoic.model import load_model
     from stoic.worker import ModelRunner
-    from stoic.kernels._qkernels import load_kernels
+    from stoic.kernels import load_kernels
 
     def anon():
         for line in open("/proc/self/status"):

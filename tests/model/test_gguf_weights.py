@@ -12,10 +12,14 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from stoic.errors import ModelUnavailable
+from stoic.gguf import (
+    QuantizedEmbedding,
+    lazy_tensors,
+    load_gguf_model,
+    read_gguf_header,
+    write_gguf_metadata,
+)
 from stoic.gguf import _weights as gw
-from stoic.gguf._header import read_gguf_header
-from stoic.gguf._metadata import write_gguf_metadata
-from stoic.gguf._weights import QuantizedEmbedding, lazy_tensors, load_gguf_model
 from stoic.model import default_gguf_path, load_model
 from stoic.model._loader import gguf_metadata_dir
 from stoic.worker import ModelRunner

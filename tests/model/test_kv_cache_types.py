@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stoic.errors import ModelUnavailable
-from stoic.kernels._qkernels import Kernels
+from stoic.kernels import Kernels
 from stoic.model import load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner

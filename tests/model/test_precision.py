@@ -14,9 +14,14 @@ import torch
 import torch.nn.functional as F
 from gguf_fakes import write_gguf
 
-from stoic.gguf import default_cache_dir
-from stoic.gguf._quant import DENSE_KERNEL_ROWS, MAX_KERNEL_ROWS, QLinear, QuantizedMatrix
-from stoic.kernels._qkernels import Kernels
+from stoic.gguf import (
+    DENSE_KERNEL_ROWS,
+    MAX_KERNEL_ROWS,
+    QLinear,
+    QuantizedMatrix,
+    default_cache_dir,
+)
+from stoic.kernels import Kernels
 from stoic.model import _precision, default_gguf_path, load_model
 from stoic.model._precision import Precision, resolve_precision
 from stoic.request import SamplingParams, SeqChunk, StepBatch

@@ -21,7 +21,7 @@ from stoic.gguf._quant import (
     prepare_quantized,
     read_llama_blocks,
 )
-from stoic.kernels._qkernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
+from stoic.kernels import GGML_TYPES, Kernels, KernelsUnavailable, load_kernels
 from stoic.model import ComputePath, LoadedModel, default_gguf_path, load_model
 from stoic.worker import ModelRunner
 

@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 
-from stoic.kernels._qkernels import Kernels
+from stoic.kernels import Kernels
 from stoic.model import PagedKVCache, StepProgress, load_model
 from stoic.model._cdecode import CDecoder
 from stoic.model._stepprogress import tick

@@ -27,8 +27,7 @@ pytest.importorskip("ray")
 
 from stoic import EngineConfig, FaultSpec
 from stoic.http import create_app
-from stoic.ray import RayEngine, ReplicaOptions, run_replicas
-from stoic.ray._ingress import MigratingStream
+from stoic.ray import MigratingStream, RayEngine, ReplicaOptions, run_replicas
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

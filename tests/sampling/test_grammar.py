@@ -15,8 +15,7 @@ from transformers import AutoTokenizer
 
 from stoic.errors import InvalidRequest
 from stoic.request import Constraint, GrammarVocab, SamplingParams, SeqChunk
-from stoic.sampling import LLGuidanceBackend
-from stoic.sampling._constrain import GrammarStates, apply_bitmask
+from stoic.sampling import GrammarStates, LLGuidanceBackend, apply_bitmask
 
 EOS = 2
 

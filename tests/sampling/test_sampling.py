@@ -11,7 +11,7 @@ import torch
 
 from stoic.errors import InvalidRequest
 from stoic.request import SamplingParams, SeqChunk
-from stoic.sampling._sampler import adjust_logits, sample
+from stoic.sampling import adjust_logits, sample
 
 VOCAB = 8
 EOS = 7
