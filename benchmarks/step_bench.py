@@ -48,12 +48,12 @@ BLOCK = 16
 
 def _compiled(loaded: LoadedModel) -> ModelRunner:
     """The fused runner with both halves of each layer compiled (inductor, dynamic shapes)."""
-    from stoic.model import _fused
+    from stoic.model import _layers
 
     runner = ModelRunner(loaded, quantization="none")
     assert runner._fused is not None
-    runner._fused.attention_inputs = torch.compile(_fused.attention_inputs, dynamic=True)
-    runner._fused.mlp_block = torch.compile(_fused.mlp_block, dynamic=True)
+    runner._fused.attention_inputs = torch.compile(_layers.attention_inputs, dynamic=True)
+    runner._fused.mlp_block = torch.compile(_layers.mlp_block, dynamic=True)
     return runner
 
 

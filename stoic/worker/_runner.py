@@ -26,7 +26,7 @@ from ..gguf import (
     prepare_quantized,
 )
 from ..model._attention import AttentionBackend, TorchPagedAttention, register_attention
-from ..model._compute import ComputePath, matrix_types
+from ..model._compute import ComputePath
 from ..model._deterministic import cache_refusal, refusal, refuse
 from ..model._fused import FusedLlama, fuse_llama
 from ..model._loader import LoadedModel
@@ -38,6 +38,7 @@ from ..request import GrammarBackend, SamplingParams, SeqChunk, StepBatch, StepO
 from ..sampling import GrammarStates, apply_bitmask, finite_logprobs, sample
 from ._inputs import build_inputs
 from ._memory import device_memory, release_free_memory
+from ._summary import compute_summary
 from ._threads import ThreadGovernor
 
 _log = get_logger("stoic.model")
@@ -237,62 +238,24 @@ class ModelRunner:
         finally:
             cache.release()
 
-    def _dense_dtype(self) -> torch.dtype:
-        """The dtype products of many rows multiply in: deterministic mode's fixed-order products
-        are bfloat16 where the CPU has AVX512_BF16 (:class:`stoic.kernels._qkernels.Product`), else float32
-        on the blocks, never a dense copy through oneDNN."""
-        if self.deterministic:
-            product = self._head.product
-            return torch.bfloat16 if product is not None and product.bfloat16 else self.loaded.dtype
-        return self.loaded.dense_dtype or self.loaded.dtype
-
     def _quantized_summary(self, mode: Quantization, seconds: float) -> dict[str, Any]:
-        """What runs on quantised blocks (logged as ``model.quantized``, with the seconds the
-        blocks took to read, check and repack, and whether decode steps run the C layers).
+        """What runs on quantised blocks (:func:`._summary.compute_summary`), logged as
+        ``model.quantized`` with the seconds the blocks took to read, check and repack.
 
         :raises ModelUnavailable: with ``mode="gguf"``, if nothing does.
         """
-        done, total = self._fused.quantized_projections if self._fused is not None else (0, 0)
-        whole = self._logits.whole_forward
-        head = None if whole else self._head.quantized
-        kinds = self._fused.quantized_kinds if self._fused is not None else set()
-        kinds |= {head.kind} if head is not None else set()
-        summary: dict[str, Any] = {
-            "architecture": type(self.loaded.model).__name__,
-            "decoder": "fused" if self._fused is not None else "transformers",
-            # the model's own forward maps stoic's hidden states to logits (or, where the probe
-            # found it adds nothing, the output layer alone does), or it runs whole
-            "logits": "whole-forward"
-            if whole
-            else ("output-layer" if self._logits.identity else "own-forward"),
-            "whole_forward_reason": self._logits.reason if whole else None,
-            "matrix_types": matrix_types(self.loaded.gguf),
-            "kernel_types": sorted(kinds),
-            "projections": done,
-            "of": total,
-            "head": head.kind if head is not None else None,
-            "c_layers": self._fused is not None and self._fused.c_decoder is not None,
-            "kernel_rows": self.kernel_rows,
-            "attention": self.attention.name,
-            "deterministic": self.deterministic,
-            "dtype": str(self.loaded.dtype).removeprefix("torch."),
-            "dense_dtype": str(self._dense_dtype()).removeprefix("torch."),
-            "kv_cache_dtype": str(self.loaded.cache_dtype).removeprefix("torch."),
-            "row_activations": "int8"
-            if self.int8_rows and (done or head is not None)
-            else "float32",
-            "int8_batched_projections": self._fused.int8_batched_projections
-            if self._fused is not None
-            else 0,
-            "weight_layouts": self.weight_layouts,
-            # what the layouts made from the blocks hold (not the model's own weights)
-            "layouts_mib": round(
-                ((self._fused.nbytes if self._fused is not None else 0) + self._head.nbytes)
-                / 2**20,
-                1,
-            ),
-        }
-        if done or head is not None:
+        summary = compute_summary(
+            self.loaded,
+            self._fused,
+            self._head,
+            self._logits,
+            attention=self.attention.name,
+            kernel_rows=self.kernel_rows,
+            deterministic=self.deterministic,
+            int8_rows=self.int8_rows,
+            weight_layouts=self.weight_layouts,
+        )
+        if summary["projections"] or summary["head"] is not None:
             _log.info("model.quantized", seconds=round(seconds, 2), **summary)
         elif mode == "gguf":
             raise ModelUnavailable(

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from stoic.gguf import PackedLinear
 from stoic.kernels import Kernels, PrefillOps
 from stoic.model import load_model
-from stoic.model._fused import _rotate
+from stoic.model._layers import _rotate
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner
 from stoic.worker.testing import final_hidden_states

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from stoic.model import PagedKVCache, load_model
-from stoic.model._fused import SPLIT_MLP_ROWS, fuse_llama
+from stoic.model._fused import fuse_llama
+from stoic.model._layers import SPLIT_MLP_ROWS
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner
 from stoic.worker.testing import final_hidden_states
