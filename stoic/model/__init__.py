@@ -1,8 +1,16 @@
-"""Everything that touches torch and transformers. Knows nothing of actors or HTTP."""
+"""The model: loading one from local files (a GGUF file's own blocks, or a model directory),
+the precision it runs in, its forward over the paged KV cache (the fused Llama-family decoder,
+the C decode layers, the attention backends) and its logits.
 
+Knows the GGUF weights, the kernels and the request's value types; knows no step worker,
+sampler, actor or HTTP (the layers contract in pyproject.toml).
+"""
+
+from ._attention import AttentionBackend, TorchPagedAttention, register_attention, to_device
 from ._codec import load_token_codec, token_codec, vocab_size
-from ._compute import ComputePath
-from ._deterministic import require_deterministic
+from ._compute import ComputePath, matrix_types
+from ._deterministic import cache_refusal, refusal, refuse, require_deterministic
+from ._fused import FusedLlama, fuse_llama
 from ._loader import (
     DEFAULT_MODEL_NAME,
     LoadedModel,
@@ -12,26 +20,54 @@ from ._loader import (
     resolve_device,
     resolve_dtype,
 )
-from ._paged import KVCacheSpec, PagedKVCache, empty_device_cache
-from ._source import check_model_source
-from ._stepprogress import StepProgress
+from ._logits import OutputLayer
+from ._paged import (
+    ATTN_IMPLEMENTATION,
+    DecodeGroup,
+    KVCacheSpec,
+    PagedKVCache,
+    PrefillChunk,
+    StepMetadata,
+    empty_device_cache,
+    group_decodes,
+)
+from ._source import check_model_source, one_line
+from ._stepprogress import StepProgress, tick
 
 __all__ = [
+    "ATTN_IMPLEMENTATION",
     "DEFAULT_MODEL_NAME",
+    "AttentionBackend",
     "ComputePath",
+    "DecodeGroup",
+    "FusedLlama",
     "KVCacheSpec",
     "LoadedModel",
+    "OutputLayer",
     "PagedKVCache",
+    "PrefillChunk",
+    "StepMetadata",
     "StepProgress",
+    "TorchPagedAttention",
+    "cache_refusal",
     "check_model_source",
     "cuda_devices",
     "default_gguf_path",
     "empty_device_cache",
+    "fuse_llama",
+    "group_decodes",
     "load_model",
     "load_token_codec",
+    "matrix_types",
+    "one_line",
+    "refusal",
+    "refuse",
+    "register_attention",
     "require_deterministic",
     "resolve_device",
     "resolve_dtype",
+    "tick",
+    "to_device",
     "token_codec",
     "vocab_size",
 ]

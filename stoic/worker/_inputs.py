@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model._attention import to_device
-from ..model._paged import DecodeGroup, PagedKVCache, PrefillChunk, StepMetadata, group_decodes
+from ..model import DecodeGroup, PagedKVCache, PrefillChunk, StepMetadata, group_decodes, to_device
 from ..request import SeqChunk, StepBatch
 
 __all__ = ["StepInputs", "build_inputs"]

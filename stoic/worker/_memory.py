@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..errors import InsufficientMemory
-from ..model._paged import PagedKVCache
+from ..model import PagedKVCache
 from ..request import SamplingParams, SeqChunk, StepBatch
 from ._cpu import cgroup_chain
 

@@ -25,15 +25,25 @@ from ..gguf import (
     default_cache_dir,
     prepare_quantized,
 )
-from ..model._attention import AttentionBackend, TorchPagedAttention, register_attention
-from ..model._compute import ComputePath
-from ..model._deterministic import cache_refusal, refusal, refuse
-from ..model._fused import FusedLlama, fuse_llama
-from ..model._loader import LoadedModel
-from ..model._logits import OutputLayer
-from ..model._paged import ATTN_IMPLEMENTATION, KVCacheSpec, PagedKVCache
-from ..model._source import one_line
-from ..model._stepprogress import StepProgress, tick
+from ..model import (
+    ATTN_IMPLEMENTATION,
+    AttentionBackend,
+    ComputePath,
+    FusedLlama,
+    KVCacheSpec,
+    LoadedModel,
+    OutputLayer,
+    PagedKVCache,
+    StepProgress,
+    TorchPagedAttention,
+    cache_refusal,
+    fuse_llama,
+    one_line,
+    refusal,
+    refuse,
+    register_attention,
+    tick,
+)
 from ..request import GrammarBackend, SamplingParams, SeqChunk, StepBatch, StepOutput
 from ..sampling import GrammarStates, apply_bitmask, finite_logprobs, sample
 from ._inputs import build_inputs

@@ -9,10 +9,7 @@ from typing import Any
 import torch
 
 from ..gguf import QLinear
-from ..model._compute import matrix_types
-from ..model._fused import FusedLlama
-from ..model._loader import LoadedModel
-from ..model._logits import OutputLayer
+from ..model import FusedLlama, LoadedModel, OutputLayer, matrix_types
 
 __all__ = ["compute_summary", "dense_dtype"]
 
