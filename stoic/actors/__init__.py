@@ -6,11 +6,11 @@ watchdog's rule.
 Test helpers live in :mod:`stoic.actors.testing`.
 """
 
-from ._cache import CacheManager
 from ._faults import FaultInjector, InjectedFault, enact_fault
 from ._guardian import Guardian
 from ._health import STATES, EngineHealth, Health, State
 from ._intake import Intake, IntakeConfig
+from ._kv_manager import KVCacheManager
 from ._messages import (
     ASK_TIMEOUT,
     Abort,
@@ -39,7 +39,6 @@ __all__ = [
     "STATES",
     "Abort",
     "AcquireKV",
-    "CacheManager",
     "CacheMsg",
     "Delta",
     "Drain",
@@ -57,6 +56,7 @@ __all__ = [
     "Intake",
     "IntakeConfig",
     "IntakeMsg",
+    "KVCacheManager",
     "ProgressWatch",
     "Recovered",
     "ResultStream",

@@ -191,7 +191,7 @@ class Scheduler(Actor[SchedulerMsg]):
             reason=reason,
             tokens=budget.tokens,
             seqs=budget.seqs,
-            configured_tokens=budget.max_tokens,
+            configured_tokens=budget.max_batched_tokens,
             configured_seqs=budget.max_seqs,
         )
 

@@ -19,7 +19,7 @@ from typing import Literal
 from ..actors import EngineHealth, Recovered
 from ..errors import FailureKind
 from ..model import ComputePath
-from ..scheduler import SchedulerCore, Sequence
+from ..scheduler import SchedulerCore, Seq
 
 __all__ = [
     "Activity",
@@ -182,7 +182,7 @@ def sequence_views(
     """The running and waiting sequences of ``core`` (ages from ``admitted``: request id to
     ``time.monotonic()`` at admission; 0 for one not there)."""
 
-    def view(seq: Sequence, status: Literal["running", "waiting"]) -> SequenceView:
+    def view(seq: Seq, status: Literal["running", "waiting"]) -> SequenceView:
         rid = seq.request_id
         age = round(now - admitted.get(rid, now), 3)
         return SequenceView(rid, status, seq.num_generated, seq.max_tokens, seq.prompt_len, age)

@@ -7,7 +7,6 @@ from typing import Any
 
 from .._logging import get_logger
 from ..actors import (
-    CacheManager,
     CacheMsg,
     EngineHealth,
     FaultInjector,
@@ -15,6 +14,7 @@ from ..actors import (
     Intake,
     IntakeConfig,
     IntakeMsg,
+    KVCacheManager,
     Scheduler,
     SchedulerMsg,
 )
@@ -52,7 +52,7 @@ class EngineParts:
 
 def kv_cache_spec(config: EngineConfig, loaded: LoadedModel, sizing: CacheSizing) -> KVCacheSpec:
     """The KV cache's shape: the blocks the process that runs the model sized it to (after
-    loading the weights: :func:`stoic.model.size_kv_cache`); logged as ``engine.kv_sizing``."""
+    loading the weights: :func:`stoic.worker.size_kv_cache`); logged as ``engine.kv_sizing``."""
     _log.info("engine.kv_sizing", device=str(loaded.device), **sizing.describe())
     return KVCacheSpec.for_model(
         loaded.config,
@@ -113,7 +113,7 @@ async def wire(
     )
     spec = kv_cache_spec(config, loaded, sizing)
     cache = await system.spawn(
-        CacheManager(spec, make_cache=backend.make_cache), name="cache", mailbox_size=16
+        KVCacheManager(spec, make_cache=backend.make_cache), name="cache", mailbox_size=16
     )
     core = SchedulerCore(
         SchedulerConfig(

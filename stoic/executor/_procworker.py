@@ -9,8 +9,8 @@ tensor):
 * parent -> child ``("spec", WorkerSpec)`` first: what to load (a worker may be started, and
   import what it needs, before it is told);
 * child -> parent ``("ready", pid, quantized, sizing)`` once the model is loaded, the KV cache
-  sized (:func:`stoic.model.size_kv_cache`: a profiling forward, then what the memory left
-  holds; ``sizing`` a :class:`~stoic.model.CacheSizing`) and the KV pools exist
+  sized (:func:`stoic.worker.size_kv_cache`: a profiling forward, then what the memory left
+  holds; ``sizing`` a :class:`~stoic.worker.CacheSizing`) and the KV pools exist
   (``quantized``: what runs on quantised blocks, :attr:`ModelRunner.quantized`); or
   ``("unfit", message)`` when not even a minimal cache fits, and it exits;
 * parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
@@ -72,7 +72,7 @@ class WorkerSpec:
     eos_token_ids: frozenset[int] = frozenset()
     #: compute threads (the server's CPU budget, ``compute_threads``; None: torch's default)
     threads: int | None = None
-    #: fewer threads while other processes take CPUs (:class:`~stoic.model.ThreadGovernor`)
+    #: fewer threads while other processes take CPUs (:class:`~stoic.worker.ThreadGovernor`)
     adapt_threads: bool = True
     #: the tokenizer, for structured outputs' grammar masks (None: none)
     grammar: GrammarVocab | None = None

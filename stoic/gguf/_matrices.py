@@ -159,7 +159,7 @@ def _read_matrix(
 
 def read_llama_blocks(gguf: Path | GgufFile, config: Any) -> dict[str, QuantizedMatrix]:
     """The quantised matrices of a Llama-layout GGUF file (Llama, Mistral, Qwen2, Qwen3, Phi-3:
-    :data:`._fused.FUSED_TYPES`), keyed ``"{layer}.{q|k|v|qkv|o|gate|up|down}"`` and ``"head"``
+    :data:`stoic.model._fused.FUSED_TYPES`), keyed ``"{layer}.{q|k|v|qkv|o|gate|up|down}"`` and ``"head"``
     (``output.weight``, else the tied ``token_embd.weight``), rows in transformers' order (the
     Q and K rows of a ``llama`` file un-permuted, as transformers' loader does for that
     architecture only). Matrices of types the kernels lack are left out. The blocks are views

@@ -48,7 +48,7 @@ __all__ = [
 #: 0.23x the float32 product's time at 1 row, 0.14x at 4, 0.31x at 8, 0.48x at 16, 0.79x at 32
 #: (docs/benchmarks.md); prefill chunks are larger and compute-bound.
 MAX_KERNEL_ROWS = 32
-#: the same with a bfloat16 dense dtype (:mod:`._precision`: a CPU with AMX), where bfloat16
+#: the same with a bfloat16 dense dtype (:mod:`stoic.model._precision`: a CPU with AMX), where bfloat16
 #: tiles overtake the kernels sooner. Measured on a Xeon with AMX and AVX-512, 2 cores, the
 #: default model's whole decode step, C layers on the blocks against bfloat16 products packed
 #: for oneDNN (:mod:`._packed`; contexts 100-400): 23.3 vs 23.4 ms at 4 sequences, 31.9 vs 31.9
@@ -68,7 +68,7 @@ class QLinear:
 
     With a ``dense_dtype`` other than the weight's, the products of more rows multiply by a copy
     of the weights in that type (inputs rounded to it, results returned in the input's type):
-    bfloat16 tiles for prefill on a CPU with AMX (:mod:`._precision`). The copy costs its bytes
+    bfloat16 tiles for prefill on a CPU with AMX (:mod:`stoic.model._precision`). The copy costs its bytes
     (2 a weight for bfloat16) on top of the float weights; a bfloat16 copy is held packed for
     oneDNN (:mod:`._packed`), cut into ``pack_parts`` row slices (the gated MLP's gate and up).
 

@@ -5,9 +5,9 @@ on the ``meta`` device, its computed buffers such as the rotary tables real), th
 tensor by tensor from the file, mapped read-only:
 
 * the matrices the runner multiplies on their quantised blocks (``lazy``: what
-  :func:`lazy_tensors` picks, the projections of a :data:`._fused.FUSED_TYPES` model whose types
+  :func:`lazy_tensors` picks, the projections of a :data:`stoic.model._fused.FUSED_TYPES` model whose types
   the kernels take, and its output layer) stay on ``meta``: the runner reads their blocks from
-  the file (:func:`._quant.read_llama_blocks`) and de-quantises one into a dense copy only where
+  the file (:func:`stoic.gguf.read_llama_blocks`) and de-quantises one into a dense copy only where
   a product needs it (:class:`._quant.QLinear`);
 * the token embedding of such a model, where its type is one the kernels take, becomes a
   :class:`QuantizedEmbedding`: a step's rows de-quantised from the file's blocks (the pages are

@@ -11,8 +11,8 @@ residual). With :attr:`CDecoder.every_step` (``--deterministic``) a step's prefi
 through ``stoic_prefill_attention`` instead: a chunk's rows together, each row bitwise as the
 decode kernel computes it alone.
 
-It serves decode-only steps of at most :data:`._quant.MAX_KERNEL_ROWS` tokens (fewer where the
-dense products are bfloat16: :data:`._quant.DENSE_KERNEL_ROWS`), in float32, for
+It serves decode-only steps of at most :data:`stoic.gguf._quant.MAX_KERNEL_ROWS` tokens (fewer where the
+dense products are bfloat16: :data:`stoic.gguf._quant.DENSE_KERNEL_ROWS`), in float32, for
 models whose every projection runs on quantised blocks, without attention sliding windows; the
 torch path serves everything else. Its results differ from the torch path's by float32 rounding
 (``tests/model/test_cdecode.py``); greedy outputs equal transformers' ``generate``
@@ -65,12 +65,12 @@ class CDecoder:
         head_dim: int,
         eps: float,
         *,
-        max_tokens: int = MAX_KERNEL_ROWS,
+        max_rows: int = MAX_KERNEL_ROWS,
         every_step: bool = False,
     ) -> None:
         self._k = kernels
         #: decode steps of more tokens take the torch path
-        self.max_tokens = max_tokens
+        self.max_rows = max_rows
         #: every step runs here, prefill chunks too (``--deterministic``: each token's
         #: attention is its own row of the C attention, over its sequence's first ``position +
         #: 1`` keys, so a token computes the same in a decode step or a prefill chunk)
@@ -101,7 +101,7 @@ class CDecoder:
             return False
         if self.every_step:
             return tokens > 0
-        return not step.prefills and bool(step.decodes) and 0 < tokens <= self.max_tokens
+        return not step.prefills and bool(step.decodes) and 0 < tokens <= self.max_rows
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepMetadata

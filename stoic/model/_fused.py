@@ -165,7 +165,7 @@ def fuse_llama(
     """The lean forward of ``model`` (a transformers causal LM), or None when its architecture is
     not one this module implements (the caller then keeps transformers' forward).
 
-    With ``quantized`` blocks (:func:`._quant.read_llama_blocks`) and ``kernels``, a projection
+    With ``quantized`` blocks (:func:`stoic.gguf.read_llama_blocks`) and ``kernels``, a projection
     whose blocks all match the model's weights runs steps of at most ``kernel_rows`` tokens on
     them (:class:`QLinear`); bigger ones multiply by weights in ``dense_dtype`` (None: the
     model's). ``deterministic``: every step on the blocks in the fixed order and through the C
@@ -328,7 +328,7 @@ class FusedLlama:
                 self._kv_heads,
                 self._head_dim,
                 self._eps,
-                max_tokens=kernel_rows,
+                max_rows=kernel_rows,
                 every_step=deterministic,
             )
 
@@ -340,7 +340,7 @@ class FusedLlama:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the projections hold of their own (:attr:`._quant.QLinear.nbytes`)."""
+        """Bytes the projections hold of their own (:attr:`stoic.gguf._quant.QLinear.nbytes`)."""
         return sum(
             p.nbytes for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)
         )
@@ -348,7 +348,7 @@ class FusedLlama:
     @property
     def int8_batched_projections(self) -> int:
         """Projections whose products of more than ``kernel_rows`` rows take int8 activations
-        (:attr:`._quant.QLinear.batched_int8`), of :attr:`quantized_projections`' total."""
+        (:attr:`stoic.gguf._quant.QLinear.batched_int8`), of :attr:`quantized_projections`' total."""
         linears = [p for lay in self._layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         return sum(p.batched_int8 for p in linears)
 

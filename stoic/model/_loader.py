@@ -9,7 +9,7 @@ Three sources are accepted:
 
 A GGUF file is served from its own tensors (:mod:`._gguf_weights`): its configuration,
 generation configuration and tokenizer are built once by transformers from the file's metadata
-into a cache directory keyed by the file's content (:mod:`._cache`; ``model.metadata.building``
+into a cache directory keyed by the file's content (:mod:`stoic.gguf._cache`; ``model.metadata.building``
 when it starts and every 5 seconds, ``model.metadata.built`` when done), and its weights are read
 from the file at every start, never converted nor written anywhere.
 Nothing here ever touches the network: ``local_files_only`` is forced.
@@ -162,7 +162,7 @@ def gguf_metadata_dir(gguf: Path, cache_root: Path | None = None) -> Path:
     for a large vocabulary) into a cache entry; return it. The weights are never converted:
     :func:`load_model` reads them from the file itself (:mod:`._gguf_weights`).
 
-    The entry is keyed by the file's content (:func:`._cache.gguf_content_key`): a copy of the
+    The entry is keyed by the file's content (:func:`stoic.gguf._cache.gguf_content_key`): a copy of the
     same file elsewhere finds it too. It is written into a temporary directory and renamed into
     place, so a crash mid-way never leaves a half-written entry behind. A second call returns
     the existing directory (an entry an older stoic wrote, with converted weights in it, too).

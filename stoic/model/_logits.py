@@ -1,7 +1,7 @@
 """From a step's final hidden states to logits: the model's own ``ForCausalLM.forward``.
 
 stoic runs a model's decoder itself (transformers' base model over the paged attention, or
-:class:`._fused.FusedLlama`) and multiplies by the output layer itself (:class:`._quant.QLinear`,
+:class:`._fused.FusedLlama`) and multiplies by the output layer itself (:class:`stoic.gguf._quant.QLinear`,
 the GGUF file's blocks where it can). Whatever a model's ``ForCausalLM.forward`` does between its
 base model and the logits it returns (Granite divides by ``logits_scaling``, Cohere multiplies by
 ``logit_scale``, Gemma 2 soft-caps by ``final_logit_softcapping``, a future architecture anything

@@ -15,7 +15,7 @@ where the GPU lacks it). On a CPU it measures (:mod:`._dtype_probe`):
 float32 or bfloat16, whichever multiplies faster here, cached per CPU model and torch version.
 For a GGUF model whose decode steps run on the file's quantised blocks in the C layers (a
 ``llama``, ``qwen2`` or ``phi3`` file: :data:`C_LAYER_FILES`)
-(:mod:`._quant`, ``--quantization`` not ``none``, the kernels buildable here), ``auto`` keeps
+(:mod:`stoic.gguf._quant`, ``--quantization`` not ``none``, the kernels buildable here), ``auto`` keeps
 the activations in float32, because the kernels and the C decode layers
 compute in float32, and uses the probe's choice only as the dense dtype. On a CPU with AMX
 (bfloat16 tiles) that puts steps of few tokens on the 4-bit blocks with float32 arithmetic and

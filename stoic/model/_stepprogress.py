@@ -107,7 +107,7 @@ class StepProgress:
         """Run one step: a tick at its start and at its end; :func:`tick` on this thread counts
         here meanwhile. The throttle (if any) ends with it, whether it returns or raises.
         ``checkpoint``: called on the step's thread after every tick but the first (between
-        decoder layers: the thread governor, :class:`._threads.ThreadGovernor`, which can then
+        decoder layers: the thread governor, :class:`stoic.worker._threads.ThreadGovernor`, which can then
         shrink a pool in the middle of a step slowed many times over)."""
         previous = getattr(_active, "progress", None)
         _active.progress = self

@@ -63,5 +63,5 @@ class StepOutput:
     """Sampled tokens of the chunks that asked for one, keyed by ``seq_id``."""
 
     sampled: dict[int, SampledToken]
-    #: the compute threads the step ran on (:class:`~stoic.model.ThreadGovernor`; 0: unknown)
+    #: the compute threads the step ran on (:class:`~stoic.worker.ThreadGovernor`; 0: unknown)
     threads: int = 0

@@ -14,7 +14,7 @@ from ._budget import CLEAN_STEPS_PER_DOUBLING, StepBudget
 from ._core import SchedulerCore, Step
 from ._plan import Planned, StepPlan, blocks_for, chunks_of, plan_step, prefix_blocks
 from ._records import Recovered, SchedulerConfig, SchedulerStats
-from ._sequence import FinishReason, SeqStatus, Sequence, Stream, TokenLogprob, block_hashes
+from ._sequence import FinishReason, Seq, SeqSink, SeqStatus, TokenLogprob, block_hashes
 
 __all__ = [
     "CLEAN_STEPS_PER_DOUBLING",
@@ -26,12 +26,12 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerCore",
     "SchedulerStats",
+    "Seq",
+    "SeqSink",
     "SeqStatus",
-    "Sequence",
     "Step",
     "StepBudget",
     "StepPlan",
-    "Stream",
     "TokenLogprob",
     "block_hashes",
     "blocks_for",

@@ -3,7 +3,7 @@
 The logical side of the KV cache, owned by the scheduler's core so that a step is planned on
 the true state (the prefix lookup, the blocks' allocation and the plan in one synchronous
 call, as vLLM's scheduler does). The physical side, the KV tensors and their drop after a
-failure, is the cache manager actor's (:class:`stoic.actors.CacheManager`).
+failure, is the cache manager actor's (:class:`stoic.actors.KVCacheManager`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class BlockAllocator:
 
         Returns the blocks it took that were never handed out since the pool was created or
         last dropped (:meth:`free_all`): their memory holds no zeros yet (see
-        :attr:`stoic.model.StepBatch.zero_blocks`).
+        :attr:`stoic.request.StepBatch.zero_blocks`).
 
         :raises OutOfBlocks: if that needs more than the free blocks (nothing changes).
         """

@@ -18,25 +18,25 @@ class StepBudget:
     Both methods return True when the limits changed (the scheduler logs each change).
     """
 
-    __slots__ = ("_clean", "max_seqs", "max_tokens", "min_tokens", "seqs", "tokens")
+    __slots__ = ("_clean", "max_batched_tokens", "max_seqs", "min_batched_tokens", "seqs", "tokens")
 
-    def __init__(self, max_tokens: int, max_seqs: int, min_tokens: int) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, max_batched_tokens: int, max_seqs: int, min_batched_tokens: int) -> None:
+        self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
-        self.min_tokens = min(min_tokens, max_tokens)
+        self.min_batched_tokens = min(min_batched_tokens, max_batched_tokens)
         #: the limits in force
-        self.tokens = max_tokens
+        self.tokens = max_batched_tokens
         self.seqs = max_seqs
         self._clean = 0
 
     @property
     def backed_off(self) -> bool:
-        return self.tokens < self.max_tokens or self.seqs < self.max_seqs
+        return self.tokens < self.max_batched_tokens or self.seqs < self.max_seqs
 
     def out_of_memory(self) -> bool:
-        """Halve the limits (floors: ``min_tokens`` tokens, one sequence)."""
+        """Halve the limits (floors: ``min_batched_tokens`` tokens, one sequence)."""
         self._clean = 0
-        tokens, seqs = max(self.min_tokens, self.tokens // 2), max(1, self.seqs // 2)
+        tokens, seqs = max(self.min_batched_tokens, self.tokens // 2), max(1, self.seqs // 2)
         changed = (tokens, seqs) != (self.tokens, self.seqs)
         self.tokens, self.seqs = tokens, seqs
         return changed
@@ -49,6 +49,6 @@ class StepBudget:
         if self._clean < CLEAN_STEPS_PER_DOUBLING:
             return False
         self._clean = 0
-        self.tokens = min(self.max_tokens, self.tokens * 2)
+        self.tokens = min(self.max_batched_tokens, self.tokens * 2)
         self.seqs = min(self.max_seqs, self.seqs * 2)
         return True

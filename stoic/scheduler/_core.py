@@ -8,7 +8,7 @@ The actor shell (:mod:`stoic.actors._scheduler`) drives it, in the spirit of vLL
 1. :meth:`SchedulerCore.schedule` picks the step's chunks under the token budget, looks each
    starting sequence's prefix up in the prefix cache, allocates the blocks (preempting the
    youngest running sequences when they run out) and returns the
-   :class:`~stoic.model.StepBatch` to run, all in one call against the
+   :class:`~stoic.request.StepBatch` to run, all in one call against the
    :class:`~stoic.scheduler.BlockAllocator` it owns: there is no estimate to correct, no plan
    the cache could refuse, nothing to retry;
 2. :meth:`SchedulerCore.complete` applies a step's sampled tokens and commits the blocks it
@@ -46,7 +46,7 @@ from ._plan import Planned, chunks_of, plan_step
 from ._queues import SeqQueues
 from ._records import Recovered, SchedulerConfig, SchedulerStats
 from ._recovery import Recovery
-from ._sequence import SeqStatus, Sequence, Stream
+from ._sequence import Seq, SeqSink, SeqStatus
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats", "Step"]
 
@@ -135,11 +135,11 @@ class SchedulerCore:
         return self._incarnation
 
     @property
-    def running(self) -> tuple[Sequence, ...]:
+    def running(self) -> tuple[Seq, ...]:
         return tuple(self.queues.running)
 
     @property
-    def waiting(self) -> tuple[Sequence, ...]:
+    def waiting(self) -> tuple[Seq, ...]:
         """Sequences admitted and not running (those held back by an isolation included)."""
         return (*self.queues.waiting, *self.queues.held)
 
@@ -181,11 +181,11 @@ class SchedulerCore:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         max_tokens: int,
-        stream: Stream,
+        stream: SeqSink,
         generated: tuple[int, ...] = (),
-    ) -> Sequence | None:
+    ) -> Seq | None:
         """Queue a new sequence (continuing after ``generated``, the tokens its request generated
-        before: see :class:`Sequence`); if the engine is failed or draining, end its stream
+        before: see :class:`Seq`); if the engine is failed or draining, end its stream
         instead."""
         if self.failed is not None:
             stream.fail(EngineFailed(f"engine failed: {self.failed}"))
@@ -193,7 +193,7 @@ class SchedulerCore:
         if not self.admitting:
             stream.fail(EngineStopped())
             return None
-        seq = Sequence(
+        seq = Seq(
             self._next_seq_id,
             request_id,
             prompt_ids,
@@ -208,7 +208,7 @@ class SchedulerCore:
         self._prompt_tokens += seq.prompt_len
         return seq
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str) -> Seq | None:
         """End the request's stream with ``"abort"`` and free its blocks (None if unknown)."""
         seq = self.queues.by_request.get(request_id)
         if seq is not None:
@@ -216,13 +216,13 @@ class SchedulerCore:
             self._remove(seq)
         return seq
 
-    def _remove(self, seq: Sequence) -> None:
+    def _remove(self, seq: Seq) -> None:
         """Forget a sequence (whatever its state) and give its blocks back."""
         self.queues.unlink(seq)
         if seq is self.recovery.probe:
             self.recovery.next_probe()
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Seq) -> None:
         """Give a running sequence's blocks back; it is recomputed when readmitted (queue front;
         its full blocks stay in the prefix cache, so it may share them again)."""
         self.queues.running.remove(seq)
@@ -264,7 +264,7 @@ class SchedulerCore:
         batch = StepBatch(chunks_of(plan.planned), plan.fresh_blocks)
         return Step(self._next_step_id, incarnation, batch)
 
-    def complete(self, step_id: int, incarnation: int, output: StepOutput) -> list[Sequence] | None:
+    def complete(self, step_id: int, incarnation: int, output: StepOutput) -> list[Seq] | None:
         """Apply a step's sampled tokens and the token-level stops (EOS, stop ids, max_tokens).
 
         Returns the sequences that got a token (pass them to :meth:`emit` once the next step is
@@ -278,7 +278,7 @@ class SchedulerCore:
             return None
         self._inflight = None
         self._steps += 1
-        touched: list[Sequence] = []
+        touched: list[Seq] = []
         for p in inflight.planned:
             seq = p.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -303,7 +303,7 @@ class SchedulerCore:
         self.recovery.clean_step()
         return touched
 
-    def emit(self, touched: list[Sequence]) -> list[Sequence]:
+    def emit(self, touched: list[Seq]) -> list[Seq]:
         """Detokenise ``touched`` (from :meth:`complete`), push their deltas, and end those that
         finished (a stop string can end one here). Returns the sequences that ended."""
         ended = []
@@ -351,7 +351,7 @@ class SchedulerCore:
         settled = self.recovery.settle(batch, prefilling, error, kind)
         return settled._replace(charged=charged, blocks_freed=freed)
 
-    def fail_all(self, error: Callable[[Sequence], StoicError]) -> int:
+    def fail_all(self, error: Callable[[Seq], StoicError]) -> int:
         """The one exit path for errors: end every waiting and running sequence with
         ``error(seq)`` and give its blocks back. Returns how many ended."""
         ended = self.queues.everyone()
@@ -359,7 +359,7 @@ class SchedulerCore:
             self._fail(seq, error(seq))
         return len(ended)
 
-    def _fail(self, seq: Sequence, error: StoicError) -> None:
+    def _fail(self, seq: Seq, error: StoicError) -> None:
         seq.stream.fail(error)
         self._remove(seq)
         self._failed_sequences += 1

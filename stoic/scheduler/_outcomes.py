@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from ..errors import ExecutorFailed, FailureKind
-from ._sequence import Sequence
+from ._sequence import Seq
 
 __all__ = ["exhausted_error", "failed_error", "isolated_error"]
 
 
-def isolated_error(seq: Sequence, error: BaseException, kind: FailureKind) -> ExecutorFailed:
+def isolated_error(seq: Seq, error: BaseException, kind: FailureKind) -> ExecutorFailed:
     return ExecutorFailed(
         f"the model executor failed ({kind}) whenever this request ran, alone too: it was "
         f"isolated as the cause and ended: {error}",
@@ -18,7 +18,7 @@ def isolated_error(seq: Sequence, error: BaseException, kind: FailureKind) -> Ex
     )
 
 
-def exhausted_error(seq: Sequence, error: BaseException, kind: FailureKind) -> ExecutorFailed:
+def exhausted_error(seq: Seq, error: BaseException, kind: FailureKind) -> ExecutorFailed:
     return ExecutorFailed(
         f"the model executor failed ({kind}): {error}; the request had been resumed "
         f"{seq.resumes} times (the most allowed)",
@@ -29,7 +29,7 @@ def exhausted_error(seq: Sequence, error: BaseException, kind: FailureKind) -> E
 
 
 def failed_error(
-    seq: Sequence, error: BaseException, kind: FailureKind, prefilling: bool
+    seq: Seq, error: BaseException, kind: FailureKind, prefilling: bool
 ) -> ExecutorFailed:
     # an OOM while this very sequence was prefilling will likely recur: no retry
     return ExecutorFailed(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..request import SeqChunk
 from ._allocator import BlockAllocator
-from ._sequence import SeqStatus, Sequence
+from ._sequence import Seq, SeqStatus
 
 __all__ = [
     "Planned",
@@ -33,7 +33,7 @@ __all__ = [
 class Planned:
     """One sequence's part of a planned step: ``n_tokens`` from ``seq.num_computed`` on."""
 
-    seq: Sequence
+    seq: Seq
     n_tokens: int
     #: sample a token after the chunk (it reaches the end of what the sequence has)
     sample: bool
@@ -45,7 +45,7 @@ class StepPlan:
 
     planned: tuple[Planned, ...]
     #: blocks handed out for the first time since the KV tensors were (re)created: the step
-    #: zeroes them before use (:attr:`stoic.model.StepBatch.zero_blocks`)
+    #: zeroes them before use (:attr:`stoic.request.StepBatch.zero_blocks`)
     fresh_blocks: tuple[int, ...]
     #: prompt tokens the starting sequences shared from the prefix cache (not computed)
     cached_tokens: int
@@ -55,22 +55,22 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
 
-def prefix_blocks(seq: Sequence, block_size: int) -> int:
+def prefix_blocks(seq: Seq, block_size: int) -> int:
     """Full blocks of ``seq`` that may be shared from the prefix cache when it starts: every full
     block but the one holding the last token (its logits give the first sample)."""
     return (len(seq.all_ids) - 1) // block_size
 
 
 def plan_step(
-    running: list[Sequence],
-    waiting: deque[Sequence],
+    running: list[Seq],
+    waiting: deque[Seq],
     *,
     budget: int,
     max_num_seqs: int,
     allocator: BlockAllocator,
     block_size: int,
-    preempt: Callable[[Sequence], None],
-    prefix_hashes: Callable[[Sequence], tuple[bytes, ...]] | None,
+    preempt: Callable[[Seq], None],
+    prefix_hashes: Callable[[Seq], tuple[bytes, ...]] | None,
 ) -> StepPlan:
     """Choose the next step's chunks and allocate their blocks.
 
@@ -89,7 +89,7 @@ def plan_step(
     fresh: list[int] = []
     cached_tokens = 0
 
-    def grow(seq: Sequence, tokens: int) -> None:
+    def grow(seq: Seq, tokens: int) -> None:
         fresh.extend(allocator.grow(seq.seq_id, blocks_for(tokens, block_size)))
         seq.block_table = allocator.table(seq.seq_id)
 

@@ -13,7 +13,7 @@ from collections import deque
 
 from ._allocator import BlockAllocator
 from ._plan import prefix_blocks
-from ._sequence import SeqStatus, Sequence, block_hashes
+from ._sequence import Seq, SeqStatus, block_hashes
 
 __all__ = ["SeqQueues"]
 
@@ -30,21 +30,21 @@ class SeqQueues:
         #: the KV cache's logical side: block tables, free list, prefix cache
         self.allocator = allocator
         self.block_size = block_size
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.held: list[Sequence] = []
-        self.by_request: dict[str, Sequence] = {}
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.held: list[Seq] = []
+        self.by_request: dict[str, Seq] = {}
 
-    def everyone(self) -> list[Sequence]:
+    def everyone(self) -> list[Seq]:
         """Every sequence not ended: running, then waiting, then held back."""
         return [*self.running, *self.waiting, *self.held]
 
-    def admit(self, seq: Sequence, *, hold: bool) -> None:
+    def admit(self, seq: Seq, *, hold: bool) -> None:
         """Queue a new sequence: held back (``hold``: an isolation runs) or waiting."""
         self.by_request[seq.request_id] = seq
         (self.held if hold else self.waiting).append(seq)
 
-    def unlink(self, seq: Sequence) -> None:
+    def unlink(self, seq: Seq) -> None:
         """Forget a sequence, whatever its state, and give its blocks back."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
@@ -54,7 +54,7 @@ class SeqQueues:
         self.by_request.pop(seq.request_id, None)
         self.release(seq)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Seq) -> None:
         """The one way blocks go back: forget ``seq``'s table and free its blocks (a block another
         sequence shares stays in use; a committed one stays in the prefix cache, evictable)."""
         if not seq.block_table:
@@ -63,18 +63,18 @@ class SeqQueues:
         seq.block_table = ()
         seq.committed_blocks = 0
 
-    def restart(self, seq: Sequence) -> None:
+    def restart(self, seq: Seq) -> None:
         """``seq`` starts again from nothing computed (preempted, resumed, or stepping aside):
         its blocks go back and it is marked waiting; the caller queues it."""
         self.release(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
 
-    def prefix_hashes(self, seq: Sequence) -> tuple[bytes, ...]:
+    def prefix_hashes(self, seq: Seq) -> tuple[bytes, ...]:
         """The hashes of the blocks a starting ``seq`` may share from the prefix cache."""
         return self._hashes(seq, prefix_blocks(seq, self.block_size))
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
+    def commit_full_blocks(self, seq: Seq) -> None:
         """Cache the blocks a completed step filled, for later sequences with the same prefix."""
         full = min(seq.num_computed // self.block_size, len(seq.block_table))
         if full > seq.committed_blocks:
@@ -82,5 +82,5 @@ class SeqQueues:
             self.allocator.commit(seq.seq_id, seq.committed_blocks, hashes)
             seq.committed_blocks = full
 
-    def _hashes(self, seq: Sequence, count: int) -> tuple[bytes, ...]:
+    def _hashes(self, seq: Seq, count: int) -> tuple[bytes, ...]:
         return block_hashes(seq.all_ids, self.block_size, count, seq.hashes)

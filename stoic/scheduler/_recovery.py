@@ -15,7 +15,7 @@ from ..errors import FailureKind, StoicError
 from ._outcomes import exhausted_error, failed_error, isolated_error
 from ._queues import SeqQueues
 from ._records import Recovered
-from ._sequence import SeqStatus, Sequence
+from ._sequence import Seq, SeqStatus
 
 __all__ = ["Recovery"]
 
@@ -37,14 +37,14 @@ class Recovery:
         *,
         policy: str,
         max_resumes: int,
-        fail: Callable[[Sequence, StoicError], None],
+        fail: Callable[[Seq, StoicError], None],
     ) -> None:
         self._queues = queues
         self._policy = policy
         self._max_resumes = max_resumes
         self._fail = fail
         #: the suspect under test, running alone while every other sequence is held back
-        self.probe: Sequence | None = None
+        self.probe: Seq | None = None
         #: failures charged to suspects (not to the engine) since the last clean step
         self._suspect_charges = 0
         #: counters (the scheduler's statistics)
@@ -61,7 +61,7 @@ class Recovery:
         if probe is not None and (probe.strikes == 0 or probe.status is SeqStatus.FINISHED):
             self.next_probe()
 
-    def charged(self, batch: list[Sequence]) -> bool:
+    def charged(self, batch: list[Seq]) -> bool:
         """Whether the failure of the step that ran ``batch`` counts toward the engine's restart
         intensity.
 
@@ -84,7 +84,7 @@ class Recovery:
         return True
 
     def settle(
-        self, batch: list[Sequence], prefilling: set[int], error: BaseException, kind: FailureKind
+        self, batch: list[Seq], prefilling: set[int], error: BaseException, kind: FailureKind
     ) -> Recovered:
         """The executor failed while ``batch`` ran (``prefilling``: the ids of those whose prompt
         chunk it was): under ``"resume"`` see :meth:`_resume`; under ``"fail"`` every sequence
@@ -104,7 +104,7 @@ class Recovery:
         queues.waiting.extend(queued)
         return Recovered(len(ended), 0, 0, 0)
 
-    def _resume(self, batch: list[Sequence], error: BaseException, kind: FailureKind) -> Recovered:
+    def _resume(self, batch: list[Seq], error: BaseException, kind: FailureKind) -> Recovered:
         """Re-admit every running sequence with its prompt and generated tokens as context (its
         detokeniser, stop-string and sampling state are its own and carry on), unless it was
         resumed ``max_resumes`` times already or is found to cause the failures.
@@ -121,7 +121,7 @@ class Recovery:
             seq.strikes += 1
         if len(batch) == 1 and batch[0].strikes >= 2:
             batch[0].solo_failures += 1
-        resumed: list[Sequence] = []
+        resumed: list[Seq] = []
         exhausted = isolated = 0
         for seq in list(queues.running):
             if seq.solo_failures >= _SOLO_FAILURES:
@@ -146,7 +146,7 @@ class Recovery:
             self._hold_all_but(previous if previous in suspects else suspects[0])
         return Recovered(isolated + exhausted, len(resumed), exhausted, isolated)
 
-    def _hold_all_but(self, probe: Sequence) -> None:
+    def _hold_all_but(self, probe: Seq) -> None:
         """Run ``probe`` alone (it waits): hold back every other waiting sequence."""
         queues = self._queues
         self.probe = probe

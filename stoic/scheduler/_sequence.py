@@ -1,5 +1,5 @@
 """One sequence's state inside the scheduler: its tokens, its KV progress, its block table, and
-what it reports to whoever awaits it (a :class:`Stream`: the actors' result stream)."""
+what it reports to whoever awaits it (a :class:`SeqSink`: the actors' result stream)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol
 from ..errors import PartialOutput, StoicError
 from ..request import Detokenizer, SampledToken, SamplingParams
 
-__all__ = ["FinishReason", "SeqStatus", "Sequence", "Stream", "TokenLogprob", "block_hashes"]
+__all__ = ["FinishReason", "Seq", "SeqSink", "SeqStatus", "TokenLogprob", "block_hashes"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -28,7 +28,7 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()
 
 
-class Stream(Protocol):
+class SeqSink(Protocol):
     """Where a sequence's output goes (:class:`stoic.actors.ResultStream`): the producer side,
     which never blocks. Exactly one of :meth:`finish` and :meth:`fail` takes effect."""
 
@@ -75,7 +75,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
+class Seq:
     """Everything the scheduler tracks for one request.
 
     ``num_computed`` counts the tokens whose keys/values are in the cache; the tokens still to feed
@@ -121,7 +121,7 @@ class Sequence:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         max_tokens: int,
-        stream: Stream,
+        stream: SeqSink,
         tokenizer: Any,
         generated: tuple[int, ...] = (),
     ) -> None:

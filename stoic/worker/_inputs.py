@@ -2,7 +2,7 @@
 fresh blocks' rows to zero.
 
 Everything is computed on the host (Python numbers and CPU tensors), packed into one int64
-buffer and moved to the device in one copy (:func:`._attention.to_device`: pinned and
+buffer and moved to the device in one copy (:func:`stoic.model._attention.to_device`: pinned and
 non-blocking on CUDA, none at all on the CPU); each tensor the step reads is a view of that
 buffer. Nothing here reads from the device.
 """

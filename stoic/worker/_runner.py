@@ -66,15 +66,15 @@ class ModelRunner:
     masks are computed in a thread of the runner's own while the forward runs (llguidance and
     torch both release the GIL), then applied to those rows' logits before sampling.
 
-    A model of a Llama-family architecture (:data:`._fused.FUSED_TYPES`: Llama, Mistral, Qwen2,
-    Qwen3, Phi-3) runs through :class:`._fused.FusedLlama` (fused projections, the same
+    A model of a Llama-family architecture (:data:`stoic.model._fused.FUSED_TYPES`: Llama, Mistral, Qwen2,
+    Qwen3, Phi-3) runs through :class:`stoic.model._fused.FusedLlama` (fused projections, the same
     arithmetic) unless ``fused`` is False; any other model through transformers' forward.
 
-    ``quantization`` (``--quantization``, :mod:`._quant`): with ``"auto"`` a model loaded from a
+    ``quantization`` (``--quantization``, :mod:`stoic.gguf._quant`): with ``"auto"`` a model loaded from a
     GGUF file multiplies steps of few tokens by the file's quantised blocks where this machine
     can; ``"gguf"`` requires it; ``"none"`` keeps the de-quantised weights only.
 
-    ``deterministic`` (``--deterministic``, :mod:`._deterministic`): every token's logits
+    ``deterministic`` (``--deterministic``, :mod:`stoic.model._deterministic`): every token's logits
     independent of its batch, chunking and cache; a model that cannot is refused.
 
     ``progress`` (:attr:`progress`, private by default) counts each step's progress: a tick at
@@ -145,7 +145,7 @@ class ModelRunner:
             and kernels is not None
             and kernels.int8_rows
         )
-        #: ``--weight-layouts`` as resolved here (:func:`._quant.choose_layouts`): ``fast`` or
+        #: ``--weight-layouts`` as resolved here (:func:`stoic.gguf._quant.choose_layouts`): ``fast`` or
         #: ``compact`` (every step on the repacked blocks: no batched layout, no dense copy)
         self.weight_layouts = choose_layouts(
             weight_layouts,
@@ -173,7 +173,7 @@ class ModelRunner:
             int8_rows=self.int8_rows,
             batched=not compact,
         )
-        #: the model's own forward from stoic's hidden states to logits (:mod:`._logits`)
+        #: the model's own forward from stoic's hidden states to logits (:mod:`stoic.model._logits`)
         self._logits = OutputLayer(model, self)
         with torch.inference_mode():
             self._logits.probe(
@@ -206,7 +206,7 @@ class ModelRunner:
             why = cache_refusal(loaded.cache_dtype)
         if why is not None:
             raise refuse(why)
-        #: the attention backend (:mod:`._attention`), chosen at load: the fused decoder's (by
+        #: the attention backend (:mod:`stoic.model._attention`), chosen at load: the fused decoder's (by
         #: device, dtype and kernels), or torch's for transformers' own layers (soft caps,
         #: windows, any layout)
         self.attention: AttentionBackend = (

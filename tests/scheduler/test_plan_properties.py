@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stoic.actors.testing import SchedulerHarness, create_scheduler, drain
-from stoic.scheduler import Sequence, block_hashes, prefix_blocks
+from stoic.scheduler import Seq, block_hashes, prefix_blocks
 
 
-def _prefix_hashes(seq: Sequence, block_size: int) -> tuple[bytes, ...]:
+def _prefix_hashes(seq: Seq, block_size: int) -> tuple[bytes, ...]:
     return block_hashes(seq.all_ids, block_size, prefix_blocks(seq, block_size), [])
 
 

@@ -17,10 +17,10 @@ from ..model import KVCacheSpec, PagedKVCache, empty_device_cache
 from ..runtime import Actor
 from ._messages import AcquireKV, CacheMsg, DropAll
 
-__all__ = ["CacheManager"]
+__all__ = ["KVCacheManager"]
 
 
-class CacheManager(Actor[CacheMsg]):
+class KVCacheManager(Actor[CacheMsg]):
     """Owns the :class:`PagedKVCache` tensors.
 
     ``DropAll`` releases the tensors (emptying the CUDA allocator's cache on GPUs); the next
