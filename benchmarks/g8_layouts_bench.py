@@ -30,8 +30,7 @@ import torch
 from step_bench import random_blocks
 
 from stoic.gguf import PackedLinear, default_cache_dir
-from stoic.kernels import Gemm8
-from stoic.kernels._qkernels import _G8, GGML_TYPES, Kernels, load_kernels
+from stoic.kernels import GGML_TYPES, Gemm8, Kernels, load_kernels
 
 #: (matrix, GGML type, output rows, input width)
 MATRICES = [
@@ -45,7 +44,8 @@ MATRICES = [
 
 def _with_offsets(kernels: Kernels, kind: str, blocks: torch.Tensor) -> Gemm8:
     """``blocks`` in the layout with a scale and an offset per block (half-block for Q6_K)."""
-    layout = kernels.g8_layout([(kind, blocks)], _G8 + 1 if kind == "Q6_K" else _G8)
+    g8 = kernels.layouts.g8
+    layout = kernels.g8_layout([(kind, blocks)], g8 + 1 if kind == "Q6_K" else g8)
     ggml = GGML_TYPES[kind]
     rows, cols = blocks.shape[0], blocks.shape[1] // ggml.block_bytes * ggml.weights
     return Gemm8(kernels, layout, rows, cols, None)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from stoic.kernels import _qkernels  # noqa: E402
+from stoic.kernels import _build, _qkernels  # noqa: E402
 from stoic.kernels._qkernels import Kernels, Product  # noqa: E402
 
 #: a decode layer's products, each the GGUF tensors stacked into it (stoic's fused layout)
@@ -53,27 +53,57 @@ MATRICES = {
 }
 
 
-def build(source: bytes, into: Path) -> Kernels:
-    """The kernels compiled from ``source`` (the C files joined as _qkernels.py joins them)."""
-    cc = _qkernels._compiler()
-    assert cc is not None, "no C compiler"
-    target = into / "libstoic_qkernels.so"
-    _qkernels._build(cc, source, target, _qkernels._flags())
+def build(files: dict[str, bytes], into: Path) -> Kernels:
+    """The kernels built from ``files`` (name -> bytes, the C files and headers) as stoic builds
+    its own (:func:`stoic.kernels._build.build`: each ``.c`` file an object, one library)."""
     import ctypes
 
+    cc = _build.compiler()
+    assert cc is not None, "no C compiler"
+    target = into / _build.LIBRARY
+    _build.build(cc, files, target, _build.flags())
     return Kernels(target, ctypes.CDLL(str(target)))
 
 
-def source_at(rev: str) -> bytes:
-    """The C sources of the kernels at git revision ``rev``, joined in build order."""
-    parts = []
-    for name in _qkernels._SOURCES:
-        shown = subprocess.run(
-            ["git", "show", f"{rev}:stoic/model/{name}"], cwd=ROOT, capture_output=True
-        )
-        if shown.returncode == 0:  # a file the revision has (_int8rows.c is newer than some)
-            parts.append(shown.stdout)
-    return b"\n".join(parts)
+#: the order in which revisions from before the kernels became a library of translation units
+#: joined their C files into one (those without ``stoic_kernels.h``)
+ONE_UNIT = (
+    "_qkernels.c", "_kquants.c", "_int8rows.c", "_gemm8.c", "_cops.c", "_bf16fixed.c",
+    "_rows_attention.c", "_chunk_attention.c",
+)  # fmt: skip
+
+
+def source_at(rev: str) -> dict[str, bytes]:
+    """The kernels' C files and headers at git revision ``rev`` (``stoic/kernels``, or
+    ``stoic/model`` before the package split). A revision from before the kernels became a
+    library had one translation unit: its files are joined in :data:`ONE_UNIT`'s order, and the
+    working tree's ``_constants.c`` (with ``stoic_kernels.h``) is built beside them for the
+    constants today's bindings read from the library (those revisions had the same numbers in
+    Python)."""
+    for folder in ("stoic/kernels", "stoic/model"):
+        listed = subprocess.run(
+            ["git", "ls-tree", "--name-only", f"{rev}:{folder}"],
+            cwd=ROOT, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        names = [n for n in listed.stdout.split() if n.endswith((".c", ".h"))]
+        if listed.returncode == 0 and names:
+            break
+    else:
+        raise SystemExit(f"no C kernels at {rev}")
+    files = {
+        name: subprocess.run(
+            ["git", "show", f"{rev}:{folder}/{name}"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        for name in names
+    }
+    if "stoic_kernels.h" in files:
+        return files
+    today = _build.sources()
+    return {
+        "_qkernels.c": b"\n".join(files[n] for n in ONE_UNIT if n in files),
+        "_constants.c": today["_constants.c"],
+        "stoic_kernels.h": today["stoic_kernels.h"],
+    }
 
 
 def tensors(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
@@ -190,7 +220,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         a = build(source_at(args.baseline), Path(tmp) / "a")
-        b = build(_qkernels._source(), Path(tmp) / "b")
+        b = build(_build.sources(), Path(tmp) / "b")
         if args.step:
             steps(args.files, a, b, args.step, args.dtype)
             return

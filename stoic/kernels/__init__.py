@@ -2,9 +2,13 @@
 int8 activations), the decode step's fused layer operators, paged attention over the blocks in
 place, and the bfloat16 prefill's elementwise operators.
 
-The C sources here are compiled once per (source, compiler, flags) into the cache directory with
-the machine's C compiler and loaded with :mod:`ctypes` (:func:`load_kernels`); the Python classes
-are their typed bindings. Nothing here knows a model, a request or an actor.
+The C files here are one library, as ggml's are: each ``.c`` file its own translation unit on
+the shared headers (``stoic_kernels.h``, the library's interface; ``_common.h``, ``_blocks.h``),
+compiled to objects in parallel and linked into one shared library once per (sources, compiler,
+flags) in the cache directory (:mod:`._build`), and loaded with :mod:`ctypes`
+(:func:`load_kernels`); the Python classes are their typed bindings (:mod:`._qkernels`,
+:mod:`._gemm8`, :mod:`._cops`), the constants read from the header and the library
+(:mod:`._constants`). Nothing here knows a model, a request or an actor.
 """
 
 from ._cops import PrefillOps

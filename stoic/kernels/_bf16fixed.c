@@ -1,6 +1,7 @@
-/* --deterministic's products in bfloat16 (built where the CPU has AVX512_BF16: HAVE_BF16 below;
- * elsewhere FIXED_ORDER's float32 tiles serve that mode, as before). Appended after _qkernels.c,
- * _kquants.c and _cops.c into one library (_qkernels.py), on their 16-lane de-quantisation.
+/* --deterministic's products in bfloat16 (built where the CPU has AVX512_BF16: HAVE_BF16,
+ * _common.h; elsewhere FIXED_ORDER's float32 tiles serve that mode, as before), on the 16-lane
+ * de-quantisation of the products (_blocks.h's dequant16_*). _qkernels.c's dispatch calls
+ * bf16fixed_mm for the BF16FIXED layout.
  *
  * y[m, n] = sum_k bf16(x[m, k]) * bf16(w[n, k]) (+ bias[n]) with float32 sums: what the default
  * mode's bfloat16 dense copy computes for big steps (the fast dtype's products), but every output
@@ -21,8 +22,9 @@
  * thread count changes nothing either.
  */
 
-#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
-#define HAVE_BF16 1
+#include "_blocks.h"
+
+#ifdef HAVE_BF16
 
 /* chunks of 32 bfloat16 (as raw 16-bit values: a chunk is one 64-byte register) */
 typedef uint16_t bf16_t;
@@ -183,8 +185,8 @@ static int bf16_layout_ok(int layout, int64_t K) {
  * repacked blocks (S8, U4, Z4 or a K layout; not MIXED: a stack's parts are each a BF16FIXED
  * product), int64 address of the blocks, int64 address of their bfloat16 copy (0: none, every
  * step de-quantises in registers). -1: not built here, or a layout it lacks; -2: out of memory. */
-static int bf16_mm(const int64_t *desc, const float *x, int64_t M, int64_t K, int64_t N,
-                   const float *bias, float *y, int64_t ldy, int threads) {
+int bf16fixed_mm(const int64_t *desc, const float *x, int64_t M, int64_t K, int64_t N,
+                 const float *bias, float *y, int64_t ldy, int threads) {
 #ifdef HAVE_BF16
     const int layout = (int)desc[0];
     const uint8_t *w = (const uint8_t *)(intptr_t)desc[1];
@@ -225,8 +227,8 @@ int stoic_bf16_fixed(void) {
 }
 
 /* out [N, K] bfloat16 = the N rows of repacked blocks at w (layout S8, U4, Z4 or a K layout) as
- * bf16_mm's in-register path rounds them, each chunk of 32 in its order: the copy bf16_mm reads
- * for larger steps. -1: not built here, or a layout or width it lacks. */
+ * bf16fixed_mm's in-register path rounds them, each chunk of 32 in its order: the copy
+ * bf16fixed_mm reads for larger steps. -1: not built here, or a layout or width it lacks. */
 int stoic_bf16_pack(int layout, const uint8_t *w, int64_t N, int64_t K, uint16_t *out,
                     int threads) {
 #ifdef HAVE_BF16

@@ -1,6 +1,6 @@
-/* ---- Prompt chunks' attention in the default mode: the chunk's queries against its sequence's
- * keys and values where they lie in the paged pools. Built after _qkernels.c into the same
- * library (its exp_nonpositive, pool_float, pool_load16 and MAX_HEAD_DIM).
+/* Prompt chunks' attention in the default mode: the chunk's queries against its sequence's keys
+ * and values where they lie in the paged pools (on _common.h's exp16_nonpositive, pool_float
+ * and pool_load16). Called by stoic/model/_cattention.py.
  *
  * What it replaces: torch's SDPA over the chunk (its keys gathered from the pools first when
  * the chunk does not start at position 0). On the CPU, SDPA's flash kernel takes a tile of 512
@@ -21,20 +21,13 @@
  *
  * float32 arithmetic (a bfloat16 pool's keys and values widened exactly); results differ from
  * SDPA's by float32 rounding (tests/model/test_chunk_attention.py). Needs AVX-512 (returns 1 without: the caller keeps SDPA). */
+#include "_common.h"
+
 #define CA_ROWS 16  /* chunk rows a job */
 #define CA_GROUP 8  /* queries sharing one load of keys in the scores */
 #define CA_TILE 16  /* keys a tile */
 
 #ifdef HAVE_AVX512
-/* e^x for x <= 0, 16 lanes (exp_nonpositive on each half: 0 below -87, so for -inf) */
-static inline __m512 ca_exp16(__m512 x) {
-    const __m256 lo = exp_nonpositive(_mm512_castps512_ps256(x));
-    const __m256 hi =
-        exp_nonpositive(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_castpd_ps(
-        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
-
 /* the keys 0..len-1 of one kv head (pool rows table[0..]; bfloat16 with `bf16`) into
  * kt[tile][d][16] as float32, zeros past len */
 static void ca_transpose(const void *k_pool, const int64_t *table, int64_t block, int64_t len,
@@ -100,7 +93,7 @@ static float ca_numerators(float *s, int64_t width) {
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < width; t += CA_TILE) {
-        const __m512 e = ca_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
         _mm512_storeu_ps(s + t, e);
         total = _mm512_add_ps(total, e);
     }

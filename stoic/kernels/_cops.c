@@ -7,18 +7,10 @@
  * product with `up` as two. Each is one pass here, over rows in parallel (OpenMP, the libgomp
  * torch loads). Arithmetic is float32, rounded once to bfloat16 (round to nearest even, as
  * torch's conversion): results differ from torch's by bfloat16 rounding where torch rounds an
- * intermediate too. Appended to _qkernels.c in one build (_qkernels.py), whose exp8 and
- * HAVE_AVX512 it uses; AVX2 and FMA, AVX-512F where the build has it.
+ * intermediate too. AVX2 and FMA, AVX-512F where the build has it (HAVE_AVX512; the exponential
+ * and the bfloat16 loads are _common.h's). Called by _cops.py.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline __m256 bf16x8_load(const uint16_t *p) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+#include "_common.h"
 
 /* round to nearest even, NaN kept quiet; 8 floats to 8 bfloat16 */
 static inline void bf16x8_store(uint16_t *p, __m256 x) {
@@ -30,13 +22,6 @@ static inline void bf16x8_store(uint16_t *p, __m256 x) {
     r = _mm256_srli_epi32(r, 16);
     _mm_storeu_si128((__m128i *)p,
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-
-static inline float bf16_load(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 static inline uint16_t bf16_round(float f) {
@@ -60,10 +45,7 @@ int stoic_rms_norm_bf16(const float *x, int64_t M, int64_t D, const float *w, fl
             const __m256 v = _mm256_loadu_ps(xr + i);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(s) / (float)D + eps));
+        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)D + eps));
         for (int64_t i = 0; i < D; i += 8)
             bf16x8_store(o + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
                                               _mm256_mul_ps(_mm256_loadu_ps(xr + i), r)));
@@ -100,11 +82,6 @@ int stoic_rope_bf16(uint16_t *y, int64_t N, int64_t stride, int64_t heads, int64
 #ifdef HAVE_AVX512
 /* 16-lane forms of the above (AVX-512F; the build defines HAVE_AVX512 where it has it): SiLU's
  * exponential is the operator's whole cost, and torch's own runs 16 lanes wide there */
-static inline __m512 bf16x16_load(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 static inline void bf16x16_store(uint16_t *p, __m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -112,26 +89,6 @@ static inline void bf16x16_store(uint16_t *p, __m512 x) {
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
-
-static inline __m512 exp16(__m512 x) { /* exp8's arithmetic */
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i ni = _mm512_cvtps_epi32(n), half = _mm512_srai_epi32(ni, 1);
-    const __m512i rest = _mm512_sub_epi32(ni, half);
-    const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
-    const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(rest, _mm512_set1_epi32(127)), 23));
-    return _mm512_mul_ps(_mm512_mul_ps(p, a), b);
 }
 #endif
 
@@ -167,8 +124,8 @@ int stoic_silu_mul_bf16(const uint16_t *gate, int64_t gs, const uint16_t *up, in
             bf16x8_store(o + i, _mm256_mul_ps(silu, bf16x8_load(u + i)));
         }
         for (; i < F; i++) {
-            const float gv = bf16_load(g[i]);
-            o[i] = bf16_round(gv / (1.0f + expf(-gv)) * bf16_load(u[i]));
+            const float gv = bf16_to_float(g[i]);
+            o[i] = bf16_round(gv / (1.0f + expf(-gv)) * bf16_to_float(u[i]));
         }
     }
     return 0;

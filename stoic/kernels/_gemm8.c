@@ -1,7 +1,8 @@
 /* Products of many rows with int8 activations (AVX-512 VNNI): the steps of more than
  * `kernel_rows` tokens (prefill chunks, decode steps of 9 or more sequences) of the default
  * mode with a fast dtype, which otherwise multiply by the bfloat16 dense copy.
- * Appended after _qkernels.c, _kquants.c and _int8rows.c into one library (_qkernels.py).
+ * _qkernels.c's dispatch calls gemm8_mm for the G8 layouts (--deterministic's products too);
+ * the rows of x are quantised by _int8rows.c's int8rows_quantize.
  *
  * Why a layout of its own. The one-row loops (_int8rows.c) expand a block of weights for one row
  * of x and reduce its products horizontally; for many rows that costs more than the float tiles
@@ -41,8 +42,9 @@
 
 #include <omp.h>
 
-#define G8_HALVES 1    /* the layout's bits over G8 (qmm_dispatch's G8 .. G8 + 3) */
-#define G8_SYMMETRIC 2
+#include "_blocks.h"
+
+/* (the layout's bits over G8, qmm_dispatch's G8 .. G8 + 3: G8_HALVES, G8_SYMMETRIC) */
 #define G8_TR 4 /* rows of x a tile of the product */
 #define G8_TC 3 /* tiles of 16 output columns a tile of the product */
 
@@ -56,7 +58,7 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
     if (type == Q6_K) {
         if (K % 256 != 0) return -1;
         for (int64_t i = 0; i < N * (K / 256); i++) {
-            const uint8_t *b = src + i * 210;
+            const uint8_t *b = src + i * Q6_K_BYTES;
             const float dd = half_to_float(b + 208);
             for (int j = 0; j < 16; j++) {
                 d[i * 16 + j] = dd * (float)(int8_t)b[192 + j];
@@ -73,7 +75,7 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
     }
     if (type == Q4_K || type == Q5_K) {
         if (K % 256 != 0) return -1;
-        const int64_t bytes = type == Q4_K ? 144 : 176;
+        const int64_t bytes = type == Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
         for (int64_t i = 0; i < N * (K / 256); i++) {
             const uint8_t *b = src + i * bytes;
             const float dd = half_to_float(b), dmin = half_to_float(b + 2);
@@ -101,7 +103,7 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
         switch (type) {
         case Q4_0:
         case Q4_1: {
-            const int64_t bytes = type == Q4_0 ? 18 : 20;
+            const int64_t bytes = type == Q4_0 ? Q4_0_BYTES : Q4_1_BYTES;
             const uint8_t *b = src + i * bytes, *qs = b + (type == Q4_0 ? 2 : 4);
             const uint8_t off = type == Q4_0 ? 120 : 0; /* (q - 8) + 128 */
             di = half_to_float(b);
@@ -114,7 +116,8 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
         }
         case Q5_0:
         case Q5_1: {
-            const int64_t bytes = type == Q5_0 ? 22 : 24, head = type == Q5_0 ? 2 : 4;
+            const int64_t bytes = type == Q5_0 ? Q5_0_BYTES : Q5_1_BYTES;
+            const int64_t head = type == Q5_0 ? 2 : 4;
             const uint8_t *b = src + i * bytes, *qs = b + head + 4;
             uint32_t qh;
             memcpy(&qh, b + head, 4);
@@ -128,7 +131,7 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
             break;
         }
         case Q8_0: {
-            const uint8_t *b = src + i * 34;
+            const uint8_t *b = src + i * Q8_0_BYTES;
             di = half_to_float(b);
             mi = -128.0f * di; /* exact: a power of two times a half */
             for (int l = 0; l < QK; l++) o[l] = (uint8_t)((int)(int8_t)b[2 + l] + 128);
@@ -315,7 +318,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, co
     } while (0)
 
 /* What the tiles add per block (per half with H) besides the integer sums, from x's int8 copy
- * and scales: S, the int32 -128 sum(xq); else the float sx (dx sum(xq): quantize_rows8's sx
+ * and scales: S, the int32 -128 sum(xq); else the float sx (dx sum(xq): int8rows_quantize's sx
  * without H). [M][nb] or [M][nb][2]; NULL where it cannot be allocated. */
 static void *g8_sums(const int8_t *xq, const float *dx, int64_t M, int64_t nb, int halves,
                      int symmetric) {
@@ -346,9 +349,9 @@ static void *g8_sums(const int8_t *xq, const float *dx, int64_t M, int64_t nb, i
  * the next group's weights into L2 (g8_tile): a 32-row product over weights that come from
  * memory, as a step's do (the model's weights are larger than the caches), took 0.90x the
  * time (docs/benchmarks.md). */
-static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
-                 int64_t ldy, int threads) {
+int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+             int layout, const float *bias, const float *residual, void *y, int y_bf16, int64_t ldy,
+             int threads) {
     const int64_t nb = K / QK, tiles = (N + 15) / 16, groups = (tiles + G8_TC - 1) / G8_TC;
     const int64_t tstride = nb * g8_block_bytes(layout);
     const int bits = layout - G8;
@@ -357,7 +360,7 @@ static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
     if (M <= 0) return 0;
     int8_t *xq;
     float *scales;
-    if (quantize_rows8(x, x_bf16, M, K, 0, threads, &xq, &scales) != 0) return -2;
+    if (int8rows_quantize(x, x_bf16, M, K, 0, threads, &xq, &scales) != 0) return -2;
     float *dx = scales;
     void *own = halves == 2 || symmetric ? g8_sums(xq, dx, M, nb, halves, symmetric) : NULL;
     const void *sums = halves == 2 || symmetric ? own : (const void *)(scales + M * nb);
@@ -400,9 +403,9 @@ static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
     return 0;
 }
 #else
-static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
-                 int64_t ldy, int threads) {
+int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+             int layout, const float *bias, const float *residual, void *y, int y_bf16, int64_t ldy,
+             int threads) {
     (void)x, (void)x_bf16, (void)M, (void)K, (void)w, (void)N, (void)layout, (void)bias;
     (void)residual, (void)y, (void)y_bf16, (void)ldy, (void)threads;
     return 1;
@@ -412,5 +415,5 @@ static int g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
 int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
                 int threads) {
-    return g8_mm(x, x_bf16, M, K, w, N, layout, bias, residual, y, y_bf16, N, threads);
+    return gemm8_mm(x, x_bf16, M, K, w, N, layout, bias, residual, y, y_bf16, N, threads);
 }

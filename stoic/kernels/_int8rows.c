@@ -1,7 +1,7 @@
-/* Products of one row (and two: tile_int8) with int8 activations (AVX-512 VNNI: HAVE_INT8_ROWS
- * below; elsewhere, and outside the flag, the float32 paths of _qkernels.c and _kquants.c, as
- * before).
- * Appended after _qkernels.c and _kquants.c into one library (_qkernels.py).
+/* Products of one row (and two: tile_int8) with int8 activations (AVX-512 VNNI: HAVE_INT8_ROWS,
+ * _common.h; elsewhere, and outside the flag, the float32 paths of _qkernels.c and _kquants.c, as
+ * before), and the quantisation of rows of x to int8 that _gemm8.c's products take too
+ * (int8rows_quantize). _qkernels.c's dispatch calls int8rows_mm.
  *
  * A one-sequence decode step multiplies one row of activations by every matrix, and on 2 cores
  * that is bound by instructions, not bytes: the float32 one-row loops (DEFINE_ROW16) widen each
@@ -30,15 +30,15 @@
  * ``--dtype float32`` nor in the fixed order (--deterministic), which keep their float paths.
  * The flag (INT8_ROWS, or'ed with a layout) reaches here like FIXED_ORDER: qmm_into sets
  * `int8_rows` for the calling thread; qmm_dispatch hands a product of one row of a layout this
- * file knows (S8, U4, Z4, Z5, K4, K6), or of two rows (S8, U4, Z4, Z5), to int8_mm; the others
+ * file knows (S8, U4, Z4, Z5, K4, K6), or of two rows (S8, U4, Z4, Z5), to int8rows_mm; the others
  * (U5/Q5_1, K5/Q5_K; more rows) keep their float paths. Measured (docs/benchmarks.md, "int8
  * activations"): 0.40-0.76x the float rows' time per matrix of the default model's Q4_1 and
  * Q4_K_M files on one thread, two rows 0.51-0.81x; K4/K6 ~1.0x (bound by their bytes there).
  */
 
-#if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) &&                   \
-    defined(__AVX512BW__)
-#define HAVE_INT8_ROWS 1
+#include "_blocks.h"
+
+#ifdef HAVE_INT8_ROWS
 /* the widest row the int8 path takes (its copy of x lives on the stack: 40 KiB at this width) */
 #define INT8_MAX_BLOCKS 1024
 
@@ -75,13 +75,8 @@ static void quantize_x8(const float *x, int64_t nb, int permuted, int8_t *xq, fl
 /* M rows of x (float32, or bfloat16 with x_bf16: each block widened exactly first), K a multiple
  * of 32, quantised as quantize_x8 does, row by row with `threads`: xq [M][K] and scales (dx
  * [M][nb] then sx [M][nb]) allocated here (the caller frees both); -2 where they cannot be */
-static inline __m512 widen_bf16(const uint16_t *p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-static int quantize_rows8(const void *x, int x_bf16, int64_t M, int64_t K, int permuted,
-                          int threads, int8_t **xq, float **scales) {
+int int8rows_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int permuted,
+                      int threads, int8_t **xq, float **scales) {
     const int64_t nb = K / QK;
     *xq = malloc((size_t)(M * K));
     *scales = malloc(sizeof(float) * (size_t)(2 * M * nb));
@@ -101,8 +96,8 @@ static int quantize_rows8(const void *x, int x_bf16, int64_t M, int64_t K, int p
         for (int64_t b = 0; b < nb; b++) { /* a block widened to float32 (exact), then as above */
             float block[QK] __attribute__((aligned(64)));
             const uint16_t *xb = (const uint16_t *)x + r * K + b * QK;
-            _mm512_store_ps(block, widen_bf16(xb));
-            _mm512_store_ps(block + 16, widen_bf16(xb + 16));
+            _mm512_store_ps(block, bf16x16_load(xb));
+            _mm512_store_ps(block + 16, bf16x16_load(xb + 16));
             quantize_x8(block, 1, permuted, q + r * K + b * QK, dx + r * nb + b, sx + r * nb + b);
         }
     }
@@ -339,8 +334,8 @@ DEFINE_TILES_INT8(tiles_s8, S8, 8 * S8_BYTES)
 
 /* y[M, N] (row stride ldy) with int8 activations: 0, or 1 where this layout, width or M has
  * none here (the float path then runs) */
-static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                   const float *bias, float *y, int64_t ldy, int threads) {
+int int8rows_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                const float *bias, float *y, int64_t ldy, int threads) {
     const int64_t nb = K / QK;
     const int super = layout == K4 || layout == K6; /* 256-weight super-blocks */
     if (nb > INT8_MAX_BLOCKS || (super && nb % 8 != 0) ||
@@ -350,7 +345,7 @@ static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8
         if (super || M != INT8_TILE_ROWS) return 1;
         int8_t *xq;
         float *scales;
-        if (quantize_rows8(x, 0, M, K, layout == U4 || layout == Z4, 1, &xq, &scales) != 0)
+        if (int8rows_quantize(x, 0, M, K, layout == U4 || layout == Z4, 1, &xq, &scales) != 0)
             return -2;
         float *dx = scales, *sx = scales + M * nb;
         switch (layout) {
@@ -377,8 +372,8 @@ static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8
     return 0;
 }
 #else
-static int int8_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                   const float *bias, float *y, int64_t ldy, int threads) {
+int int8rows_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                const float *bias, float *y, int64_t ldy, int threads) {
     (void)layout, (void)x, (void)M, (void)K, (void)w, (void)N, (void)bias, (void)y, (void)ldy;
     (void)threads;
     return 1;

@@ -1,7 +1,8 @@
 /* Products over GGML's K-quants (Q4_K, Q5_K, Q6_K) and the 5-bit Q5_0 and Q5_1 (what
  * llama-quantize writes instead of Q4_K where a matrix's width is not a multiple of 256: most
- * matrices of a Q4_K_M file of a model 576 or 896 wide), on the loops of _qkernels.c (DEFINE_MM,
- * DEFINE_MM16), to which this file is appended in one build (_qkernels.py).
+ * matrices of a Q4_K_M file of a model 576 or 896 wide), on the product loops of _blocks.h
+ * (DEFINE_MM, DEFINE_MM16; the 16-lane readers of these layouts are there too, for
+ * _bf16fixed.c). _qkernels.c's stoic_repack, stoic_qmm and stoic_dequantize call kquants_*.
  *
  * A K-quant row is made of 256-weight super-blocks (llama.cpp's ggml-quants.c, gguf-py's
  * gguf.quants):
@@ -15,7 +16,7 @@
  *       16 sub-blocks of 16 with an int8 scale; w = (d * sc) * (q - 32), q 6 bits: weight
  *       128h + 32r + l (r < 4, l < 32) has its low 4 bits in nibble r / 2 of ql[64h + 32(r % 2) + l]
  *       and its high 2 in bits 2r, 2r + 1 of qh[32h + l]
- * Repacked once at load (kquant_repack) so that a sub-block costs fewer instructions: Q4_K's
+ * Repacked once at load (kquants_repack) so that a sub-block costs fewer instructions: Q4_K's
  * sub-block scales and offsets as float32 (d * sc and -(dmin * mn), each exact), Q6_K's values
  * one signed byte each (q - 32) under float32 sub-block scales d * sc; Q5_K keeps its values
  * and gets float32 d, dmin and one byte a 6-bit scale and min (192, 184 and 320 bytes a
@@ -43,18 +44,9 @@
  * s * sum(q x) + m * sum(x), as for Q4_1, Q4_K a super-block at a time; one row of Q6_K
  * multiplies the de-quantised weights; one row of Q5_0: d * sum((q - 16) x)).
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
+#include "_blocks.h"
 
-#define QK_K 256
-#define K4_BYTES 192
-#define K5_BYTES 184
-#define K6_BYTES 320
-#define Z5_BYTES 24
-#define U5_BYTES 28
-
-static int64_t kquant_repacked_bytes(int type) {
+int64_t kquants_repacked_bytes(int type) {
     switch (type) {
     case Q4_K: return K4_BYTES;
     case Q5_K: return K5_BYTES;
@@ -67,29 +59,19 @@ static int64_t kquant_repacked_bytes(int type) {
 
 static int64_t kquant_block_bytes(int type) {
     switch (type) {
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
+    case Q4_K: return Q4_K_BYTES;
+    case Q5_K: return Q5_K_BYTES;
+    case Q6_K: return Q6_K_BYTES;
+    case Q5_0: return Q5_0_BYTES;
+    case Q5_1: return Q5_1_BYTES;
     default: return 0;
     }
 }
 
 static int64_t kquant_block_weights(int type) { return type == Q5_0 || type == Q5_1 ? QK : QK_K; }
 
-/* the 8 scales and 8 mins of a Q4_K/Q5_K super-block from their 12 bytes (get_scale_min_k4) */
-static void unpack_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
-        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-    }
-}
-
-static int kquant_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
-    const int64_t in = kquant_block_bytes(type), out = kquant_repacked_bytes(type);
+int kquants_repack(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    const int64_t in = kquant_block_bytes(type), out = kquants_repacked_bytes(type);
     if (!in || K % kquant_block_weights(type) != 0) return -1;
     for (int64_t i = 0; i < N * (K / kquant_block_weights(type)); i++) {
         const uint8_t *b = src + i * in;
@@ -146,15 +128,6 @@ static inline __m256 bits8(const uint8_t *p, __m128i shift, int mask) {
 }
 
 static inline __m256 as_float8(__m256 bits) { return _mm256_cvtepi32_ps(_mm256_castps_si256(bits)); }
-
-/* d * sc[j] and -(dmin * mn[j]) of a K4/K5 super-block */
-static inline void scale_min(const uint8_t *b, int j, float *d, float *m) {
-    float sd, smin;
-    memcpy(&sd, b, 4);
-    memcpy(&smin, b + 4, 4);
-    *d = sd * (float)b[8 + j];
-    *m = -(smin * (float)b[16 + j]);
-}
 
 static inline void unpack_k4(const uint8_t *wr, int64_t i, __m256 q[4], float *d, float *m) {
     const uint8_t *b = wr + (i >> 3) * K4_BYTES;
@@ -259,93 +232,6 @@ DEFINE_MM(mm_u5, 8 * U5_BYTES, dequant_u5, row_u5)
 #ifdef HAVE_AVX512
 /* the K layouts take the 16-lane products up to this many rows of x, the 8-lane tiles above */
 #define KQUANT_ROWS_16 (1 << 30)
-/* ---- 16 lanes: the same values, 16 weights a register (a Q6_K register is one sub-block of
- * one scale) */
-static inline __m512i bits16(const uint8_t *p, __m128i shift, int mask) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm512_and_si512(_mm512_srl_epi32(v, shift), _mm512_set1_epi32(mask));
-}
-
-static inline void unpack16_k4(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
-    const uint8_t *b = wr + (i >> 3) * K4_BYTES;
-    const int j = (int)(i & 7);
-    memcpy(d, b + 4 * j, 4);
-    memcpy(m, b + 32 + 4 * j, 4);
-    const uint8_t *qs = b + 64 + 32 * (j >> 1);
-    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
-    for (int k = 0; k < 2; k++) q[k] = _mm512_cvtepi32_ps(bits16(qs + 16 * k, shift, 0x0F));
-}
-
-static inline void unpack16_k5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
-    const uint8_t *b = wr + (i >> 3) * K5_BYTES;
-    const int j = (int)(i & 7);
-    scale_min(b, j, d, m);
-    const uint8_t *qh = b + 24, *qs = b + 56 + 32 * (j >> 1);
-    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1)), hshift = _mm_cvtsi32_si128(j);
-    for (int k = 0; k < 2; k++) {
-        const __m512i hi = _mm512_slli_epi32(bits16(qh + 16 * k, hshift, 0x01), 4);
-        q[k] = _mm512_cvtepi32_ps(_mm512_or_si512(bits16(qs + 16 * k, shift, 0x0F), hi));
-    }
-}
-
-static inline void dequant16_k6(const uint8_t *wr, int64_t i, __m512 w[2]) {
-    const uint8_t *b = wr + (i >> 3) * K6_BYTES;
-    const int j = (int)(i & 7);
-    for (int k = 0; k < 2; k++) {
-        const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 64 + 32 * j + 16 * k)));
-        float s;
-        memcpy(&s, b + 4 * (2 * j + k), 4);
-        w[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s));
-    }
-}
-
-static inline void unpack16_k6(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
-    dequant16_k6(wr, i, q);
-    *d = 1.0f;
-    *m = 0.0f;
-}
-
-/* 16 lanes of Q5_0/Q5_1: low nibbles of the 16 bytes are weights 0-15, high ones 16-31; the
- * fifth bits (bit l of qh: weight l) are the lanes of two mask registers, so a fifth bit costs
- * one masked add (Q5_1: q + 16) or subtract (Q5_0: q - 16 where the bit is clear, which is the
- * value q - 16 itself: the block's offset goes into the integers, exactly). The 8-lane code's
- * per-lane variable shifts took 10 instructions per 16 weights, these 4 (one vpmovzxbd for
- * all 32). */
-static inline void values16_5(const uint8_t *at, __m512 q[2], int z5) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 4)));
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    const __m512i half[2] = {_mm512_and_si512(v, _mm512_set1_epi32(0x0F)), _mm512_srli_epi32(v, 4)};
-    for (int k = 0; k < 2; k++) { /* (Z5 holds the clear bits: no inversion here) */
-        uint16_t bits;
-        memcpy(&bits, at + 2 * k, 2);
-        q[k] = _mm512_cvtepi32_ps(
-            z5 ? _mm512_mask_sub_epi32(half[k], (__mmask16)bits, half[k], sixteen)
-               : _mm512_mask_add_epi32(half[k], (__mmask16)bits, half[k], sixteen));
-    }
-}
-
-static inline void unpack16_z5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
-    const uint8_t *b = wr + i * Z5_BYTES;
-    memcpy(d, b, 4);
-    *m = 0.0f;
-    values16_5(b + 4, q, 1);
-}
-
-static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float *d, float *m) {
-    const uint8_t *b = wr + i * U5_BYTES;
-    memcpy(d, b, 4);
-    memcpy(m, b + 4, 4);
-    values16_5(b + 8, q, 0);
-}
-
-#define DEFINE_DEQUANT16(NAME, UNPACK)                                                         \
-    static inline void NAME(const uint8_t *wr, int64_t i, __m512 w[2]) {                       \
-        float d, m;                                                                            \
-        UNPACK(wr, i, w, &d, &m);                                                              \
-        const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);                           \
-        for (int k = 0; k < 2; k++) w[k] = _mm512_add_ps(_mm512_mul_ps(w[k], dv), mv);          \
-    }
-
 /* ROWS rows of x by one weight row outside the fixed order: each row's two products of a block
  * go straight into its accumulator (two floating-point instructions a row and block where
  * DEFINE_TILE16, whose order the fixed order keeps, takes three) */
@@ -367,7 +253,7 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
     }
 
 /* as DEFINE_MM16 (no permuted x: these layouts widen in order), one row of x by ROW (a
- * layout's own one-row loop), more rows by the 16-lane tiles at every M (kquant_mm: the
+ * layout's own one-row loop), more rows by the 16-lane tiles at every M (kquants_mm: the
  * 8-lane ones' unpacking costs twice the instructions here), outside the fixed order the
  * DEFINE_FAST_TILE16 ones. The fixed order is DEFINE_MM16's: DEFINE_TILE16 for every M.
  * Tried and dropped: four weight rows a pass at one row of x (x loaded once for four rows):
@@ -382,7 +268,7 @@ static inline void unpack16_u5(const uint8_t *wr, int64_t i, __m512 q[2], float 
     static int NAME(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,        \
                     const float *bias, float *y, int64_t ldy, int threads) {                  \
         const int64_t nb = K / QK, row_bytes = nb * (BYTES_256) / 8;                          \
-        const int fixed = fixed_order; /* this thread's: read before the parallel region */  \
+        const int fixed = qkernels_fixed_order; /* this thread's: before the parallel region */ \
         if (M == 1 && nb <= MAX_ROW_BLOCKS && !fixed) {                                       \
             float sx[MAX_ROW_BLOCKS];                                                         \
             if (OFFSET) block_sums(x, nb, sx);                                                \
@@ -461,22 +347,18 @@ DEFINE_ROW16(row16_k5, unpack16_k5)
 DEFINE_ROW16(row16_u5, unpack16_u5)
 DEFINE_ROW16(row16_z5, unpack16_z5)
 
-DEFINE_DEQUANT16(dequant16_k4, unpack16_k4)
-DEFINE_DEQUANT16(dequant16_k5, unpack16_k5)
 DEFINE_KMM16(mm16_k4, K4_BYTES, dequant16_k4, row16_k4, 1)
 DEFINE_KMM16(mm16_k5, K5_BYTES, dequant16_k5, row16_k5, 1)
 DEFINE_KMM16(mm16_k6, K6_BYTES, dequant16_k6, row16_k6, 0)
-DEFINE_DEQUANT16(dequant16_z5, unpack16_z5)
-DEFINE_DEQUANT16(dequant16_u5, unpack16_u5)
 DEFINE_KMM16(mm16_z5, 8 * Z5_BYTES, dequant16_z5, row16_z5, 0)
 DEFINE_KMM16(mm16_u5, 8 * U5_BYTES, dequant16_u5, row16_u5, 1)
 #endif
 
-static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
+int kquants_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
                      int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % (layout == Z5 || layout == U5 ? QK : QK_K) != 0) return -1;
 #ifdef HAVE_AVX512
-    if (M <= KQUANT_ROWS_16 || fixed_order) switch (layout) { /* fixed_order: _qkernels.c */
+    if (M <= KQUANT_ROWS_16 || qkernels_fixed_order) switch (layout) {
     case K4: return mm16_k4(x, M, K, w, N, bias, y, ldy, threads);
     case K5: return mm16_k5(x, M, K, w, N, bias, y, ldy, threads);
     case K6: return mm16_k6(x, M, K, w, N, bias, y, ldy, threads);
@@ -495,12 +377,12 @@ static int kquant_mm(int layout, const float *x, int64_t M, int64_t K, const uin
     }
 }
 
-static int kquant_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
+int kquants_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
     const int64_t in = kquant_block_bytes(type), size = in ? kquant_block_weights(type) : 1;
     if (!in || K % size != 0) return -1;
     uint8_t packed[K6_BYTES]; /* the largest repacked block */
     for (int64_t i = 0; i < N * (K / size); i++) {
-        kquant_repack(type, w + i * in, 1, size, packed);
+        kquants_repack(type, w + i * in, 1, size, packed);
         for (int j = 0; j < size / QK; j++) {
             __m256 v[4];
             switch (type) {

@@ -1,16 +1,17 @@
-"""Building and calling stoic's quantised-weight matrix products (``_qkernels.c``).
+"""The Python bindings of stoic's C kernels: :func:`load_kernels` (build once, load with
+:mod:`ctypes`), :class:`Kernels` (the loaded library's functions, typed) and :class:`Product` (a
+matrix repacked for the products). Re-exports the constants (:mod:`._constants`: the GGML
+types and :data:`MAX_HEAD_DIM` from ``stoic_kernels.h``, the layouts from the library).
 
-The C source is compiled once per (source, compiler, flags) into the cache directory with the
-machine's C compiler, and loaded with :mod:`ctypes` (a call releases the GIL). Why C through
-``ctypes`` and not a torch extension: the source is ~150 lines with no torch headers, so it
-compiles in about a second where a ``torch.utils.cpp_extension`` build takes a minute and needs
-ninja; and why our own kernel at all: torch's weight-only int8/int4 CPU kernels were measured 8x
-*slower* than the float32 product on an AVX2 CPU (docs/benchmarks.md, "Single-stream speed").
+The build (compiler, flags, cache, compile and link) is :mod:`._build`'s. Why our own kernel at
+all: torch's weight-only int8/int4 CPU kernels were measured 8x *slower* than the float32
+product on an AVX2 CPU (docs/benchmarks.md, "Single-stream speed"); a ctypes call releases the
+GIL.
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (32-weight blocks) and the K-quants Q4_K, Q5_K and Q6_K
-(256-weight super-blocks; these and the 5-bit types in ``_kquants.c``); a matrix stacked from parts of different types (a fused projection
-of a mixed file such as Q4_K_M: Q4_K q and k over a Q6_K v) is one product over its parts
-(:meth:`Kernels.bind_stack`).
+(256-weight super-blocks; these and the 5-bit types in ``_kquants.c``); a matrix stacked from
+parts of different types (a fused projection of a mixed file such as Q4_K_M: Q4_K q and k over a
+Q6_K v) is one product over its parts (:meth:`Kernels.bind_stack`).
 
 On a CPU with AVX-512F the build adds ``-mavx512f``: products of up to 16 rows then use 16-lane
 registers (35% less time at one row on a Xeon; the same arithmetic, the sums in another order).
@@ -30,21 +31,22 @@ Where the kernels cannot run (not x86-64, no AVX2/FMA/F16C, no C compiler, a fai
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.resources
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from .._logging import get_logger
+from ._build import KernelsUnavailable, build_library
+from ._constants import (
+    C_POOL_DTYPES,
+    G8_TYPES,
+    GGML_TYPES,
+    MAX_HEAD_DIM,
+    GgmlType,
+    Layouts,
+    const,
+)
 
 __all__ = [
     "C_POOL_DTYPES",
@@ -55,6 +57,7 @@ __all__ = [
     "GgmlType",
     "Kernels",
     "KernelsUnavailable",
+    "Layouts",
     "Product",
     "load_kernels",
 ]
@@ -64,89 +67,21 @@ class G8Layout(NamedTuple):
     """A matrix laid out for the int8 products (:meth:`Kernels.g8_layout`)."""
 
     packed: torch.Tensor
-    #: ``_G8`` or a variant of it (``_gemm8.c``: +1 a scale and offset per 16 weights, +2 no
-    #: offsets), as the kernels name it
+    #: ``G8`` or a variant of it (``_gemm8.c``: +1 a scale and offset per 16 weights, +2 no
+    #: offsets), as the kernels name it (:attr:`Layouts.g8`)
     layout: int
 
 
-class GgmlType(NamedTuple):
-    """A GGML block type the kernels compute on."""
-
-    type_id: int
-    #: bytes of one block of ``weights`` weights
-    block_bytes: int
-    weights: int
-
-
-#: the GGML types the kernels compute on, by name
-GGML_TYPES: dict[str, GgmlType] = {
-    "Q4_0": GgmlType(2, 18, 32),
-    "Q4_1": GgmlType(3, 20, 32),
-    "Q5_0": GgmlType(6, 22, 32),
-    "Q5_1": GgmlType(7, 24, 32),
-    "Q8_0": GgmlType(8, 34, 32),
-    "Q4_K": GgmlType(12, 144, 256),
-    "Q5_K": GgmlType(13, 176, 256),
-    "Q6_K": GgmlType(14, 210, 256),
-}
-#: the repacked layout (``_qkernels.c``, ``_kquants.c``) the products read for each GGML type
-_LAYOUTS = {
-    "Q4_0": 102, "Q4_1": 101, "Q5_0": 106, "Q5_1": 107, "Q8_0": 100,
-    "Q4_K": 103, "Q5_K": 104, "Q6_K": 105,
-}  # fmt: skip
-#: the layout of a matrix stacked from parts of different layouts (``MIXED`` in ``_qkernels.c``)
-_MIXED = 110
-#: or'ed with a layout: the product sums every row in one order whatever the number of rows
-#: (``FIXED_ORDER`` in ``_qkernels.c``; ``--deterministic``)
-_FIXED_ORDER = 0x10000
-#: the fixed order in bfloat16 (``_bf16fixed.c``; ``--deterministic`` where the CPU has
-#: AVX512_BF16): the pointer is a descriptor of the repacked blocks and their bfloat16 copy
-_BF16FIXED = 120
-#: or'ed with a layout: products of one or two rows quantise the activations to int8 per block
-#: of 32 and multiply with integer dot products (``INT8_ROWS`` in ``_qkernels.c``;
-#: ``_int8rows.c``)
-_INT8_ROWS = 0x20000
-#: int8 activations over the G8 layout (``_gemm8.c``): any number of rows, each row in one order
-#: (the default mode's batched steps; ``--deterministic``'s every step where the CPU has VNNI);
-#: (and its variants: ``_G8`` + 1 to 3, ``_gemm8.c``'s header)
-_G8 = 130
-#: the GGML types the G8 layouts are built from
-G8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
-#: the largest head dimension the attention kernels take (``MAX_HEAD_DIM`` in ``_qkernels.c``)
-MAX_HEAD_DIM = 256
-#: the KV cache types the C attention reads (``kv_bf16``: a bfloat16 pool, widened exactly)
-C_POOL_DTYPES = (torch.float32, torch.bfloat16)
-_BASE_FLAGS = (
-    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
-    # a missing declaration is an error (the library would load and fail at its first call);
-    # other warnings are not: they differ between compiler versions
-    "-Wall", "-Werror=implicit-function-declaration",
-)  # fmt: skip
-_CPU_FLAGS = ("avx2", "fma", "f16c")
-#: with AVX-512F the products use 16-lane registers (``_qkernels.c``, ``HAVE_AVX512``); the flag
-#: is part of the build's key, so a cache directory shared by other CPUs keeps a build each
-_AVX512_FLAGS = ("-mavx512f",)
-#: with AVX-512F and AVX512_BF16 too, ``--deterministic``'s products are bfloat16 dot products
-#: (``_bf16fixed.c``); without, they stay FIXED_ORDER's float32 tiles
-_BF16_FLAGS = ("-mavx512bf16",)
-#: with AVX-512F and AVX512_VNNI (and BW, VL), products of one or two rows of a model in a
-#: fast dtype take int8 activations (``_int8rows.c``; :attr:`Kernels.int8_rows`)
-_VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
-_VNNI_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512_vnni")
-_COMPILE_TIMEOUT_S = 120.0
-_log = get_logger("stoic.model")
+#: the threads a product runs on (a seam: tests pin it)
 get_threads = torch.get_num_threads
-
-
-class KernelsUnavailable(RuntimeError):
-    """The quantised kernels cannot run here; the message says why (one line)."""
 
 
 class Product:
     """``x @ W.T (+ bias)`` by a matrix repacked for the kernels (:meth:`Kernels.bind`): a call
-    costs a ctypes call and an output allocation. ``kind`` is the GGML type, or the parts'
-    types joined by ``+`` for a stacked matrix (layout ``MIXED``: ``packed`` is its descriptor,
-    ``parts`` the products whose repacked rows it points to). With ``fixed`` each row of the
+    costs a ctypes call and an output allocation (``layouts``: the library's layout ids).
+    ``kind`` is the GGML type, or the parts' types joined by ``+`` for a stacked matrix (layout
+    ``MIXED``: ``packed`` is its descriptor, ``parts`` the products whose repacked rows it
+    points to). With ``fixed`` each row of the
     result is computed in one order whatever the number of rows: bitwise the same alone or in
     any batch (``--deterministic``; the layer kernels take the flag with the layout).
 
@@ -183,6 +118,7 @@ class Product:
     def __init__(
         self,
         qmm: Callable[..., int],
+        layouts: Layouts,
         kind: str,
         packed: torch.Tensor,
         cols: int,
@@ -201,12 +137,15 @@ class Product:
         self.g8: bool = bool(g8) or (bool(parts) and all(p.g8 for p in parts))
         self.int8_rows = (int8_rows and not self.fixed) or self.g8
         self._bf16 = bf16
-        self.layout = (_MIXED if parts else _LAYOUTS[kind]) | (_FIXED_ORDER if self.fixed else 0)
-        self.layout |= _INT8_ROWS if int8_rows and not self.fixed else 0
+        fixed_order = layouts.fixed_order
+        self.layout = (layouts.mixed if parts else layouts.of[kind]) | (
+            fixed_order if self.fixed else 0
+        )
+        self.layout |= layouts.int8_rows if int8_rows and not self.fixed else 0
         if bf16 is not None:
-            self.layout = _BF16FIXED | _FIXED_ORDER
+            self.layout = layouts.bf16fixed | fixed_order
         if g8:
-            self.layout = g8 | _FIXED_ORDER
+            self.layout = g8 | fixed_order
         self.rows: int = (
             rows
             if rows is not None
@@ -266,10 +205,19 @@ class Product:
 
 
 class Kernels:
-    """The loaded library. Thread-safe: calls share nothing but their arguments."""
+    """The loaded library. Thread-safe: calls share nothing but their arguments.
+
+    :raises AttributeError: (construction) if ``lib`` lacks a function; ``ValueError`` if it
+        lacks a constant (:meth:`Layouts.read`): a library built from other sources.
+    """
 
     def __init__(self, path: Path, lib: ctypes.CDLL) -> None:
         self.path = path
+        #: the layouts and flags the products take, as this library defines them
+        self.layouts = Layouts.read(lib)
+        #: the largest head dimension the attention kernels take (:data:`MAX_HEAD_DIM`, from
+        #: the same header)
+        self.max_head_dim = const(lib, "stoic_max_head_dim")
         i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         signatures: dict[str, list[Any]] = {
             "stoic_qmm": [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32],
@@ -399,8 +347,8 @@ class Kernels:
         if fixed and int8_rows and self.int8_rows and kind in G8_TYPES:
             g8 = self.g8_layout([(kind, blocks)])
             return Product(
-                self._qmm, kind, g8.packed, cols, None if bias is None else bias.contiguous(),
-                g8=g8.layout, rows=n,
+                self._qmm, self.layouts, kind, g8.packed, cols,
+                None if bias is None else bias.contiguous(), g8=g8.layout, rows=n,
             )  # fmt: skip
         packed = torch.empty(
             n, cols // ggml.weights * self._packed_bytes(ggml.type_id), dtype=torch.uint8
@@ -409,7 +357,8 @@ class Kernels:
             raise ValueError(f"cannot repack {kind} blocks {tuple(blocks.shape)}")
         bf16 = self._bf16_of(kind, packed, n, cols, bf16_copy) if fixed and self.bf16 else None
         return Product(
-            self._qmm, kind, packed, cols, None if bias is None else bias.contiguous(),
+            self._qmm, self.layouts, kind, packed, cols,
+            None if bias is None else bias.contiguous(),
             fixed=fixed, bf16=bf16, int8_rows=int8_rows and self.int8_rows,
         )  # fmt: skip
 
@@ -417,7 +366,7 @@ class Kernels:
         self, kind: str, packed: torch.Tensor, n: int, cols: int, copy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The descriptor of a bfloat16 fixed-order product over ``packed`` (and the copy)."""
-        layout = _LAYOUTS[kind]
+        layout = self.layouts.of[kind]
         dense = torch.empty(n, cols, dtype=torch.bfloat16) if copy else None
         if dense is not None:
             rc = self._bf16_pack(
@@ -458,6 +407,7 @@ class Kernels:
         kind = "+".join(dict.fromkeys(p.kind for p in products))
         return Product(
             self._qmm,
+            self.layouts,
             kind,
             descriptor,
             products[0].cols,
@@ -541,135 +491,18 @@ def _check_bias(bias: torch.Tensor | None, rows: int) -> None:
         raise ValueError(f"a bias of {tuple(bias.shape)} for {rows} outputs")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _flags() -> tuple[str, ...]:
-    """The compiler flags for this CPU."""
-    cpu = _cpu_flags()
-    if "avx512f" not in cpu:
-        return _BASE_FLAGS
-    vnni = _VNNI_FLAGS if all(f in cpu for f in _VNNI_CPU_FLAGS) else ()
-    return _BASE_FLAGS + _AVX512_FLAGS + vnni + (_BF16_FLAGS if "avx512_bf16" in cpu else ())
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-#: the C sources, built into one library in this order (``_kquants.c``: the K-quants' products;
-#: ``_int8rows.c``, ``_gemm8.c``: int8 activations for one or two rows, and for many;
-#: ``_cops.c``: the bfloat16 prefill's elementwise operators; ``_bf16fixed.c``: the bfloat16
-#: fixed-order products of ``--deterministic``; ``_rows_attention.c``: prefill chunks' attention
-#: in deterministic mode; ``_chunk_attention.c``: prefill chunks' attention in the default mode)
-_SOURCES = (
-    "_qkernels.c", "_kquants.c", "_int8rows.c", "_gemm8.c", "_cops.c", "_bf16fixed.c",
-    "_rows_attention.c", "_chunk_attention.c",
-)  # fmt: skip
-
-
-def _source() -> bytes:
-    files = importlib.resources.files(__package__)
-    return b"\n".join(files.joinpath(name).read_bytes() for name in _SOURCES)
-
-
-def _build(cc: str, source: bytes, target: Path, flags: tuple[str, ...]) -> None:
-    """Compile ``source`` into ``target`` (atomically: a concurrent build of the same key is
-    harmless, the last rename wins with identical bytes)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "qkernels.c"
-        src.write_bytes(source)
-        out = Path(tmp) / target.name
-        proc = subprocess.run(
-            [cc, *flags, "-o", str(out), str(src), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=_COMPILE_TIMEOUT_S,
-            check=False,
-        )
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise KernelsUnavailable(f"{cc} failed to build the kernels: {last}")
-        os.replace(out, target)
-
-
-def _built(
-    cc: str, source: bytes, version: list[str], flags: tuple[str, ...], cache_root: Path
-) -> Path:
-    """The library built from ``source`` with ``flags`` (once: keyed on all of them)."""
-    key = hashlib.sha256(
-        b"\0".join([source, cc.encode(), *(v.encode() for v in version), *map(str.encode, flags)])
-    ).hexdigest()[:16]
-    target = cache_root / "kernels" / key / "libstoic_qkernels.so"
-    if not target.exists():
-        started = time.monotonic()
-        _log.info("model.kernels.building", compiler=cc, target=str(target))
-        try:
-            _build(cc, source, target, flags)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise KernelsUnavailable(f"cannot build the kernels with {cc}: {e}") from e
-        _log.info("model.kernels.built", seconds=round(time.monotonic() - started, 2))
-    return target
-
-
 def load_kernels(cache_root: Path) -> Kernels:
-    """Build (once) and load the kernels, under ``cache_root / "kernels"``.
+    """Build (once: :func:`._build.build_library`) and load the kernels, under
+    ``cache_root / "kernels"``.
 
     :raises KernelsUnavailable: if this machine cannot run them (one line: why).
     """
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise KernelsUnavailable(f"the kernels are for x86-64 CPUs, not {platform.machine()}")
-    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        raise KernelsUnavailable(f"this CPU lacks {', '.join(missing)}")
-    cc = _compiler()
-    if cc is None:
-        raise KernelsUnavailable("no C compiler (cc, gcc or clang; or $CC) on PATH")
-    source = _source()
-    try:
-        version = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
-        ).stdout.splitlines()[:1]
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelsUnavailable(f"cannot run {cc}: {e}") from e
-    flags = _flags()
-    # a compiler too old for AVX512_BF16 (GCC < 10): the float32 fixed order serves; too old for
-    # AVX512_VNNI too (GCC < 8): one-row products stay float32
-    optional = [
-        (dropped, event)
-        for dropped, event in (
-            (_BF16_FLAGS, "model.kernels.no_bf16"),
-            (_VNNI_FLAGS, "model.kernels.no_vnni"),
-        )
-        if set(dropped) <= set(flags)
-    ]
-    while True:
-        try:
-            target = _built(cc, source, version, flags, cache_root)
-            break
-        except KernelsUnavailable as e:
-            if not optional:
-                raise
-            dropped, event = optional.pop(0)
-            _log.warning(event, reason=str(e))
-            flags = tuple(f for f in flags if f not in dropped)
+    target = build_library(cache_root)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelsUnavailable(f"cannot load {target}: {e}") from e
     try:
         return Kernels(target, lib)
-    except AttributeError as e:  # a library built from another source
+    except (AttributeError, ValueError) as e:  # a library built from other sources
         raise KernelsUnavailable(f"{target} lacks a kernel: {e}") from e

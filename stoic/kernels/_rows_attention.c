@@ -1,9 +1,9 @@
-/* ---- Prefill rows' attention (--deterministic): the rows of a chunk attend together, each
- * bitwise as it would alone. Built after _qkernels.c into the same library (its hsum, hsum8,
- * hmax, softmax_numerators, write_pools and MAX_HEAD_DIM).
+/* Prefill rows' attention (--deterministic): the rows of a chunk attend together, each bitwise
+ * as it would alone. On _common.h's hsum, hsum8, hmax and fold16 and _decode_layer.c's softmax
+ * (decode_layer_softmax_numerators) and pool writes (decode_layer_write_pools).
  *
  * In deterministic mode every prefill token is a row of the decode attention (attend8 and
- * attend16 in _qkernels.c): its query over its sequence's first position + 1 keys, reduced in an
+ * attend16 in _decode_layer.c): its query over its sequence's first position + 1 keys, reduced in an
  * order that depends on that length alone. One row at a time, each row of a chunk streams the
  * same keys and values from L2 anew and finds each key's pool row by a division (two a key and
  * query head). Here a job is a tile of ROWS_TILE rows of one run (rows of one sequence, sharing
@@ -21,6 +21,8 @@
  * kernel's for that row alone, whatever the tiles and the number of threads
  * (tests/model/test_rows_attention.py).
  */
+#include "_common.h"
+
 #define ROWS_TILE 16
 #define KEY_TILE 64 /* a multiple of 8: a tile holds whole groups */
 
@@ -91,7 +93,7 @@ struct rows_job {
                 s[t] = REDUCE(a);                                                             \
                 top = s[t] > top ? s[t] : top;                                                \
             }                                                                                 \
-            J->totals[qi] = softmax_numerators(s, len, top);                                  \
+            J->totals[qi] = decode_layer_softmax_numerators(s, len, top);                     \
             for (int64_t i = 0; i < lanes; i++) STORE(J->acc + qi * dh + W * i, ZERO());      \
         }                                                                                     \
         /* the values, a tile of keys for every query at a time; two queries together where  \
@@ -148,12 +150,8 @@ DEFINE_ROWS(rows8, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_mul_ps, 
             _mm256_set1_ps, _mm256_div_ps, _mm256_setzero_ps, ROWS_FOLD8, hsum, 0)
 
 #ifdef HAVE_AVX512
-static inline __m256 rows_fold16(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
 DEFINE_ROWS(rows16, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_mul_ps,
-            _mm512_fmadd_ps, _mm512_set1_ps, _mm512_div_ps, _mm512_setzero_ps, rows_fold16,
+            _mm512_fmadd_ps, _mm512_set1_ps, _mm512_div_ps, _mm512_setzero_ps, fold16,
             _mm512_reduce_add_ps, 1)
 #endif
 
@@ -230,7 +228,7 @@ int stoic_prefill_attention(const float *q, const float *k, const float *v, floa
         if (first < 0 || n < 1 || first + n > M) return -1;
         tiles += (n + ROWS_TILE - 1) / ROWS_TILE;
     }
-    write_pools(k, v, k_pool, v_pool, write, M, kv_heads, dh, 0);
+    decode_layer_write_pools(k, v, k_pool, v_pool, write, M, kv_heads, dh, 0);
     int64_t *tile = malloc(sizeof(int64_t) * (size_t)(2 * tiles + 1));
     if (!tile) return -2;
     for (int64_t i = 0, t = 0; i < n_runs; i++)

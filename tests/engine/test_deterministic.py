@@ -21,7 +21,7 @@ from support import engine_config, wait_idle
 import stoic
 from stoic.errors import ModelUnavailable
 from stoic.gguf import default_cache_dir
-from stoic.kernels import _qkernels
+from stoic.kernels import _build
 from stoic.model import resolve_dtype
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
@@ -82,9 +82,9 @@ async def reference() -> tuple[list[Outcome], list[Outcome]]:
         # its products on int8 activations (the G8 layout) where the CPU has AVX-512 VNNI and
         # --dtype auto measured bfloat16 faster here (the probe the engine used, cached), else
         # in bfloat16 where it has AVX512_BF16, else float32 on the blocks
-        flags = _qkernels._cpu_flags()
+        flags = _build.cpu_flags()
         fast = resolve_dtype("auto", torch.device("cpu"), default_cache_dir()) == torch.bfloat16
-        vnni = fast and "avx512f" in flags and all(f in flags for f in _qkernels._VNNI_CPU_FLAGS)
+        vnni = fast and "avx512f" in flags and all(f in flags for f in _build.VNNI_CPU_FLAGS)
         bf16 = "avx512_bf16" in flags and "avx512f" in flags and not vnni
         assert compute.dense_dtype == ("bfloat16" if bf16 else "float32")
         assert compute.row_activations == ("int8" if vnni else "float32")

@@ -16,7 +16,7 @@ import torch
 from gguf_blocks import gguf_py, random_blocks
 
 from stoic.gguf import default_cache_dir
-from stoic.kernels import G8_TYPES, Kernels, KernelsUnavailable, _qkernels, load_kernels
+from stoic.kernels import G8_TYPES, Kernels, KernelsUnavailable, _build, load_kernels
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner
@@ -110,10 +110,10 @@ def test_a_build_without_vnni_has_no_int8_rows_and_ignores_the_flag(
 ) -> None:
     """With AVX512_VNNI hidden from the build the kernels report none, and a product bound with
     the flag computes the float path's numbers bitwise."""
-    flags = _qkernels._cpu_flags()
+    flags = _build.cpu_flags()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_qkernels, "_cpu_flags", lambda: flags - {"avx512_vnni"})
-        assert "-mavx512vnni" not in _qkernels._flags()
+        patch.setattr(_build, "cpu_flags", lambda: flags - {"avx512_vnni"})
+        assert "-mavx512vnni" not in _build.flags()
         plain = load_kernels(default_cache_dir())
     assert not plain.int8_rows
     blocks = random_blocks("Q4_1", 24, 96, seed=2)
@@ -202,7 +202,7 @@ def test_a_compiler_without_avx512_vnni_builds_the_float_rows(
     """A compiler that rejects ``-mavx512bf16`` and ``-mavx512vnni`` (GCC < 8) does not cost the
     kernels: the build is retried without each, and one-row products stay float32."""
     real = shutil.which("cc") or shutil.which("gcc")
-    if real is None or "avx512f" not in _qkernels._cpu_flags():
+    if real is None or "avx512f" not in _build.cpu_flags():
         pytest.skip("needs a C compiler and AVX-512F")
     old_cc = tmp_path / "old-cc"
     old_cc.write_text(
@@ -211,8 +211,8 @@ def test_a_compiler_without_avx512_vnni_builds_the_float_rows(
     )
     old_cc.chmod(0o755)
     monkeypatch.setenv("CC", str(old_cc))
-    flags = _qkernels._cpu_flags() | {"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"}
-    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+    flags = _build.cpu_flags() | {"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"}
+    monkeypatch.setattr(_build, "cpu_flags", lambda: flags)
     kernels = load_kernels(tmp_path / "cache")
     assert not kernels.int8_rows and not kernels.bf16
     blocks = random_blocks("Q4_1", 8, 64, seed=1)

@@ -16,7 +16,7 @@ from gguf_blocks import gguf_py, quantize, random_blocks, write_llama_gguf
 
 import stoic
 from stoic.gguf import MixedMatrix, QuantizedMatrix, default_cache_dir
-from stoic.kernels import Kernels, KernelsUnavailable, _qkernels, load_kernels
+from stoic.kernels import Kernels, KernelsUnavailable, _build, load_kernels
 from stoic.model import load_model
 from stoic.worker import ModelRunner
 
@@ -28,17 +28,17 @@ ISAS = ("avx2", "avx512")
 def isa_kernels(request: pytest.FixtureRequest) -> Kernels:
     """The kernels built for AVX2 only (the CPU's AVX-512 hidden from the build), and with
     AVX-512 where the CPU has it: each build is its own library (the flags are in its key)."""
-    flags = _qkernels._cpu_flags()
+    flags = _build.cpu_flags()
     if request.param == "avx512" and "avx512f" not in flags:
         pytest.skip("this CPU has no AVX-512F")
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "avx2":
-            patch.setattr(_qkernels, "_cpu_flags", lambda: flags - {"avx512f"})
+            patch.setattr(_build, "cpu_flags", lambda: flags - {"avx512f"})
         try:
             kernels = load_kernels(default_cache_dir())
         except KernelsUnavailable as e:
             pytest.skip(f"quantised kernels unavailable here: {e}")
-        assert ("-mavx512f" in _qkernels._flags()) == (request.param == "avx512")
+        assert ("-mavx512f" in _build.flags()) == (request.param == "avx512")
     return kernels
 
 

@@ -20,11 +20,11 @@ RUNS = ((0, 37), (100, 21), (203, 1), (61, 3), (5, 18))
 @pytest.fixture(scope="module")
 def avx2_kernels(tmp_path_factory: pytest.TempPathFactory, kernels: Kernels) -> Kernels:
     """The kernels built without AVX-512 (the 8-lane attention, as on an AVX2 CPU)."""
-    from stoic.kernels import _qkernels
+    from stoic.kernels import _build
 
-    flags = _qkernels._cpu_flags() - {"avx512f"}
+    flags = _build.cpu_flags() - {"avx512f"}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+        patch.setattr(_build, "cpu_flags", lambda: flags)
         return load_kernels(tmp_path_factory.mktemp("avx2-kernels"))
 
 

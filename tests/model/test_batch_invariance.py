@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf_blocks import random_blocks
 
-from stoic.kernels import GGML_TYPES, Kernels, _qkernels, load_kernels
+from stoic.kernels import GGML_TYPES, Kernels, _build, _qkernels, load_kernels
 
 #: batch sizes, on and off the kernels' 4- and 8-row tiles and the 16-lane routine's limit
 SIZES = (2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 48, 64)
@@ -33,9 +33,9 @@ def _alone_equals_batched(product: object, cols: int) -> list[int]:
 def _build_without(
     tmp_path_factory: pytest.TempPathFactory, hidden: set[str], name: str
 ) -> Kernels:
-    flags = _qkernels._cpu_flags() - hidden
+    flags = _build.cpu_flags() - hidden
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+        patch.setattr(_build, "cpu_flags", lambda: flags)
         return load_kernels(tmp_path_factory.mktemp(name))
 
 
@@ -49,7 +49,7 @@ def avx2_kernels(tmp_path_factory: pytest.TempPathFactory, kernels: Kernels) -> 
 def avx512_kernels(tmp_path_factory: pytest.TempPathFactory, kernels: Kernels) -> Kernels:
     """The kernels built with AVX-512F but without AVX512_BF16 (the float32 fixed order's
     16-lane tiles, as on a CPU without bfloat16 dot products)."""
-    if "avx512f" not in _qkernels._cpu_flags():
+    if "avx512f" not in _build.cpu_flags():
         pytest.skip("this CPU has no AVX-512F")
     return _build_without(tmp_path_factory, {"avx512_bf16"}, "avx512-kernels")
 
@@ -76,7 +76,7 @@ def test_fixed_order_product_of_a_row_is_bitwise_the_same_in_any_batch(
     kernels: Kernels = request.getfixturevalue(
         f"{build}_kernels" if build != "native" else "kernels"
     )
-    assert kernels.bf16 == (build == "native" and "avx512_bf16" in _qkernels._cpu_flags())
+    assert kernels.bf16 == (build == "native" and "avx512_bf16" in _build.cpu_flags())
     monkeypatch.setattr(_qkernels, "get_threads", lambda: threads)
     cols = 512
     blocks = random_blocks(kind, 40, cols, seed=3)

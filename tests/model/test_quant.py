@@ -241,12 +241,12 @@ async def test_gguf_mode_is_refused_before_any_worker_starts(tiny_model_dir: Pat
 def test_kernels_build_wherever_the_machine_allows(tmp_path: Path) -> None:
     """On an x86-64 CPU with AVX2, FMA and F16C and a C compiler, the kernels build (from
     nothing) and load: a broken build fails here instead of skipping every test above."""
-    from stoic.kernels import _qkernels
+    from stoic.kernels import _build
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("not an x86-64 machine")
-    missing = {"avx2", "fma", "f16c"} - _qkernels._cpu_flags()
-    if missing or _qkernels._compiler() is None:
+    missing = {"avx2", "fma", "f16c"} - _build.cpu_flags()
+    if missing or _build.compiler() is None:
         pytest.skip(f"no compiler, or the CPU lacks {missing}")
     kernels = load_kernels(tmp_path)
     assert kernels.path.is_relative_to(tmp_path) and kernels.path.exists()
@@ -261,19 +261,19 @@ def test_the_build_uses_avx512_exactly_where_the_cpu_has_it(
 ) -> None:
     """``-mavx512f`` is passed only for a CPU that lists ``avx512f`` (a 16-lane build would die
     of SIGILL elsewhere); the flags are part of the build's key, so each CPU kind gets its own."""
-    from stoic.kernels import _qkernels
+    from stoic.kernels import _build
 
-    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    assert "-mavx512f" not in _qkernels._flags()
-    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
-    assert "-mavx512f" in _qkernels._flags()
-    assert "-mavx512bf16" not in _qkernels._flags()
+    monkeypatch.setattr(_build, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert "-mavx512f" not in _build.flags()
+    monkeypatch.setattr(_build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
+    assert "-mavx512f" in _build.flags()
+    assert "-mavx512bf16" not in _build.flags()
     # the bfloat16 fixed-order products (_bf16fixed.c) only with AVX512_BF16 and AVX-512F
-    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_bf16"})
-    assert "-mavx512bf16" not in _qkernels._flags()
+    monkeypatch.setattr(_build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_bf16"})
+    assert "-mavx512bf16" not in _build.flags()
     bf16 = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}
-    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: bf16)
-    assert {"-mavx512f", "-mavx512bf16"} <= set(_qkernels._flags())
+    monkeypatch.setattr(_build, "cpu_flags", lambda: bf16)
+    assert {"-mavx512f", "-mavx512bf16"} <= set(_build.flags())
 
 
 def test_a_compiler_without_avx512_bf16_builds_the_float32_fixed_order(
@@ -285,10 +285,10 @@ def test_a_compiler_without_avx512_bf16_builds_the_float32_fixed_order(
 
     from gguf_blocks import random_blocks
 
-    from stoic.kernels import _qkernels
+    from stoic.kernels import _build, _qkernels
 
     real = shutil.which("cc") or shutil.which("gcc")
-    if real is None or "avx512f" not in _qkernels._cpu_flags():
+    if real is None or "avx512f" not in _build.cpu_flags():
         pytest.skip("needs a C compiler and AVX-512F")
     old_cc = tmp_path / "old-cc"
     old_cc.write_text(
@@ -297,8 +297,8 @@ def test_a_compiler_without_avx512_bf16_builds_the_float32_fixed_order(
     )
     old_cc.chmod(0o755)
     monkeypatch.setenv("CC", str(old_cc))
-    flags = _qkernels._cpu_flags() | {"avx512_bf16"}
-    monkeypatch.setattr(_qkernels, "_cpu_flags", lambda: flags)
+    flags = _build.cpu_flags() | {"avx512_bf16"}
+    monkeypatch.setattr(_build, "cpu_flags", lambda: flags)
     kernels = _qkernels.load_kernels(tmp_path / "cache")
     assert not kernels.bf16
     product = kernels.bind("Q8_0", random_blocks("Q8_0", 8, 64, 1), None, fixed=True)
