@@ -95,7 +95,7 @@ unit: $(DEV_STAMP) browser
 test: lint typecheck unit
 
 test-fast: lint typecheck
-	$(PY) -m pytest -m "not model" $(ARGS)
+	$(PY) -m pytest -m "not model and not slow" $(ARGS)
 
 bench: $(SERVE_STAMP)
 	$(PY) benchmarks/engine_bench.py $(ARGS)

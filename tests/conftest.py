@@ -22,16 +22,24 @@ settings.register_profile("thorough", max_examples=20_000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+_TESTS = Path(__file__).resolve().parent
 #: fixtures that load a real model (the default one, or the tiny one built from its tokenizer)
 _MODEL_FIXTURES = {"default_model_dir", "tiny_model_dir", "engine"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that needs a model (through any fixture) ``model``: ``make test-fast``
-    runs the rest (``-m "not model"``)."""
+    runs the rest but those marked ``slow`` (``-m "not model and not slow"``: the kernels built
+    from nothing for another flag set, real CPU contention); ``make test`` runs everything."""
     for item in items:
         if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+        # under pytest-xdist (``--dist loadgroup``) a test file runs whole on one worker, so a
+        # module's shared engine or server is started once; the Ray tests share one worker (one
+        # local Ray cluster at a time)
+        path = Path(str(item.path)).relative_to(_TESTS)
+        group = "ray" if path.parts[0] == "ray" else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -76,6 +76,7 @@ def test_the_build_is_keyed_on_every_file_the_compiler_and_the_flags() -> None:
     assert _build.cache_key("cc", files, ["cc 1"], (*flags, "-mavx512f")) != key
 
 
+@pytest.mark.slow
 def test_a_file_that_fails_fails_the_build_and_nothing_is_installed(tmp_path: Path) -> None:
     """A translation unit that does not compile (here beside one that does, on the shared
     headers) fails the build, and neither the library nor an object is left behind."""

@@ -196,6 +196,7 @@ def test_the_default_model_in_a_fast_dtype_decodes_close_to_its_float_path(
     assert agreed >= 22
 
 
+@pytest.mark.slow
 def test_a_compiler_without_avx512_vnni_builds_the_float_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

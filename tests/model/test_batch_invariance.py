@@ -30,6 +30,14 @@ def _alone_equals_batched(product: object, cols: int) -> list[int]:
     return [n for n in SIZES if not torch.equal(product(x[:n].contiguous())[:1], alone)]  # type: ignore[operator]
 
 
+#: builds of the kernels for other flag sets than the machine's, made from nothing once per run
+#: (``slow``: ``make test-fast`` leaves them out)
+_OTHER_BUILDS = (
+    pytest.param("avx512", marks=pytest.mark.slow, id="avx512"),
+    pytest.param("avx2", marks=pytest.mark.slow, id="avx2"),
+)
+
+
 def _build_without(
     tmp_path_factory: pytest.TempPathFactory, hidden: set[str], name: str
 ) -> Kernels:
@@ -63,7 +71,7 @@ def bf16_kernels(kernels: Kernels) -> Kernels:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("build", ["native", "avx512", "avx2"])
+@pytest.mark.parametrize("build", ["native", *_OTHER_BUILDS])
 @pytest.mark.parametrize("kind", sorted(GGML_TYPES))
 def test_fixed_order_product_of_a_row_is_bitwise_the_same_in_any_batch(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, build: str, kind: str,
@@ -146,7 +154,7 @@ def test_default_order_product_is_not_batch_invariant(kernels: Kernels) -> None:
     assert _alone_equals_batched(kernels.bind("Q4_1", blocks, None), 512) != []
 
 
-@pytest.mark.parametrize("build", ["native", "avx512"])
+@pytest.mark.parametrize("build", ["native", _OTHER_BUILDS[0]])
 def test_fixed_order_stacked_product_of_mixed_types_is_batch_invariant(
     request: pytest.FixtureRequest, build: str
 ) -> None:

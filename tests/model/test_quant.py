@@ -238,6 +238,7 @@ async def test_gguf_mode_is_refused_before_any_worker_starts(tiny_model_dir: Pat
             pytest.fail("the engine started")
 
 
+@pytest.mark.slow
 def test_kernels_build_wherever_the_machine_allows(tmp_path: Path) -> None:
     """On an x86-64 CPU with AVX2, FMA and F16C and a C compiler, the kernels build (from
     nothing) and load: a broken build fails here instead of skipping every test above."""
@@ -276,6 +277,7 @@ def test_the_build_uses_avx512_exactly_where_the_cpu_has_it(
     assert {"-mavx512f", "-mavx512bf16"} <= set(_build.flags())
 
 
+@pytest.mark.slow
 def test_a_compiler_without_avx512_bf16_builds_the_float32_fixed_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -202,6 +202,7 @@ def _others(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_busy_neighbours_shrink_a_real_pool_and_their_end_grows_it_back() -> None:
     """As many CPU-bound processes as there are CPUs, each in a session of its own (nice
     cannot shield us from another autogroup): the probe counts their CPU time as others', and
