@@ -2,8 +2,9 @@
 #   make serve   install what serving needs (stoic, torch, the default model), then serve the
 #                embedded default model on 127.0.0.1:8000
 #   make test    install everything (the dev tools and Ray too), then run lint, types and the
-#                test suite (25-30 minutes on 2 CPU cores; each test file's line shows as it runs)
-#   make test-fast   lint, types and the tests that load no model (about a minute)
+#                test suite (about 14 minutes on 2 CPU cores, on two pytest-xdist workers)
+#   make test-fast   lint, types and the tests that load no model and build no kernels from
+#                nothing (about a minute)
 # Both are idempotent: the virtual environment is reused while pyproject.toml is unchanged, and
 # `make test` in a venv that `make serve` made adds the rest of the set to it.
 
@@ -89,13 +90,18 @@ lint: $(DEV_STAMP)
 typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy
 
+# the suite on TEST_WORKERS pytest-xdist workers (a test file runs whole on one, the Ray tests
+# all on one: tests/conftest.py); TEST_WORKERS=0 runs it in this process, serially
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
 unit: $(DEV_STAMP) browser
-	$(PY) -m pytest --durations=15 $(ARGS)
+	$(PY) -m pytest $(XDIST) --durations=15 $(ARGS)
 
 test: lint typecheck unit
 
 test-fast: lint typecheck
-	$(PY) -m pytest -m "not model and not slow" $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "not model and not slow" $(ARGS)
 
 bench: $(SERVE_STAMP)
 	$(PY) benchmarks/engine_bench.py $(ARGS)
