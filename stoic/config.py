@@ -12,10 +12,12 @@ from .errors import InsufficientMemory, InvalidRequest
 __all__ = [
     "FAULT_KINDS",
     "KV_CACHE_DTYPES",
+    "LOAD_FORMATS",
     "PROCESS_ONLY_FAULTS",
     "EngineConfig",
     "FaultKind",
     "FaultSpec",
+    "LoadFormat",
 ]
 
 FaultKind = Literal[
@@ -95,6 +97,13 @@ Quantization = Literal["auto", "gguf", "none"]
 WeightLayouts = Literal["auto", "fast", "compact"]
 WEIGHT_LAYOUTS = ("auto", "fast", "compact")
 
+#: ``--load-format`` (vLLM's name and meaning): ``"auto"`` (the model's weights: a GGUF file's
+#: blocks, a directory's safetensors) or ``"dummy"`` (random weights made on the device in the
+#: compute dtype from the model's configuration: a directory needs no weight files; the
+#: outputs are meaningless, the shapes, memory and speed are the real model's)
+LoadFormat = Literal["auto", "dummy"]
+LOAD_FORMATS = ("auto", "dummy")
+
 #: ``--kv-cache-dtype``'s choices (``EngineConfig.kv_cache_dtype``; ``auto``:
 #: :mod:`stoic.model._precision`)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -120,6 +129,8 @@ class EngineConfig:
     quantization: Quantization = "auto"
     #: which layouts a GGUF model's quantised weights are held in (:data:`WeightLayouts`)
     weight_layouts: WeightLayouts = "auto"
+    #: where the weights come from (:data:`LoadFormat`): the model's own, or random ones
+    load_format: LoadFormat = "auto"
     #: every token's logits computed independently of the batch it is in, of how its prompt was
     #: chunked and of whether its context came from the prefix cache or a re-prefill: the same
     #: greedy (or seeded) text alone or in any batch, and ``recovery="resume"`` exact, in the
@@ -207,6 +218,10 @@ class EngineConfig:
             raise ValueError(
                 f"weight_layouts must be one of {', '.join(WEIGHT_LAYOUTS)}, "
                 f"not {self.weight_layouts!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

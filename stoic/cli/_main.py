@@ -80,14 +80,14 @@ def _main(argv: Sequence[str] | None, restore_signals: Callable[..., None]) -> i
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
-    if not _model_usable(args.model):
+    if not _model_usable(args.model, weights=args.load_format != "dummy"):
         return 2
     # SIGINT cancels asyncio.run's task until serve() installs its handlers; SIGTERM exits
     restore_signals(signal.SIGINT)
     return asyncio.run(serve(args, access, limits))
 
 
-def _model_usable(model: str) -> bool:
+def _model_usable(model: str, *, weights: bool) -> bool:
     """Check ``--model`` cheaply before anything starts (:func:`stoic.model.check_model_source`).
 
     An unusable model is logged as one ``stoic.start_failed`` line, the only output, saying what
@@ -96,7 +96,7 @@ def _model_usable(model: str) -> bool:
     from ..model import check_model_source
 
     try:
-        check_model_source(model)
+        check_model_source(model, weights=weights)
     except ModelUnavailable as exc:
         _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)
         return False

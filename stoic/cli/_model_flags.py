@@ -97,6 +97,16 @@ def _add_gguf_args(g: ArgumentGroup) -> None:
         "(default %(default)s)",
     )
     g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=["auto", "dummy"],
+        help="where the weights come from. auto: the model's own (a .gguf file's blocks, a "
+        "directory's safetensors); dummy: random weights made on the device in the compute "
+        "dtype from the model's config.json (a directory needs no weight files; the outputs are "
+        "meaningless, the shapes, memory and speed are the model's: for trying a device or a "
+        "size without the weights, e.g. --model shapes/llama3.1-8b) (default %(default)s)",
+    )
+    g.add_argument(
         "--weight-layouts",
         default=d.weight_layouts,
         choices=["auto", "fast", "compact"],
@@ -119,6 +129,7 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "quantization": args.quantization,
         "weight_layouts": args.weight_layouts,
+        "load_format": args.load_format,
         "deterministic": args.deterministic,
         "max_model_len": args.max_model_len,
         "cache_dir": args.cache_dir,

@@ -107,6 +107,7 @@ class Engine:
                     quantization=cfg.quantization,
                     kv_cache_dtype=cfg.kv_cache_dtype,
                     deterministic=cfg.deterministic,
+                    load_format=cfg.load_format,
                 )
             )
             if cfg.quantization == "gguf":  # refused here, not in a worker process starting

@@ -294,6 +294,7 @@ class ProcessBackend(StepBackend):
             gguf=loaded.gguf,
             quantization=config.quantization,
             weight_layouts=config.weight_layouts,
+            load_format=config.load_format,
             deterministic=config.deterministic,
             dense_dtype=(
                 str(loaded.dense_dtype).removeprefix("torch.") if loaded.dense_dtype else None

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._proctitle import set_title
 from ..actors import enact_fault
-from ..config import FaultSpec, Quantization, WeightLayouts
+from ..config import FaultSpec, LoadFormat, Quantization, WeightLayouts
 from ..errors import InsufficientMemory
 
 if TYPE_CHECKING:
@@ -81,6 +81,8 @@ class WorkerSpec:
     quantization: Quantization = "none"
     #: ``--weight-layouts``
     weight_layouts: WeightLayouts = "auto"
+    #: ``--load-format`` (``dummy``: random weights, made in the worker on its device)
+    load_format: LoadFormat = "auto"
     #: ``--deterministic`` (:mod:`stoic.model._deterministic`)
     deterministic: bool = False
     #: the dense products' dtype the server resolved (``LoadedModel.dense_dtype``; None: ``dtype``)
@@ -171,6 +173,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         kv_cache_dtype=spec.kv_cache_dtype,
         deterministic=spec.deterministic,
         quantization=spec.quantization,  # which matrices stay on the file's blocks
+        load_format=spec.load_format,
         tokenizer=False,  # the server detokenises; the stop ids come with the spec
     )
     loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids, gguf=spec.gguf)

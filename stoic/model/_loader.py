@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 
 from .._logging import get_logger
-from ..config import Quantization
+from ..config import LoadFormat, Quantization
 from ..errors import ModelUnavailable
 from ..gguf import (
     GgufWeights,
@@ -256,6 +256,34 @@ def _no_progress_bar() -> Iterator[None]:
         hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
+def _dummy_model(config: Any, dtype: torch.dtype, device: torch.device, path: Path) -> Any:
+    """``config``'s model with random weights (transformers' own initialisation), made on
+    ``device`` in ``dtype``: ``--load-format dummy``. Logged as a warning: its outputs mean
+    nothing.
+
+    :raises ModelUnavailable: if transformers cannot build the model (one line).
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    started = time.monotonic()
+    with load_errors(f"cannot build the model of {path}", _TODO_DIR), torch.device(device):
+        lm: Any = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+    # no generation_config.json: the model config's own token ids stand
+    with contextlib.suppress(OSError):
+        lm.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    lm.eval()
+    params = sum(p.numel() for p in lm.parameters())
+    _log.warning(
+        "model.dummy_weights",
+        path=str(path),
+        parameters=params,
+        mib=round(sum(p.numel() * p.element_size() for p in lm.parameters()) / 2**20, 1),
+        seconds=round(time.monotonic() - started, 2),
+        note="random weights (--load-format dummy): the outputs mean nothing",
+    )
+    return lm
+
+
 def load_model(
     model: str = "default",
     *,
@@ -269,8 +297,14 @@ def load_model(
     dense_dtype: str | torch.dtype | None = None,
     kv_cache_dtype: str | torch.dtype | None = "auto",
     deterministic: bool = False,
+    load_format: LoadFormat = "auto",
 ) -> LoadedModel:
     """Load weights and tokenizer from local files (converting a GGUF file once).
+
+    With ``load_format="dummy"`` the weights are random, made on the device in the compute
+    dtype from the model's configuration (:func:`_dummy_model`): a directory needs no weight
+    files, a GGUF file's tensors are not read (``gguf`` is then None: nothing runs on its
+    blocks).
 
     With ``weights=False`` only the tokenizer and the configuration are loaded (``model`` is
     None): what the server needs when the model runs in a worker process. With
@@ -287,9 +321,10 @@ def load_model(
     # resolved first: a conversion logs its start before transformers is imported (seconds)
     name, path = resolve_model_path(model, cache_root)
     gguf = default_gguf_path() if model == "default" else Path(model).expanduser()
-    gguf_file = gguf if gguf.is_file() else None
+    dummy = load_format == "dummy"
+    gguf_file = gguf if gguf.is_file() and not dummy else None
     # a GGUF model's directory holds its metadata only: the weights are the file's
-    check_model_dir(path, weights=weights and gguf_file is None, tokenizer=tokenizer)
+    check_model_dir(path, weights=weights and gguf_file is None and not dummy, tokenizer=tokenizer)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     dev = resolve_device(device)
@@ -339,6 +374,9 @@ def load_model(
             lm = lm.to(dev)
         lm.eval()
         generation = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    elif weights and dummy:
+        lm = _dummy_model(full_config, dt, dev, path)
+        full_config, generation = lm.config, lm.generation_config
     elif weights:
         with (
             _no_progress_bar(),  # a library draws no progress bar on its host's terminal

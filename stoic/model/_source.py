@@ -129,7 +129,8 @@ def check_model_dir(path: Path, *, weights: bool = True, tokenizer: bool = True)
     ):
         raise ModelUnavailable(
             f"{path} has no weights (no *.safetensors or pytorch_model*.bin file); "
-            "copy the model's weight files into it"
+            "copy the model's weight files into it (or run its shape with random weights: "
+            "--load-format dummy)"
         )
     if tokenizer and not (
         names.intersection(TOKENIZER_FILES) or any(n.endswith(".tiktoken") for n in names)
@@ -142,7 +143,8 @@ def check_model_dir(path: Path, *, weights: bool = True, tokenizer: bool = True)
 
 def check_model_source(model: str, *, weights: bool = True, tokenizer: bool = True) -> None:
     """Check cheaply that ``model`` (``"default"``, a ``.gguf`` file or a model directory) can be
-    loaded: what ``stoic serve`` runs before it logs anything else.
+    loaded: what ``stoic serve`` runs before it logs anything else. ``weights=False``: a
+    directory needs no weight files (``--load-format dummy``).
 
     :raises ModelUnavailable: with one line saying what is wrong and what to do.
     """
