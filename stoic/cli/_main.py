@@ -80,23 +80,26 @@ def _main(argv: Sequence[str] | None, restore_signals: Callable[..., None]) -> i
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     configure_logging(args.log_format, args.log_level)
-    if not _model_usable(args.model, weights=args.load_format != "dummy"):
+    if not _model_usable(args.model, weights=args.load_format != "dummy", device=args.device):
         return 2
     # SIGINT cancels asyncio.run's task until serve() installs its handlers; SIGTERM exits
     restore_signals(signal.SIGINT)
     return asyncio.run(serve(args, access, limits))
 
 
-def _model_usable(model: str, *, weights: bool) -> bool:
-    """Check ``--model`` cheaply before anything starts (:func:`stoic.model.check_model_source`).
+def _model_usable(model: str, *, weights: bool, device: str) -> bool:
+    """Check ``--model`` and a CUDA ``--device`` cheaply before anything starts
+    (:func:`stoic.model.check_model_source`, :func:`stoic.model.resolve_device`).
 
-    An unusable model is logged as one ``stoic.start_failed`` line, the only output, saying what
-    is wrong and what to do; returns False then.
+    An unusable model or device is logged as one ``stoic.start_failed`` line, the only output,
+    saying what is wrong and what to do; returns False then.
     """
-    from ..model import check_model_source
+    from ..model import check_model_source, resolve_device
 
     try:
         check_model_source(model, weights=weights)
+        if device.startswith("cuda"):  # not a traceback from the first tensor moved there
+            resolve_device(device)
     except ModelUnavailable as exc:
         _log.error("stoic.start_failed", error=type(exc).__name__, message=exc.message)
         return False

@@ -24,6 +24,7 @@ an encoder-decoder, a base model without a generation head) is refused naming it
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import shutil
 import time
@@ -134,10 +135,45 @@ def default_gguf_path() -> Path:
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """``None``/``"auto"`` picks CUDA when present, else the CPU."""
+    """``None``/``"auto"`` picks CUDA when this torch can use it, else the CPU (saying so in a
+    warning, ``model.device_fallback``, where the machine has an NVIDIA GPU this torch cannot
+    see: a CPU-only build, the driver, ``CUDA_VISIBLE_DEVICES``); a CUDA device is checked.
+
+    :raises ModelUnavailable: a CUDA device this torch cannot use (one line: which, the torch
+        build, what to do), never a traceback from the first tensor moved there.
+    :raises ValueError: a device name torch does not know.
+    """
     if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _nvidia_gpu_present():
+            _warn_cpu_fallback()
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        count, build = cuda_devices()
+        if (dev.index or 0) >= count:
+            raise ModelUnavailable(
+                f"--device {device}: {build} sees {count} CUDA device(s); install torch's CUDA "
+                "build where the GPU is (make install picks it where nvidia-smi lists a GPU), "
+                "check CUDA_VISIBLE_DEVICES, or pass --device cpu"
+            )
+    return dev
+
+
+def _nvidia_gpu_present() -> bool:
+    """Whether the machine shows an NVIDIA GPU (its device node), whatever torch sees."""
+    return Path("/dev/nvidia0").exists()
+
+
+@functools.cache
+def _warn_cpu_fallback() -> None:
+    _log.warning(
+        "model.device_fallback",
+        device="cpu",
+        reason=f"the machine has an NVIDIA GPU but {cuda_devices()[1]} cannot use it",
+        todo="install torch's CUDA build (make install) or pass --device cpu to silence this",
+    )
 
 
 def cuda_devices() -> tuple[int, str]:

@@ -339,6 +339,7 @@ async def test_the_server_process_never_initialises_cuda(
     for module in _cuda_entry_points():
         monkeypatch.setattr(module, "_lazy_init", refuse)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     real_spec = backend_module.WorkerSpec
     monkeypatch.setattr(backend_module, "WorkerSpec", functools.partial(_on_cpu, real_spec))
     config = _config(
