@@ -28,10 +28,10 @@ $(VENV)/bin/python:
 # torch first (scripts/install_torch.py decides; tests/test_install_torch.py tests it). Without an
 # NVIDIA GPU: a torch that imports is kept, else the CPU build torch==$(TORCH_VERSION), which pip
 # finds on this machine's disk, so the unpinned requirement in pyproject.toml never pulls a
-# multi-GB CUDA build. Where `nvidia-smi -L` answers: the same version's CUDA build from PyTorch's
-# index, https://download.pytorch.org/whl/cu128 (cu130 where the driver reports CUDA 13;
-# TORCH_CUDA=cu126 chooses another), replacing a CPU build that imports but cannot see the GPU;
-# a torch that still cannot see it then stops the install with one line.
+# multi-GB CUDA build. Where `nvidia-smi -L` answers: PyPI's own torch==$(TORCH_VERSION), which on
+# Linux is the CUDA build (no index outside PyPI), replacing a CPU build that imports but cannot
+# see the GPU; TORCH_CUDA=cu126 (say) takes that variant from PyTorch's index instead; a torch
+# that still cannot see the GPU then stops the install with one line.
 TORCH_VERSION := 2.13.0
 define INSTALL_TORCH
 	$(PY) scripts/install_torch.py --pin $(TORCH_VERSION) --pip "$(PIP)" --python "$(PY)"

@@ -4,12 +4,14 @@ Without an NVIDIA GPU (``nvidia-smi -L`` missing or failing): a torch that alrea
 kept; otherwise ``pip install torch==PIN`` (the CPU build this machine's pip finds).
 
 With one: a torch that already sees a CUDA device is kept. Otherwise (none installed, a CPU build,
-or a CUDA build that cannot see the GPU) the pinned CUDA build is installed from PyTorch's own
-index, ``https://download.pytorch.org/whl/<variant>`` (``torch==PIN+<variant>``: the local
-version label makes pip replace a ``+cpu`` build of the same version). The variant follows the
-driver: ``cu130`` where ``nvidia-smi`` reports CUDA 13 or later (driver 580+), else ``cu128``;
-``TORCH_CUDA=cu126`` (say) chooses another. Afterwards, torch must see the GPU: if it cannot,
-this exits 1 with one line saying why.
+or a CUDA build that cannot see the GPU) the torch there is uninstalled and ``torch==PIN`` is
+installed from pip's own index: on Linux x86-64, PyPI's torch *is* the CUDA build (with its CUDA
+libraries as ``nvidia-*`` wheels), so a machine that reaches PyPI alone gets it. (Uninstalling
+first: ``torch==PIN`` is satisfied by ``PIN+cpu``, and pip would keep it.) ``TORCH_CUDA=cu126``
+(say) asks for that variant from PyTorch's own index instead,
+``https://download.pytorch.org/whl/<variant>`` (``torch==PIN+<variant>``), for a driver too old
+for PyPI's build. Afterwards, torch must see the GPU: if it cannot, this exits 1 with one line
+saying why.
 
 Standard library only: it runs before anything else is installed.
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -53,25 +54,9 @@ def nvidia_gpus() -> list[str]:
     return [line for line in listed.stdout.splitlines() if line.startswith("GPU ")]
 
 
-def driver_cuda() -> tuple[int, int] | None:
-    """The newest CUDA the driver supports, from ``nvidia-smi``'s header ("CUDA Version: 12.8")."""
-    try:
-        header = subprocess.run(
-            ["nvidia-smi"], capture_output=True, text=True, timeout=60, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", header)
-    return (int(found[1]), int(found[2])) if found else None
-
-
-def cuda_variant() -> str:
-    """``$TORCH_CUDA``, else ``cu130`` for a CUDA 13 driver, else ``cu128``."""
-    chosen = os.environ.get("TORCH_CUDA")
-    if chosen:
-        return chosen
-    cuda = driver_cuda()
-    return "cu130" if cuda is not None and cuda >= (13, 0) else "cu128"
+def cuda_variant() -> str | None:
+    """``$TORCH_CUDA`` (a build from PyTorch's own index), or None: PyPI's own build."""
+    return os.environ.get("TORCH_CUDA") or None
 
 
 def probe(python: list[str]) -> dict[str, object] | None:
@@ -94,6 +79,12 @@ def describe(torch: dict[str, object] | None) -> str:
     return f"torch {torch['version']} ({build})"
 
 
+def pip_uninstall(pip: list[str], package: str) -> int:
+    command = [*pip, "uninstall", "-y", package]
+    print("+ " + shlex.join(command), flush=True)
+    return subprocess.run(command, check=False).returncode
+
+
 def pip_install(pip: list[str], *args: str) -> int:
     command = [*pip, "install", *args]
     print("+ " + shlex.join(command), flush=True)
@@ -113,15 +104,21 @@ def install(pin: str, pip: list[str], python: list[str]) -> int:
         print(f"{describe(torch)} sees {torch['devices']} CUDA device(s)")
         return 0
     variant = cuda_variant()
+    if variant is None:  # PyPI's own torch is the CUDA build; a +cpu build of PIN satisfies
+        # torch==PIN, so it goes first
+        wanted, args = f"torch=={pin}", [f"torch=={pin}"]
+    else:
+        wanted = f"torch=={pin}+{variant}"
+        args = ["--index-url", CUDA_INDEX.format(variant=variant), wanted]
     if torch is not None:
         print(f"{describe(torch)} sees no GPU of the {len(gpus)} nvidia-smi lists: replacing it")
-    status = pip_install(
-        pip, "--index-url", CUDA_INDEX.format(variant=variant), f"torch=={pin}+{variant}"
-    )
+        if variant is None and (status := pip_uninstall(pip, "torch")) != 0:
+            return status
+    status = pip_install(pip, *args)
     if status != 0:
         print(
-            f"install_torch: pip could not install torch=={pin}+{variant} (exit {status}); "
-            "TORCH_CUDA=cu126 (or another variant) chooses another build",
+            f"install_torch: pip could not install {wanted} (exit {status}); "
+            "TORCH_CUDA=cu126 (or another variant) installs a build from PyTorch's index",
             file=sys.stderr,
         )
         return status
@@ -131,8 +128,8 @@ def install(pin: str, pip: list[str], python: list[str]) -> int:
         why = (
             f"CUDA_VISIBLE_DEVICES={hidden!r} hides them"
             if hidden is not None
-            else f"check the driver (nvidia-smi) supports the {variant} build, or set TORCH_CUDA "
-            "to a variant it supports"
+            else f"check the driver (nvidia-smi) supports {wanted}'s CUDA, or set TORCH_CUDA to "
+            "a variant it supports (a build from PyTorch's index)"
         )
         print(
             f"install_torch: nvidia-smi lists {len(gpus)} GPU(s) but {describe(after)} cannot "

@@ -111,29 +111,30 @@ def test_an_nvidia_smi_that_cannot_reach_a_driver_is_no_gpu(machine: Machine) ->
     assert status == 0 and machine.pip_calls() == ["install torch==2.13.0"]
 
 
-def test_with_a_gpu_a_cpu_build_is_replaced_by_the_pinned_cuda_build(machine: Machine) -> None:
-    """A CPU build imports but sees no GPU: the same version's CUDA build is installed from
-    PyTorch's CUDA index (the local label makes pip replace the +cpu build), and once it sees
-    the GPU the step succeeds."""
+def test_with_a_gpu_a_cpu_build_is_replaced_by_pypis_own_cuda_build(machine: Machine) -> None:
+    """A CPU build imports but sees no GPU: it is uninstalled (``torch==2.13.0`` is satisfied
+    by ``2.13.0+cpu``) and the pinned version installed from pip's own index, where PyPI's
+    Linux torch is the CUDA build: no index outside PyPI. Once it sees the GPU, the step
+    succeeds."""
     machine.gpu()
     machine.torch(CPU_TORCH)
     status, out, err = machine.run(after_pip=CUDA_TORCH)
     assert status == 0, err
-    assert machine.pip_calls() == [
-        "install --index-url https://download.pytorch.org/whl/cu128 torch==2.13.0+cu128"
-    ]
+    assert machine.pip_calls() == ["uninstall -y torch", "install torch==2.13.0"]
     assert "replacing it" in out and "sees 1 CUDA device(s)" in out
 
 
-def test_with_a_gpu_and_no_torch_the_cuda_build_follows_the_driver(machine: Machine) -> None:
-    """A driver that reports CUDA 13 gets the cu130 build; TORCH_CUDA overrides the choice."""
+def test_with_a_gpu_and_no_torch_pypis_build_unless_torch_cuda_names_one(
+    machine: Machine,
+) -> None:
+    """No torch: PyPI's own build; TORCH_CUDA asks for that variant from PyTorch's index."""
     machine.gpu(cuda="13.0")
     machine.torch(None)
     assert machine.run(after_pip=CUDA_TORCH)[0] == 0
     machine.torch(None)
     assert machine.run(after_pip=CUDA_TORCH, TORCH_CUDA="cu126")[0] == 0
     assert machine.pip_calls() == [
-        "install --index-url https://download.pytorch.org/whl/cu130 torch==2.13.0+cu130",
+        "install torch==2.13.0",
         "install --index-url https://download.pytorch.org/whl/cu126 torch==2.13.0+cu126",
     ]
 
@@ -176,7 +177,7 @@ def test_hidden_gpus_are_named_as_the_reason(machine: Machine) -> None:
 
 def test_the_real_cpu_torch_here_is_replaced_and_then_refused(machine: Machine) -> None:
     """With this machine's own python (torch 2.13.0+cpu, really imported) and a GPU on PATH:
-    the CUDA build is asked for, and since nothing was really installed, the check after fails."""
+    PyPI's build is asked for, and since nothing was really installed, the check after fails."""
     machine.gpu()
     pip = _executable(machine.root / "pip", f'echo "$@" >> {machine.log}\n')
     ran = subprocess.run(
@@ -187,7 +188,5 @@ def test_the_real_cpu_torch_here_is_replaced_and_then_refused(machine: Machine) 
         timeout=120,
     )
     assert ran.returncode == 1
-    assert machine.pip_calls() == [
-        "install --index-url https://download.pytorch.org/whl/cu128 torch==2.13.0+cu128"
-    ]
+    assert machine.pip_calls() == ["uninstall -y torch", "install torch==2.13.0"]
     assert "cannot see any" in ran.stderr and len(ran.stderr.strip().splitlines()) == 1
