@@ -23,7 +23,13 @@ from ..errors import StoicError
 from ._board import BOARD_NAMESPACE
 from ._wire import Admitted, Failure, pack_error
 
-__all__ = ["EngineReplica", "ReplicaInfo", "check_engine_health", "check_replica_device"]
+__all__ = [
+    "EngineReplica",
+    "ReplicaInfo",
+    "check_engine_health",
+    "check_replica_device",
+    "replica_config",
+]
 
 _log = get_logger("stoic.ray")
 
@@ -50,6 +56,20 @@ def check_engine_health(health: Health) -> None:
     """
     if health.state == "failed":
         raise RuntimeError(f"the engine is failed: {health.reason}")
+
+
+def replica_config(config: EngineConfig, threads: int | None, gpus: float) -> EngineConfig:
+    """A replica's engine configuration: ``threads``, its share of the machine's cores, as its
+    compute budget where ``config`` sets none (workers included; they still shrink while a
+    neighbour takes CPUs, ``adapt_threads``); and with a fraction of a GPU (``--replica-gpus
+    0.5``: two replicas on one device) its share of that device's memory,
+    ``gpu_memory_utilization`` times the fraction. Each would otherwise size its KV cache for
+    0.9 of the whole device: the second replica's start, or its steps, would run out of memory."""
+    if threads is not None and config.threads is None:
+        config = replace(config, threads=threads)
+    if 0.0 < gpus < 1.0:
+        config = replace(config, gpu_memory_utilization=config.gpu_memory_utilization * gpus)
+    return config
 
 
 def check_replica_device(device: str, gpus: float, visible: int, build: str) -> None:
@@ -101,10 +121,7 @@ class EngineReplica:
         board: str | None = None,
         gpus: float = 0.0,
     ) -> None:
-        if threads is not None and config.threads is None:
-            # the replica's share of the machine is its compute budget (workers included);
-            # its threads still shrink while a neighbour takes CPUs (``adapt_threads``)
-            config = replace(config, threads=threads)
+        config = replica_config(config, threads, gpus)
         self.replica = _replica_id()
         try:
             check_replica_device(config.device, gpus, *cuda_devices())

@@ -38,7 +38,7 @@ from stoic.ray import ReplicaOptions, check_engine_health
 from stoic.ray._app import app_options
 from stoic.ray._cli import replica_options
 from stoic.ray._redecode import Continuation
-from stoic.ray._replica import EngineReplica, check_replica_device
+from stoic.ray._replica import EngineReplica, check_replica_device, replica_config
 from stoic.ray._stats import sum_stats
 from stoic.ray._wire import pack_error, unpack_error
 
@@ -419,3 +419,24 @@ async def test_a_replica_given_a_gpu_it_cannot_see_fails_before_loading(
     ):
         await EngineReplica.__init__(replica, config, None, None, 1.0)  # type: ignore[arg-type]
     assert not hasattr(replica, "engine")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "threads", "utilization", "want_threads"),
+    [
+        (0.5, None, 0.45, None),  # two replicas on one GPU: each sizes for half its memory
+        (0.25, 3, 0.225, 3),
+        (1.0, 2, 0.9, 2),  # a whole GPU (or more): the configured share of it
+        (2.0, None, 0.9, None),
+        (0.0, 4, 0.9, 4),  # no GPU: the CPU's sizing, untouched
+    ],
+)
+def test_a_replica_on_a_fraction_of_a_gpu_sizes_for_its_share(
+    gpus: float, threads: int | None, utilization: float, want_threads: int | None
+) -> None:
+    config = replica_config(EngineConfig(), threads, gpus)
+    assert config.gpu_memory_utilization == pytest.approx(utilization)
+    assert config.threads == want_threads
+    mine = EngineConfig(threads=1, gpu_memory_utilization=0.8)
+    assert replica_config(mine, 5, 0.5).threads == 1  # the user's own budget stands
+    assert replica_config(mine, 5, 0.5).gpu_memory_utilization == pytest.approx(0.4)
