@@ -17,10 +17,14 @@ The forms come from torch's sources and the errors operators report:
   CUDA errors (an illegal memory access or instruction, a misaligned address, an invalid
   program counter, an unspecified launch failure, a launch time-out, a device-side assert, a
   hardware stack error, an uncorrectable ECC or NVLink error, and a cuBLAS execution failure,
-  which such a fault leaves behind), and every other :class:`torch.AcceleratorError`: since
-  torch 2.8 each failed CUDA runtime call raises one, and after any of them the context is not
-  trusted.
-* anything else is ``"error"``: the step failed, the device is fine.
+  which such a fault leaves behind), and every other :class:`torch.AcceleratorError` (since
+  torch 2.8 each failed CUDA runtime call raises one) but those below.
+* anything else is ``"error"``: the step failed, the device is fine. That includes the
+  :class:`torch.AcceleratorError` of the CUDA errors that a call reports before any work runs
+  and that leave the context usable (:data:`_CONTEXT_SURVIVES`: an invalid argument or launch
+  configuration, a kernel asking for more resources than a launch has, no kernel image for the
+  device, an unsupported operation): failing the engine for one of those (the thread executor
+  shares the server's context) would turn a bad request's shape into an outage.
 """
 
 from __future__ import annotations
@@ -58,6 +62,21 @@ _FATAL_MARKERS = (
     "uncorrectable ecc error",  # cudaErrorECCUncorrectable
     "uncorrectable nvlink error",  # cudaErrorNvlinkUncorrectable
     "cublas_status_execution_failed",  # a kernel the context's fault took down
+)
+
+#: the CUDA error codes (``torch.AcceleratorError.error_code``) of failures that leave the
+#: context usable: reported by the call itself, before any work ran. The CUDA runtime's
+#: documentation marks the sticky errors ("the process is left in an inconsistent state");
+#: none of these is one
+_CONTEXT_SURVIVES = frozenset(
+    {
+        1,  # cudaErrorInvalidValue ("invalid argument")
+        9,  # cudaErrorInvalidConfiguration ("invalid configuration argument")
+        98,  # cudaErrorInvalidDeviceFunction
+        209,  # cudaErrorNoKernelImageForDevice
+        701,  # cudaErrorLaunchOutOfResources ("too many resources requested for launch")
+        801,  # cudaErrorNotSupported
+    }
 )
 
 #: ``torch.AcceleratorError`` where this torch has it (2.8 and later)
@@ -112,5 +131,5 @@ def classify_failure(error: BaseException) -> FailureKind:
     if any(marker in text for marker in _FATAL_MARKERS):
         return "fatal"
     if _ACCELERATOR_ERROR is not None and isinstance(error, _ACCELERATOR_ERROR):
-        return "fatal"
+        return "error" if getattr(error, "error_code", None) in _CONTEXT_SURVIVES else "fatal"
     return "error"

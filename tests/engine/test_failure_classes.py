@@ -125,14 +125,38 @@ def test_errors_that_poison_the_context_are_fatal(message: str) -> None:
         (POISONED[1], 715),  # cudaErrorIllegalInstruction
         (POISONED[2], 214),  # cudaErrorECCUncorrectable
         (POISONED[3], 719),  # cudaErrorLaunchFailure
-        ("CUDA error: invalid argument" + _ADVICE, 1),
-        ("CUDA error: no kernel image is available for execution on the device" + _ADVICE, 209),
+        ("CUDA error: operating system call failed" + _ADVICE, 304),
+        ("CUDA error: unknown error" + _ADVICE, 999),
     ],
 )
 def test_an_accelerator_error_that_is_not_out_of_memory_is_fatal(message: str, code: int) -> None:
-    """Every torch.AcceleratorError (what torch >= 2.8 raises for a failed CUDA runtime call)
-    poisons the context as far as stoic knows, named in the marker list or not."""
+    """A torch.AcceleratorError (what torch >= 2.8 raises for a failed CUDA runtime call)
+    poisons the context as far as stoic knows, named in the marker list or not, unless CUDA
+    says the context survives it (next test)."""
     assert classify_failure(_accelerator_error(message, code)) == "fatal"
+
+
+@needs_accelerator_error
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("CUDA error: invalid argument", 1),
+        ("CUDA error: invalid configuration argument", 9),
+        ("CUDA error: invalid device function", 98),
+        ("CUDA error: no kernel image is available for execution on the device", 209),
+        ("CUDA error: too many resources requested for launch", 701),
+        ("CUDA error: operation not supported", 801),
+    ],
+)
+def test_an_accelerator_error_the_context_survives_is_a_step_failure(
+    message: str, code: int
+) -> None:
+    """The CUDA errors a call reports before any work runs leave the context usable: ``error``
+    (the step fails, the engine and its worker serve on), so a request that makes a kernel's
+    launch invalid cannot fail the thread executor's engine."""
+    assert classify_failure(_accelerator_error(message + _ADVICE, code)) == "error"
+    # the same words without the code (an older torch's RuntimeError) were never fatal
+    assert classify_failure(RuntimeError(message)) == "error"
 
 
 @needs_accelerator_error
