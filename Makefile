@@ -84,7 +84,7 @@ serve: $(SERVE_STAMP)
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check stoic tests examples scripts $(wildcard benchmarks)
 	$(VENV)/bin/ruff format --check stoic tests examples scripts $(wildcard benchmarks)
-	# the layer contract in pyproject.toml: http -> engine -> actors -> runtime | model
+	# the import contracts in pyproject.toml (docs/architecture.md, "Layers")
 	$(VENV)/bin/lint-imports
 
 typecheck: $(DEV_STAMP)
