@@ -292,17 +292,29 @@ def _no_progress_bar() -> Iterator[None]:
         hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
+#: the seed of ``--load-format dummy``'s weights (the same at every load)
+DUMMY_SEED = 0
+
+
 def _dummy_model(config: Any, dtype: torch.dtype, device: torch.device, path: Path) -> Any:
     """``config``'s model with random weights (transformers' own initialisation), made on
     ``device`` in ``dtype``: ``--load-format dummy``. Logged as a warning: its outputs mean
-    nothing.
+    nothing. The same weights at every load (seeded from :data:`DUMMY_SEED`, this process's
+    random state untouched): a replacement worker, a resumed stream or a second replica
+    continues on the weights the first one had.
 
     :raises ModelUnavailable: if transformers cannot build the model (one line).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     started = time.monotonic()
-    with load_errors(f"cannot build the model of {path}", _TODO_DIR), torch.device(device):
+    devices = [device] if device.type == "cuda" else []
+    with (
+        load_errors(f"cannot build the model of {path}", _TODO_DIR),
+        torch.random.fork_rng(devices=devices),
+        torch.device(device),
+    ):
+        torch.manual_seed(DUMMY_SEED)
         lm: Any = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     # no generation_config.json: the model config's own token ids stand
     with contextlib.suppress(OSError):

@@ -51,6 +51,7 @@ __all__ = [
     "HostMemory",
     "device_memory",
     "plan_cache",
+    "profile_batches",
     "release_free_memory",
     "size_kv_cache",
 ]
@@ -210,6 +211,8 @@ class CacheBudget:
     #: a fixed number of blocks (``--num-kv-blocks``, or the first worker's figure for every
     #: later one): no profiling
     num_blocks: int | None = None
+    #: ``--max-model-len`` (None: the model's own): the longest context a chunk attends over
+    max_model_len: int | None = None
 
     @classmethod
     def of(cls, config: EngineConfig, device_type: str) -> CacheBudget:
@@ -224,6 +227,7 @@ class CacheBudget:
             utilization=config.gpu_memory_utilization,
             cap_bytes=None if cap is None else int(cap * _GIB),
             num_blocks=config.num_kv_blocks,
+            max_model_len=config.max_model_len,
         )
 
     @property
@@ -319,6 +323,34 @@ def plan_cache(
     )
 
 
+def profile_batches(
+    budget: CacheBudget, context: int, *, continued: bool
+) -> list[tuple[StepBatch, int]]:
+    """The steps the sizing's profiling forward runs, each with the blocks it needs: the step
+    budget's tokens from position 0 in one sequence and spread over the most sequences; with
+    ``continued``, also one chunk of the step's tokens that continues a sequence to
+    ``context`` (the longest context), whose attention reads every earlier key. On a GPU that
+    chunk runs SDPA with a mask (and grouped-query heads), which falls back to the math kernel
+    and materialises ``[heads, chunk, context]`` scores: the largest activation a step can
+    have, and one a profile of chunks from position 0 never meets (an OOM on the first long
+    prompt). On a CPU the cache is capped (``--kv-cache-memory``) and a full-context chunk
+    would add seconds to every start: not profiled there."""
+    seqs = max(1, min(budget.max_seqs, budget.step_tokens))
+    batches = [_profile_batch(budget.step_tokens, s, budget.block_size) for s in sorted({1, seqs})]
+    if continued and context > 1:
+        batches.append(_continued_batch(min(budget.step_tokens, context - 1), context, budget))
+    return batches
+
+
+def _continued_batch(tokens: int, context: int, budget: CacheBudget) -> tuple[StepBatch, int]:
+    """One chunk of ``tokens`` that ends a ``context``-token sequence (its earlier positions'
+    keys in the throw-away cache: zeros)."""
+    blocks = math.ceil(context / budget.block_size)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    chunk = SeqChunk(0, (0,) * tokens, context - tokens, tuple(range(blocks)), True, params)
+    return StepBatch((chunk,), zero_blocks=tuple(range(blocks))), blocks
+
+
 def _profile_batch(tokens: int, seqs: int, block_size: int) -> tuple[StepBatch, int]:
     """``tokens`` prefill tokens from position 0 spread over ``seqs`` sequences, each sampling
     once, and the blocks they need."""
@@ -349,9 +381,9 @@ def size_kv_cache(runner: ModelRunner, budget: CacheBudget) -> CacheSizing:
     memory = device_memory(device)
     weights = memory.in_use()
     activations = 0
-    seqs = max(1, min(budget.max_seqs, budget.step_tokens))
-    for spread in sorted({1, seqs}):
-        batch, blocks = _profile_batch(budget.step_tokens, spread, budget.block_size)
+    model_len = runner.loaded.max_model_len
+    context = min(budget.max_model_len or model_len, model_len)
+    for batch, blocks in profile_batches(budget, context, continued=device.type != "cpu"):
         kv = PagedKVCache(runner.kv_spec(blocks, budget.block_size))
         try:
             before = memory.in_use()  # the throw-away cache is not an activation

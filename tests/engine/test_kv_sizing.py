@@ -397,3 +397,32 @@ def test_the_memory_flags_reach_the_config() -> None:
     assert (defaults.gpu_memory_utilization, defaults.kv_cache_memory_gib) == (0.9, None)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         config_from_args(build_parser().parse_args(["serve", "--gpu-memory-utilization", "1.5"]))
+
+
+@pytest.mark.parametrize("continued", [False, True])
+def test_the_profile_reaches_the_longest_context_a_chunk_attends_over(continued: bool) -> None:
+    """The sizing's profiling steps: the step budget's tokens from position 0 (one sequence,
+    and spread over the most), and on a GPU one chunk of the budget's tokens that ends a
+    sequence of the longest context (its attention's scores are the largest activation a step
+    can have); each step's blocks cover its positions."""
+    budget = CacheBudget(
+        block_size=16, step_tokens=2048, max_seqs=64, utilization=0.9, max_model_len=8192
+    )
+    batches = memory_module.profile_batches(budget, 8192, continued=continued)
+    assert [len(b.chunks) for b, _ in batches] == [1, 64] + ([1] if continued else [])
+    for batch, blocks in batches:
+        assert sum(len(c.token_ids) for c in batch.chunks) == 2048
+        for chunk in batch.chunks:
+            assert len(chunk.block_table) * 16 >= chunk.start_pos + len(chunk.token_ids)
+            assert max(chunk.block_table) < blocks
+    if continued:
+        (last,) = batches[-1][0].chunks
+        assert last.start_pos + len(last.token_ids) == 8192 and last.start_pos == 8192 - 2048
+    # a context shorter than the step: the chunk is all of it but its first token
+    (short,) = memory_module.profile_batches(budget, 100, continued=True)[-1][0].chunks
+    assert (short.start_pos, len(short.token_ids)) == (1, 99)
+
+
+def test_the_budget_carries_max_model_len() -> None:
+    assert CacheBudget.of(stoic.EngineConfig(max_model_len=4096), "cuda").max_model_len == 4096
+    assert CacheBudget.of(stoic.EngineConfig(), "cuda").max_model_len is None

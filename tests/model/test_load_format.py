@@ -87,6 +87,13 @@ def test_a_gguf_file_loaded_dummy_reads_none_of_its_tensors() -> None:
     theirs = real.model.get_input_embeddings().weight
     assert mine.shape == theirs.shape and mine.dtype == torch.float32
     assert not torch.equal(mine, theirs)
+    # the same random weights at every load (a replacement worker continues on them), and the
+    # caller's random state untouched
+    state = torch.random.get_rng_state()
+    again = load_model("default", dtype="float32", load_format="dummy")
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for a, b in zip(dummy.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.model
