@@ -11,13 +11,20 @@
 2. **A real device-side assert** (the process executor, fault ``device_assert``: an out-of-range
    index on the GPU): passes only if the request fails with kind ``fatal`` naming the assert, a
    new worker process serves, and its greedy text is the one before.
-3. **Throughput** at concurrency 1 and 32 (64 greedy tokens a request, the default command's
-   process executor) on the tiny random model and the default model: a table, no verdict.
+3. **The KV cache's sizing** (every engine above sizes its cache from the memory left, as the
+   default command does: ``--kv-blocks`` fixes it instead): passes only if the engine says it
+   profiled, and the device's used memory that ``nvidia-smi`` reports once it serves is within
+   ``--gpu-memory-utilization`` of the total (plus ``--context-mib`` for CUDA contexts).
+4. **Throughput** at concurrency 1 and 32 (64 greedy tokens a request, the default command's
+   process executor) on the tiny random model and ``--model`` (the default model; a shape with
+   ``--load-format dummy``, e.g. ``--model shapes/llama3.1-8b``, needs no weight file): a table,
+   no verdict.
 
 Exits 1 with one line when no CUDA device is visible (nothing can be checked), 1 with FAIL when
 a check fails, 0 with PASS. About two minutes on an H200.
 
     python benchmarks/gpu_check.py [--margin-mib 32] [--prefill-tokens 8192] [--skip-throughput]
+        [--model shapes/llama3.1-8b --load-format dummy] [--kv-blocks N]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +77,8 @@ async def check_oom(args: argparse.Namespace) -> tuple[bool, str]:
     import torch
 
     config = stoic.EngineConfig(
+        model=args.model,
+        load_format=args.load_format,
         device="cuda",
         executor="thread",  # the allocator capped here is the forward's own
         recovery="fail",
@@ -119,18 +129,50 @@ async def check_oom(args: argparse.Namespace) -> tuple[bool, str]:
         )
 
 
-async def check_device_assert(kv_blocks: int) -> tuple[bool, str]:
-    """Part 2; ``(passed, what happened)``."""
+def nvidia_smi_used() -> tuple[float, float]:
+    """The first GPU's used and total memory in MiB, as ``nvidia-smi`` reports them."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.splitlines()[0]
+    used, total = (float(x) for x in out.split(","))
+    return used, total
+
+
+def check_sizing(engine: stoic.Engine, args: argparse.Namespace) -> tuple[bool, str]:
+    """Part 3 on a serving engine; ``(passed, what happened)``."""
+    sizing = engine.kv_sizing
+    used, total = nvidia_smi_used()
+    limit = total * engine.config.gpu_memory_utilization + args.context_mib
+    passed = (sizing.profiled or args.kv_blocks is not None) and used <= limit
+    return passed, (
+        f"profiled={sizing.profiled} kv_blocks={sizing.num_blocks} "
+        f"nvidia-smi used {used:.0f} of {total:.0f} MiB (limit {limit:.0f})"
+    )
+
+
+async def check_device_assert(args: argparse.Namespace) -> tuple[bool, str, tuple[bool, str]]:
+    """Part 2, and part 3 on its engine (the default command's process executor);
+    ``(passed, what happened, sizing)``."""
     config = stoic.EngineConfig(
-        device="cuda", executor="process", enable_fault_injection=True, num_kv_blocks=kv_blocks
+        model=args.model,
+        load_format=args.load_format,
+        device="cuda",
+        executor="process",
+        enable_fault_injection=True,
+        num_kv_blocks=args.kv_blocks,
     )
     async with stoic.Engine.start(config) as engine:
         before = (await engine.complete(PROMPT, GREEDY)).text
+        sizing = check_sizing(engine, args)
         pid = engine.stats().executor_pid
         await engine.inject_fault(stoic.FaultSpec(kind="device_assert", after_steps=1))
         try:
             await engine.complete("Hello", GREEDY)
-            return False, "the out-of-range index raised nothing"
+            return False, "the out-of-range index raised nothing", sizing
         except ExecutorFailed as exc:
             error = exc
         started = time.perf_counter()
@@ -143,17 +185,25 @@ async def check_device_assert(kv_blocks: int) -> tuple[bool, str]:
             and new_pid not in (None, pid)
             and text == before
         )
-        return passed, (
+        return (
+            passed,
             f"kind={error.kind} new worker={new_pid != pid} served again={text == before} "
-            f"after {seconds:.1f} s"
+            f"after {seconds:.1f} s",
+            sizing,
         )
 
 
-async def throughput(model: str, name: str, kv_blocks: int) -> list[tuple[str, ...]]:
+async def throughput(
+    model: str, name: str, kv_blocks: int | None, load_format: str = "auto"
+) -> list[tuple[str, ...]]:
     """Rows at concurrency 1 (8 requests) and 32 (64 requests), 64 tokens each."""
     rows: list[tuple[str, ...]] = []
     config = stoic.EngineConfig(
-        model=model, device="cuda", executor="process", num_kv_blocks=kv_blocks
+        model=model,
+        load_format=load_format,  # type: ignore[arg-type]
+        device="cuda",
+        executor="process",
+        num_kv_blocks=kv_blocks,
     )
     async with stoic.Engine.start(config) as engine:
         await engine.complete(PROMPT, GREEDY)  # warm-up
@@ -170,14 +220,15 @@ async def run(args: argparse.Namespace) -> int:
 
     checks = [("real CUDA OOM in the forward", await check_oom(args))]
     torch.cuda.empty_cache()  # this process's engine is gone: its memory is the workers' now
-    checks.append(("device-side assert", await check_device_assert(args.kv_blocks)))
+    passed, outcome, sizing = await check_device_assert(args)
+    checks += [("device-side assert", (passed, outcome)), ("KV cache sizing", sizing)]
     print(markdown(("check", "pass", "outcome"), [(n, str(p), o) for n, (p, o) in checks]))
     if not args.skip_throughput:
         from stoic.model.testing import build_tiny_model
 
         tiny = build_tiny_model(Path(tempfile.mkdtemp(prefix="stoic-gpu-check-")) / "tiny")
         rows = await throughput(str(tiny), "tiny", args.kv_blocks)
-        rows += await throughput("default", "default", args.kv_blocks)
+        rows += await throughput(args.model, args.model, args.kv_blocks, args.load_format)
         print(markdown(("model", "concurrency", "tokens/s", "TTFT p50 (s)"), rows, align="lrrr"))
     passed = all(p for _n, (p, _o) in checks)
     print("PASS" if passed else "FAIL")
@@ -188,7 +239,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--margin-mib", type=int, default=32, help="the cap above what is in use")
     parser.add_argument("--prefill-tokens", type=int, default=8192, help="the step budget")
-    parser.add_argument("--kv-blocks", type=int, default=4096, help="KV blocks of each engine")
+    parser.add_argument(
+        "--kv-blocks", type=int, default=None, help="KV blocks of each engine (default: sized)"
+    )
+    parser.add_argument("--model", default="default", help="the model (default %(default)s)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument(
+        "--context-mib", type=float, default=1024.0, help="room for the CUDA contexts"
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     missing = cuda_missing()
