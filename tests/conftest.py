@@ -35,11 +35,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
         # under pytest-xdist (``--dist loadgroup``) a test file runs whole on one worker, so a
-        # module's shared engine or server is started once; the Ray tests share one worker (one
-        # local Ray cluster at a time)
+        # module's shared engine or server is started once (make unit runs the Ray tests apart)
         path = Path(str(item.path)).relative_to(_TESTS)
-        group = "ray" if path.parts[0] == "ray" else str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(str(path)))
 
 
 @pytest.fixture(scope="session", autouse=True)
