@@ -87,14 +87,13 @@ class Engine:
         """
         cfg = config or EngineConfig()
         async with contextlib.AsyncExitStack() as stack:
-            # where the steps run (stoic.executor). The thread executor loads, builds and runs
-            # its model on one thread (every executor incarnation's): torch's OpenMP pool is per
-            # calling thread, and a second pool in the process (here: the loading thread's)
-            # makes libgomp stop spinning between parallel regions when the pools' threads
-            # outnumber the cores, so every region waits on a futex: a prefill step of a burst
-            # measured 1.8x slower (docs/benchmarks.md, "One OpenMP pool"). With the process
-            # executor the weights live in the worker process only, and this process loads the
-            # tokenizer and config. Closed after the actors stopped: no orphan workers.
+            # where the steps run (stoic.executor). The thread executor loads, builds and runs its
+            # model on one thread (every incarnation's): torch's OpenMP pool is per calling thread,
+            # and a second pool in the process (the loading thread's) makes libgomp stop spinning
+            # between parallel regions when the pools' threads outnumber the cores, each region
+            # waiting on a futex: a burst's prefill step 1.8x slower (docs/benchmarks.md, "One
+            # OpenMP pool"). With the process executor the weights live in the worker process
+            # only; this one loads tokenizer and config. Closed after the actors: no orphans.
             backend = stack.enter_context(make_backend(cfg))
             loaded = await backend.load(
                 functools.partial(
