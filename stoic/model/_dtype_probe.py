@@ -18,12 +18,14 @@ disagree.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ _REPEATS = 15
 #: bfloat16 must take at most this share of float32's time
 _MARGIN = 0.9
 _FILE = "dtype-probe.json"
+_LOCK = "dtype-probe.lock"
 
 
 def _cpu_model() -> str:
@@ -94,9 +97,32 @@ def probe_cpu_dtype(
 ) -> torch.dtype:
     """float32 or bfloat16, whichever this CPU runs faster (cached; see the module docstring).
 
-    A cache that cannot be written only costs a probe at the next start.
+    Processes that resolve ``auto`` at the same moment (two servers, the test suite's workers)
+    take turns (a lock file beside the cache): the first measures, the others read its answer,
+    so none runs with the other dtype because its own measurement came out the other way. A
+    cache that cannot be written only costs a probe at the next start.
     """
     root = cache_root if cache_root is not None else default_cache_dir()
+    with _probe_lock(root):
+        return _probe(root, measure)
+
+
+@contextlib.contextmanager
+def _probe_lock(root: Path) -> Iterator[None]:
+    """Held while this process reads, measures and writes the cache (none where the lock file
+    cannot be made: a read-only cache directory)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / _LOCK, "a")  # noqa: SIM115  # held across the block
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _probe(root: Path, measure: Callable[[torch.dtype], float]) -> torch.dtype:
     path = root / _FILE
     key = _probe_key()
     known = _read(path)

@@ -82,3 +82,28 @@ def test_auto_on_this_cpu_measures_and_explicit_names_do_not(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8", cpu, tmp_path)
     assert time_matmuls(torch.float32) > 0
+
+
+def test_processes_that_probe_at_once_take_turns_and_agree(tmp_path: Path) -> None:
+    """While another process holds the probe's lock (measuring), a probe waits; it then reads
+    the answer that process wrote instead of measuring its own, which could come out the other
+    way (the first answer is every process's)."""
+    import fcntl
+    import threading
+
+    from stoic.model import _dtype_probe
+
+    calls, measure = _fake(1.0, 0.5)  # this process would measure bfloat16
+    results: list[torch.dtype] = []
+    with open(tmp_path / "dtype-probe.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other process is measuring
+        waiting = threading.Thread(
+            target=lambda: results.append(probe_cpu_dtype(tmp_path, measure=measure))  # type: ignore[arg-type]
+        )
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and results == []  # it waits for the lock
+        answer = {"dtype": "float32", "float32_us": 1.0, "bfloat16_us": 1.0}
+        (tmp_path / "dtype-probe.json").write_text(json.dumps({_dtype_probe._probe_key(): answer}))
+    waiting.join(10)
+    assert results == [torch.float32] and calls == []
