@@ -25,6 +25,9 @@ class RequestRecord:
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
     error: str | None = None
+    status: int | None = None  # the HTTP status (None: no response)
+    finish_reason: str | None = None  # the last one a choice carried
+    retry_after: str | None = None  # a refusal's ``Retry-After`` header
 
 
 @dataclass
@@ -116,7 +119,11 @@ _STALE_RETRIES = 33
 
 
 async def _post(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], limit_s: float
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    limit_s: float,
+    headers: dict[str, str] | None = None,
 ) -> aiohttp.ClientResponse:
     """POST, retried on another connection while kept-alive ones turn out closed.
 
@@ -127,14 +134,18 @@ async def _post(
     timeout = aiohttp.ClientTimeout(total=limit_s)
     for _ in range(_STALE_RETRIES):
         try:
-            return await session.post(url, json=body, timeout=timeout)
+            return await session.post(url, json=body, timeout=timeout, headers=headers)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
             continue  # that connection is dropped from the pool; the next try takes another
-    return await session.post(url, json=body, timeout=timeout)
+    return await session.post(url, json=body, timeout=timeout, headers=headers)
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], limit_s: float
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    limit_s: float,
+    headers: dict[str, str] | None = None,
 ) -> RequestRecord:
     start = time.perf_counter()
     rec = RequestRecord(ok=False, start=start, e2e=0.0)
@@ -142,8 +153,10 @@ async def one_request(
     chunks = 0
     last = 0.0
     try:
-        async with await _post(session, url, body, limit_s) as resp:
+        async with await _post(session, url, body, limit_s, headers) as resp:
+            rec.status = resp.status
             if resp.status != 200:
+                rec.retry_after = resp.headers.get("Retry-After")
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 rec.e2e = time.perf_counter() - start
                 return rec
@@ -163,6 +176,8 @@ async def one_request(
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
                 for choice in event.get("choices") or ():
+                    if choice.get("finish_reason"):
+                        rec.finish_reason = choice["finish_reason"]
                     if (choice.get("delta") or {}).get("content"):
                         chunks += 1
                         if rec.ttft is None:
@@ -185,8 +200,10 @@ async def run_load(
     *,
     budget: float,
     request_timeout: float = 300.0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """C closed-loop clients over ``bodies`` in order; no new request starts after ``budget`` s.
+    ``headers`` go with every request (e.g. a tenant's).
 
     Returns the records and the wall time from the first request to the last response.
     """
@@ -199,7 +216,7 @@ async def run_load(
         async def client() -> None:
             while queue and time.perf_counter() - start < budget:
                 body = queue.popleft()
-                records.append(await one_request(session, url, body, request_timeout))
+                records.append(await one_request(session, url, body, request_timeout, headers))
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
