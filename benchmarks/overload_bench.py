@@ -322,23 +322,26 @@ async def measure(t: Target, plan: Plan) -> dict[str, Any]:
     await asyncio.sleep(1.0)
 
     rate = plan.overload * cap.requests_per_s
-    if t.deadline_field:
-        fields: dict[str, Any] = {"timeout": plan.deadline}
-        headers = None
+    fields: dict[str, Any] = {}
+    headers = None
+    if not plan.deadline:  # the server's --max-queue-wait alone bounds the wait
+        pass
+    elif t.deadline_field:
+        fields = {"timeout": plan.deadline}
     else:
-        fields, headers = {}, {"x-request-timeout": f"{plan.deadline:g}"}
+        headers = {"x-request-timeout": f"{plan.deadline:g}"}
     over = await open_loop(
         t,
         "overload",
         rate,
         plan.overload_s,
         plan,
-        limit_s=plan.deadline + plan.grace,
+        limit_s=(plan.deadline + plan.grace) if plan.deadline else 300.0,
         fields=fields,
         headers=headers,
     )
     out["overload"] = over
-    counts = count_outcomes(over, plan.deadline)
+    counts = count_outcomes(over, plan.deadline or None)
     log(f"{t.name} (b) {rate:.2f} req/s: {counts}")
     await asyncio.sleep(1.0)
 
@@ -403,7 +406,7 @@ def steady_numbers(phase: Phase) -> dict[str, Any]:
 
 
 def overload_numbers(phase: Phase, plan: Plan, capacity: Result) -> dict[str, Any]:
-    kinds = [outcome(r, plan.deadline) for r in phase.records]
+    kinds = [outcome(r, plan.deadline or None) for r in phase.records]
     refused = [r for r, k in zip(phase.records, kinds, strict=True) if k == "refused"]
     good = [r for r, k in zip(phase.records, kinds, strict=True) if k == "completed"]
     admitted = [r for r in phase.records if r.status not in (429, 503)]
@@ -414,7 +417,7 @@ def overload_numbers(phase: Phase, plan: Plan, capacity: Result) -> dict[str, An
     out: dict[str, Any] = {
         "rate": phase.rate,
         "sent": len(phase.records),
-        **count_outcomes(phase, plan.deadline),
+        **count_outcomes(phase, plan.deadline or None),
         "refusal_p50": quantile([r.e2e for r in refused], 0.5),
         "refusal_max": max((r.e2e for r in refused), default=None),
         "retry_after": sum(1 for r in refused if r.retry_after is not None),
@@ -654,7 +657,7 @@ def raw(measured: dict[str, Any], plan: Plan) -> dict[str, Any]:
             "numbers": m["numbers"],
             "capacity": closed(m["capacity"]),
             "steady": opened(m["steady"], None),
-            "overload": opened(m["overload"], plan.deadline),
+            "overload": opened(m["overload"], plan.deadline or None),
         }
         if m.get("fairness"):
             entry["fairness"] = {k: closed(v) for k, v in m["fairness"].items()}
@@ -712,7 +715,7 @@ async def run(args: argparse.Namespace, plan: Plan, work: Path) -> dict[str, Any
         flags = (
             shlex.split(args.stoic_flags)
             if args.stoic_flags is not None
-            else ["--tenant-header", plan.tenant_header]
+            else ["--tenant-header", plan.tenant_header, "--max-queue-wait", "2"]
         )
         srv = stoic_server(work, "stoic", flags)
         t = Target("stoic", srv.url, srv.model, srv.extra, True, argv=srv.argv)
@@ -794,7 +797,13 @@ def main() -> None:
     parser.add_argument("--steady-seconds", type=float, help="(a) (60; --quick 15)")
     parser.add_argument("--overload", type=float, default=2.0, help="(b) multiple of capacity")
     parser.add_argument("--overload-seconds", type=float, help="(b) (40; --quick 12)")
-    parser.add_argument("--deadline", type=float, default=3.0, help="(b) each request's timeout")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="(b) each request's timeout (default 0: none; the server's --max-queue-wait, 2 s "
+        "in the default flags, bounds the wait to start)",
+    )
     parser.add_argument(
         "--grace",
         type=float,

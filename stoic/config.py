@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -168,6 +169,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: requests admitted and not yet finished; beyond it, :class:`~stoic.errors.Overloaded`
     max_waiting: int = 512
+    #: seconds a request may wait to start: one whose wait, estimated at admission from the
+    #: queue ahead of it and the measured step rate, is longer is refused at once
+    #: (:class:`~stoic.errors.Overloaded`, 429 with ``Retry-After``) rather than admitted to be
+    #: late (a request's own ``timeout`` may ask for less). ``None``: no limit
+    max_queue_wait: float | None = 30.0
+    #: tenants' weights in the fair share of step tokens (a tenant not named: 1.0)
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    #: sequences one tenant may have running at once (None: ``max_num_seqs`` only)
+    tenant_max_running: int | None = None
+    #: requests one tenant may have admitted and not finished (None: ``max_waiting`` only)
+    tenant_max_queued: int | None = None
     #: context length override (defaults to the model's)
     max_model_len: int | None = None
     #: restart intensity: more than ``max_restarts`` executor failures within ``restart_window``
@@ -234,6 +246,15 @@ class EngineConfig:
             raise ValueError("threads must be >= 1")
         if self.max_resumes < 0:
             raise ValueError("max_resumes must be >= 0")
+        if self.max_queue_wait is not None and not self.max_queue_wait > 0:
+            raise ValueError("max_queue_wait must be > 0 (or None: no limit)")
+        bad = {name: w for name, w in self.tenant_weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant weights must be > 0: {bad}")
+        for name in ("tenant_max_running", "tenant_max_queued"):
+            limit = getattr(self, name)
+            if limit is not None and limit < 1:
+                raise ValueError(f"{name} must be >= 1 (or None: no limit)")
         if self.executor_spares < 0 or (self.executor_spares and self.executor != "process"):
             raise ValueError("executor_spares must be >= 0 and needs executor='process'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

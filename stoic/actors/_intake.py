@@ -7,12 +7,14 @@ HTTP layer can answer with a proper 4xx/5xx status even for streaming requests.
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass
 from typing import assert_never
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
 from ..request import GrammarBackend, Request, TokenCodec
 from ..runtime import Actor, ActorRef, Reply
+from ..scheduler import SchedulerCore
 from ._health import EngineHealth
 from ._messages import Abort, AddSequence, IntakeMsg, SchedulerMsg, Submit
 from ._stream import ResultStream
@@ -26,6 +28,10 @@ class IntakeConfig:
     #: tokens the whole KV cache holds: one sequence can never be longer
     kv_capacity_tokens: int
     max_waiting: int
+    #: seconds a request may wait to start (estimated at admission); None: no limit
+    max_queue_wait: float | None = None
+    #: requests one tenant may have admitted and not ended; None: ``max_waiting`` only
+    tenant_max_queued: int | None = None
 
 
 class Intake(Actor[IntakeMsg]):
@@ -40,15 +46,21 @@ class Intake(Actor[IntakeMsg]):
         scheduler: ActorRef[SchedulerMsg],
         health: EngineHealth,
         grammar: GrammarBackend | None = None,
+        load: SchedulerCore | None = None,
     ) -> None:
         self.cfg = config
+        #: the scheduler's core, read for the admission estimate and the tenants' counters
+        #: (the same event loop; reads and a counter, never its queues)
+        self._load = load
         self._grammar = grammar
         self._codec = codec
         self._scheduler = scheduler
         self._health = health
         self.outstanding = 0
-        #: request ids admitted and not yet ended
-        self._active: set[str] = set()
+        #: request ids admitted and not yet ended, and their tenants
+        self._active: dict[str, str] = {}
+        #: requests admitted and not yet ended, by tenant
+        self._by_tenant: collections.Counter[str] = collections.Counter()
 
     async def receive(self, message: IntakeMsg) -> None:
         match message:
@@ -77,7 +89,8 @@ class Intake(Actor[IntakeMsg]):
                 if _gone(reply):
                     return  # the caller gave up while we prepared it
                 self.outstanding += 1
-                self._active.add(add.request_id)
+                self._active[add.request_id] = add.request.tenant
+                self._by_tenant[add.request.tenant] += 1
                 await self._scheduler.tell(add)
                 if _gone(reply):  # the caller gave up while the scheduler's mailbox was full
                     await self._scheduler.tell(Abort(add.request_id))
@@ -93,11 +106,20 @@ class Intake(Actor[IntakeMsg]):
             raise InvalidRequest(
                 f"request id {request.request_id!r} is already in use", param="request_id"
             )
+        request.check_scheduling()
         params = request.params
         params.validate(vocab_size=self._codec.vocab_size)
         if self.outstanding >= self.cfg.max_waiting:
+            self._refused(request.tenant)
             raise Overloaded(
                 f"{self.outstanding} requests in flight (limit {self.cfg.max_waiting}); retry later"
+            )
+        queued = self._by_tenant[request.tenant]
+        if self.cfg.tenant_max_queued is not None and queued >= self.cfg.tenant_max_queued:
+            self._refused(request.tenant)
+            raise Overloaded(
+                f"tenant {request.tenant or '(default)'!r} has {queued} requests in flight "
+                f"(limit {self.cfg.tenant_max_queued}); retry later"
             )
         param = request.param
         if request.messages is None and request.prompt is not None and not request.prompt:
@@ -124,6 +146,7 @@ class Intake(Actor[IntakeMsg]):
                 )
         if request.generated:
             self._check_generated(request, max_tokens)
+        self._check_wait(request, prompt_len)
         stream = ResultStream(request.request_id, prompt_len, on_close=self._closed)
         return AddSequence(request, tuple(ids), max_tokens, stream)
 
@@ -163,9 +186,37 @@ class Intake(Actor[IntakeMsg]):
                 "a request with generated tokens cannot be constrained", param="generated"
             )
 
+    def _check_wait(self, request: Request, prompt_len: int) -> None:
+        """Refuse a request that cannot start within its timeout or the queue-wait limit.
+
+        :raises ~stoic.errors.Overloaded: the estimated wait (the queue ahead of it at the
+            measured step rate) exceeds the smaller of the two; ``retry_after``: the excess.
+        """
+        limits = [t for t in (request.timeout, self.cfg.max_queue_wait) if t is not None]
+        if not limits or self._load is None:
+            return
+        allowed = min(limits)
+        wait = self._load.queue_wait(request.tenant, request.priority, prompt_len)
+        if wait > allowed:
+            self._refused(request.tenant)
+            which = "its timeout" if allowed == request.timeout else "the queue-wait limit"
+            raise Overloaded(
+                f"the request would wait about {wait:.1f}s to start, past {which} "
+                f"({allowed:g}s); retry later",
+                retry_after=wait - allowed,
+            )
+
+    def _refused(self, tenant: str) -> None:
+        if self._load is not None:
+            self._load.shares.stats_of(tenant).refused += 1
+
     def _closed(self, stream: ResultStream) -> None:
         self.outstanding -= 1
-        self._active.discard(stream.request_id)
+        tenant = self._active.pop(stream.request_id, None)
+        if tenant is not None:
+            self._by_tenant[tenant] -= 1
+            if self._by_tenant[tenant] <= 0:
+                del self._by_tenant[tenant]
 
 
 def _gone(reply: Reply[ResultStream]) -> bool:

@@ -85,8 +85,18 @@ class Scheduler(Actor[SchedulerMsg]):
         core, log = self.core, self.context.log
         match message:
             case AddSequence(request_id, prompt_ids, params, max_tokens, stream):
-                generated = tuple(message.request.generated)
-                core.add(request_id, prompt_ids, params, max_tokens, stream, generated)
+                request = message.request
+                core.add(
+                    request_id,
+                    prompt_ids,
+                    params,
+                    max_tokens,
+                    stream,
+                    tuple(request.generated),
+                    tenant=request.tenant,
+                    priority=request.priority,
+                    timeout=request.timeout,
+                )
                 await self._step()
             case Abort(request_id=request_id):
                 seq = core.abort(request_id)

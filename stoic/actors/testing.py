@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -22,7 +23,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ..errors import StoicError
 from ..request import SampledToken, SamplingParams, SeqChunk, StepBatch, StepOutput
-from ..scheduler import BlockAllocator, Recovered, SchedulerConfig, SchedulerCore, Step
+from ..scheduler import (
+    BlockAllocator,
+    Recovered,
+    SchedulerConfig,
+    SchedulerCore,
+    Step,
+    TenantPolicy,
+)
 from ._stream import ResultStream
 
 __all__ = [
@@ -128,16 +136,29 @@ class SchedulerHarness:
         *,
         request_id: str | None = None,
         generated: tuple[int, ...] = (),
+        tenant: str = "",
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> ResultStream:
         """Admit a request (text is encoded with the harness's tokenizer), continuing after
-        ``generated`` when given."""
+        ``generated`` when given, for ``tenant`` with ``priority`` and ``timeout``."""
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         rid = request_id or f"req-{self._next_id}"
         self._next_id += 1
         stream = ResultStream(rid, len(ids))
         self.streams.append(stream)
         params = params or SamplingParams(max_tokens=max_tokens)
-        self.core.add(rid, tuple(ids), params, max_tokens, stream, generated)
+        self.core.add(
+            rid,
+            tuple(ids),
+            params,
+            max_tokens,
+            stream,
+            generated,
+            tenant=tenant,
+            priority=priority,
+            timeout=timeout,
+        )
         return stream
 
     def start_step(self) -> StepBatch | None:
@@ -242,8 +263,11 @@ def create_scheduler(
     eos_token_ids: frozenset[int] = frozenset({EOS_ID}),
     recovery: Literal["fail", "resume"] = "fail",
     max_resumes: int = 3,
+    tenants: TenantPolicy | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> SchedulerHarness:
-    """A :class:`SchedulerHarness` over a fresh core with the byte tokenizer."""
+    """A :class:`SchedulerHarness` over a fresh core with the byte tokenizer (``clock``: the
+    core's, for deadlines and step durations)."""
     tokenizer = byte_tokenizer()
     core = SchedulerCore(
         SchedulerConfig(
@@ -255,7 +279,9 @@ def create_scheduler(
             prefix_caching=prefix_caching,
             recovery=recovery,
             max_resumes=max_resumes,
+            tenants=tenants or TenantPolicy(),
         ),
         tokenizer,
+        clock,
     )
     return SchedulerHarness(core, tokenizer)

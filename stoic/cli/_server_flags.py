@@ -170,6 +170,7 @@ def http_options(args: argparse.Namespace) -> tuple[AccessPolicy, ServerLimits]:
         api_keys=load_keys(args.api_key, args.api_key_file, "STOIC_API_KEY"),
         admin_key=admin.strip() if admin else None,
         metrics_require_key=args.metrics_require_key,
+        tenant_header=args.tenant_header or None,
     )
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,

@@ -9,7 +9,7 @@ from ..actors import EngineHealth as _Health
 from ..actors import FaultInjector, State
 from ..errors import FailureKind
 from ..model import ComputePath
-from ..scheduler import SchedulerCore
+from ..scheduler import SchedulerCore, TenantStats
 
 __all__ = ["EngineStats", "collect_stats"]
 
@@ -74,12 +74,16 @@ class EngineStats:
     isolation_failures: int
     #: tokens per step in force (halved after an out-of-memory failure, then restored)
     token_budget: int
+    #: requests ended by their own deadline (``finish_reason="timeout"``)
+    timed_out: int
     #: how the executor's model computes (precision, quantised kernels); None until the first
     #: executor was ready
     compute: ComputePath | None = None
     #: the compute threads of the last step: the CPU budget, fewer while other processes take
     #: CPUs (0 before the first step)
     compute_threads: int = 0
+    #: each tenant's counters, by name (sorted)
+    tenants: tuple[tuple[str, TenantStats], ...] = ()
 
     @classmethod
     def idle(cls, state: State = "starting", *, token_budget: int = 0) -> EngineStats:
@@ -132,6 +136,8 @@ def collect_stats(core: SchedulerCore, health: _Health, faults: FaultInjector) -
         requests_isolated=sched.requests_isolated,
         isolation_failures=sched.isolation_failures,
         token_budget=sched.token_budget,
+        timed_out=sched.timed_out,
         compute=now.compute,
         compute_threads=now.threads,
+        tenants=tuple(sorted(core.tenant_stats().items())),
     )

@@ -24,7 +24,7 @@ from ..model import KVCacheSpec, LoadedModel, token_codec, vocab_size
 from ..request import GrammarVocab
 from ..runtime import ActorRef, ActorSystem, Backoff, ChildSpec, Restart
 from ..sampling import LLGuidanceBackend
-from ..scheduler import SchedulerConfig, SchedulerCore
+from ..scheduler import SchedulerConfig, SchedulerCore, TenantPolicy
 from ..worker import CacheSizing, cpu_budget
 from ._incidents import IncidentLog
 from ._recovery import Recovery
@@ -125,6 +125,11 @@ async def wire(
             prefix_caching=config.enable_prefix_caching,
             recovery=config.recovery,
             max_resumes=config.max_resumes,
+            tenants=TenantPolicy(
+                weights=dict(config.tenant_weights),
+                max_running=config.tenant_max_running,
+                max_queued=config.tenant_max_queued,
+            ),
         ),
         loaded.tokenizer.backend_tokenizer,
     )
@@ -184,11 +189,14 @@ async def wire(
                 max_model_len=max_len,
                 kv_capacity_tokens=spec.capacity_tokens,
                 max_waiting=config.max_waiting,
+                max_queue_wait=config.max_queue_wait,
+                tenant_max_queued=config.tenant_max_queued,
             ),
             token_codec(loaded),
             scheduler,
             health,
             grammar,
+            load=core,
         ),
         name="intake",
         mailbox_size=max(64, config.max_waiting),

@@ -37,6 +37,7 @@ from ._state import STATE
 __all__ = [
     "ACCESS",
     "OWNER",
+    "TENANT",
     "Access",
     "AccessPolicy",
     "auth_middleware",
@@ -53,6 +54,11 @@ ACCESS: web.AppKey[dict[web.AbstractResource | None, Access]] = web.AppKey("stoi
 #: who owns what the request stores: the SHA-256 (hex) of its API key when the server has keys
 #: (set by :func:`auth_middleware`), absent otherwise (stored responses are then shared)
 OWNER = web.RequestKey("stoic_owner", str)
+#: whom the request is for, in the scheduler's fair shares (set by :func:`auth_middleware`):
+#: the value of the policy's tenant header when the request sends it, else ``key-`` and the
+#: first 12 hex digits of its API key's SHA-256 (never the key itself: tenants are shown on
+#: /metrics), else ``""`` (the default tenant)
+TENANT = web.RequestKey("stoic_tenant", str)
 
 
 def _digest(key: str) -> bytes:
@@ -72,6 +78,9 @@ class AccessPolicy:
     admin_key: str | None = None
     #: ``/metrics`` needs an API key (or the admin key) too
     metrics_require_key: bool = False
+    #: the request header that names a request's tenant (``--tenant-header``); without it (or
+    #: when a request does not send it) the tenant is the API key's (see :data:`TENANT`)
+    tenant_header: str | None = None
     _api: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     _admin: bytes | None = field(init=False, repr=False, compare=False)
 
@@ -90,7 +99,8 @@ class AccessPolicy:
         return (
             f"AccessPolicy(api_keys=<{len(self.api_keys)}>, "
             f"admin_key={'<set>' if self.admin_key else None}, "
-            f"metrics_require_key={self.metrics_require_key})"
+            f"metrics_require_key={self.metrics_require_key}, "
+            f"tenant_header={self.tenant_header!r})"
         )
 
     def is_api_key(self, offered: str) -> bool:
@@ -203,6 +213,11 @@ def auth_middleware(policy: AccessPolicy) -> Middleware:
         token = _bearer(request)
         if access == "api" and policy.api_keys and token is not None:
             request[OWNER] = _digest(token).hex()
+        named = request.headers.get(policy.tenant_header) if policy.tenant_header else None
+        if named is not None:
+            request[TENANT] = named.strip()
+        elif OWNER in request:
+            request[TENANT] = "key-" + request[OWNER][:12]
         return await handler(request)
 
     return _auth

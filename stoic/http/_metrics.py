@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..engine import FAILURE_KINDS, STATES
+from ..engine import FAILURE_KINDS, STATES, EngineStats
 from ..errors import EngineFailed, EngineStarting, EngineStopped, Overloaded, StoicError
 from ._engine import EngineLike
 from ._errors import status_of
@@ -39,6 +39,35 @@ def outcome_of(exc: BaseException) -> Outcome:
     if isinstance(exc, StoicError):
         return "invalid" if status_of(exc)[0] < 500 else "failed"
     return "error"
+
+
+#: the per-tenant families: (name, help, kind, the TenantStats field)
+_TENANT_FAMILIES = (
+    ("stoic_tenant_running", "Sequences running, by tenant.", "gauge", "running"),
+    ("stoic_tenant_waiting", "Sequences admitted, not yet running, by tenant.", "gauge", "waiting"),
+    ("stoic_tenant_weight", "The tenant's weight in the fair share of step tokens.", "gauge",
+     "weight"),
+    ("stoic_tenant_requests_admitted", "Requests admitted, by tenant.", "counter", "admitted"),
+    ("stoic_tenant_requests_refused",
+     "Requests refused at admission (tenant limits, a deadline the queue cannot meet), by "
+     "tenant.", "counter", "refused"),
+    ("stoic_tenant_requests_timed_out", "Requests ended by their own deadline, by tenant.",
+     "counter", "timed_out"),
+    ("stoic_tenant_computed_tokens",
+     "Tokens the steps computed for the tenant (prompt chunks and decodes): its share.",
+     "counter", "computed_tokens"),
+)  # fmt: skip
+
+
+def _tenant_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Each tenant's counters and gauges (label ``tenant``; ``""`` is the default tenant)."""
+    for name, doc, kind, attr in _TENANT_FAMILIES:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, doc, labels=["tenant"]
+        )
+        for tenant, t in stats.tenants:
+            family.add_metric([tenant], getattr(t, attr))
+        yield family
 
 
 class _EngineCollector:
@@ -131,6 +160,12 @@ class _EngineCollector:
             stats.compute_threads,
         )
         yield counter("stoic_engine_steps", "Engine steps run.", stats.steps)
+        yield counter(
+            "stoic_requests_timed_out",
+            "Requests ended by their own deadline (finish_reason timeout).",
+            stats.timed_out,
+        )
+        yield from _tenant_metrics(stats)
         state = GaugeMetricFamily(
             "stoic_engine_state", "1 for the engine's current state.", labels=["state"]
         )

@@ -59,7 +59,7 @@ _USAGE = {
         "total_tokens": {"type": "integer", "minimum": 0},
     },
 }
-_FINISH = {"enum": ["stop", "length", "tool_calls", None]}
+_FINISH = {"enum": ["stop", "length", "tool_calls", "timeout", None]}
 
 
 def _completion_object(obj: str, choice: dict[str, Any]) -> dict[str, Any]:

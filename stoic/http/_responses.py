@@ -36,6 +36,7 @@ from ._responses_schemas import (
 )
 from ._responses_stream import ResponseBuilder, response_usage
 from ._routes import _generation, _parse, _served_name, chat_format, chat_inputs, read_body
+from ._scheduling import scheduling_fields
 from ._schemas import ChatCompletionRequest
 from ._sse import SSEWriter
 from ._state import AppState, RequestRecord
@@ -107,7 +108,14 @@ async def _create(
             ChatCompletionRequest, req.chat_request(chat_messages(items, req.instructions))
         )
         messages, kwargs, plan, params = chat_inputs(state, chat)
-        job = Job(0, 0, Request(messages=messages, params=params, chat_template_kwargs=kwargs))
+        request_fields = scheduling_fields(request)
+        job = Job(
+            0,
+            0,
+            Request(
+                messages=messages, params=params, chat_template_kwargs=kwargs, **request_fields
+            ),
+        )
         streams = await submit_all(state, [job], record.request_id)
     except InvalidRequest as exc:
         raise chat_param(exc) from None

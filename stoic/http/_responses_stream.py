@@ -45,6 +45,10 @@ def response_usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
+#: the finish reasons that leave a response ``incomplete``
+_INCOMPLETE = frozenset({"length", "timeout"})
+
+
 class ResponseBuilder:
     """One response's output items and the events that stream them (see the module).
 
@@ -69,7 +73,9 @@ class ResponseBuilder:
         """The response object now, with ``status``."""
         incomplete = None
         if status == "incomplete":
-            incomplete = {"reason": "max_output_tokens"}
+            # "timeout": the request's own deadline passed (stoic's reason; OpenAI has none)
+            reason = "timeout" if self.finish_reason == "timeout" else "max_output_tokens"
+            incomplete = {"reason": reason}
         return {
             **self.base,
             "status": status,
@@ -81,8 +87,9 @@ class ResponseBuilder:
 
     @property
     def status(self) -> str:
-        """``completed``, or ``incomplete`` when the output hit the token limit."""
-        return "incomplete" if self.finish_reason == "length" else "completed"
+        """``completed``, or ``incomplete`` when the output hit the token limit or the
+        request's deadline."""
+        return "incomplete" if self.finish_reason in _INCOMPLETE else "completed"
 
     @property
     def output_text(self) -> str:
@@ -193,7 +200,7 @@ class ResponseBuilder:
         index = self.output.index(message)
         part = _text_part("".join(self._text))
         message["content"] = [part]
-        message["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        message["status"] = "incomplete" if self.finish_reason in _INCOMPLETE else "completed"
         ids = {"item_id": message["id"], "output_index": index, "content_index": 0}
         return [
             self.event("response.output_text.done", **ids, text=part["text"], logprobs=[]),

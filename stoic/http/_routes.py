@@ -22,6 +22,7 @@ from ._format import ChatFormat, CompletionFormat
 from ._generate import Job, run_generation
 from ._metrics import CONTENT_TYPE_LATEST, outcome_of
 from ._openapi import openapi_document
+from ._scheduling import scheduling_fields
 from ._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -145,12 +146,16 @@ async def _chat(request: web.Request, state: AppState, record: RequestRecord) ->
     req = await read_body(request, ChatCompletionRequest)
     model = _served_name(state.engine, req.model)
     messages, kwargs, plan, params = chat_inputs(state, req)
+    sched = scheduling_fields(request, priority=req.priority, timeout=req.timeout)
     jobs = [
         Job(
             i,
             0,
             Request(
-                messages=messages, params=choice_params(params, i), chat_template_kwargs=kwargs
+                messages=messages,
+                params=choice_params(params, i),
+                chat_template_kwargs=kwargs,
+                **sched,
             ),
         )
         for i in range(req.n)
@@ -168,8 +173,9 @@ async def _completions(
     req.check_supported()
     model = _served_name(state.engine, req.model)
     params = req.sampling_params()
+    sched = scheduling_fields(request, priority=req.priority, timeout=req.timeout)
     jobs = [
-        Job(p * req.n + i, p, Request(prompt, choice_params(params, i)))
+        Job(p * req.n + i, p, Request(prompt, choice_params(params, i), **sched))
         for p, prompt in enumerate(req.prompts)
         for i in range(req.n)
     ]

@@ -296,6 +296,10 @@ class _GenerationRequest(_Model):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored (one backend)
     guided_whitespace_pattern: str | None = None  # accepted and ignored
+    # scheduling: vLLM's priority (lower first, within a tenant); stoic's deadline in seconds
+    # (also the x-request-timeout header): see stoic.http._scheduling
+    priority: int | None = None
+    timeout: float | None = Field(default=None, gt=0)
 
     #: the fields whose null is not their default
     keep_null: ClassVar[frozenset[str]] = frozenset()

@@ -304,6 +304,11 @@ class MigratingStream:
             dataclasses.replace(params, stop=()),
             request_id=f"{original.request_id}~m{self.migrations}",
             generated=tuple(self._ids),
+            # the same tenant and priority; the timeout starts over on the new replica (its
+            # deadline is the replica's clock's: a migration is rare, and late by one start)
+            tenant=original.tenant,
+            priority=original.priority,
+            timeout=original.timeout,
         )
 
     def _original_prompt_ids(self) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..engine import STATES, EngineStats, Health
+from ..scheduler import TenantStats
 from ._board import Posting
 
 __all__ = ["ReplicaView", "sum_stats"]
@@ -25,6 +26,7 @@ _NOT_SUMMED = {
     "max_batch_size",
     "token_budget",
     "compute",
+    "tenants",
 }
 
 
@@ -50,7 +52,23 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         max_batch_size=max(s.max_batch_size for s in stats),
         token_budget=max(s.token_budget for s in stats),
         compute=next((s.compute for s in stats if s.compute is not None), None),
+        tenants=_sum_tenants(stats),
     )
+
+
+def _sum_tenants(stats: list[EngineStats]) -> tuple[tuple[str, TenantStats], ...]:
+    """Each tenant's counters summed over the replicas (its weight: the first replica's)."""
+    summed: dict[str, TenantStats] = {}
+    for s in stats:
+        for name, t in s.tenants:
+            into = summed.get(name)
+            if into is None:
+                summed[name] = dataclasses.replace(t)
+                continue
+            for f in dataclasses.fields(TenantStats):
+                if f.name != "weight":
+                    setattr(into, f.name, getattr(into, f.name) + getattr(t, f.name))
+    return tuple(sorted(summed.items()))
 
 
 def _best_state(states: list[Any]) -> Any:

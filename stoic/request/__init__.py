@@ -17,10 +17,11 @@ from ._grammar import (
     GrammarVocab,
 )
 from ._params import SamplingParams
-from ._request import Request
+from ._request import MAX_TENANT_LEN, Request
 from ._text import Detokenizer, StopStrings, TokenCodec
 
 __all__ = [
+    "MAX_TENANT_LEN",
     "Constraint",
     "ConstraintKind",
     "Detokenizer",

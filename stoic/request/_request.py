@@ -9,14 +9,19 @@ new request parameter is a new field here plus its use.
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InvalidRequest
 from ._params import SamplingParams
 
-__all__ = ["Request", "new_request_id"]
+__all__ = ["MAX_TENANT_LEN", "Request", "new_request_id"]
+
+#: the longest tenant name (a header's value, or ``key-`` and an API key's digest)
+MAX_TENANT_LEN = 128
 
 
 def new_request_id() -> str:
@@ -56,6 +61,18 @@ class Request:
     #: stream, its ``completion_tokens`` and a partial output carry the new tokens only.
     #: Not with a ``constraint``.
     generated: Sequence[int] = ()
+    #: who the request is for (an API key's or a header's tenant: see docs/operations.md
+    #: "Overload and tenants"); the scheduler shares step tokens fairly between tenants. ``""``
+    #: is the default tenant
+    tenant: str = ""
+    #: vLLM's ``priority``: within a tenant, a lower value is admitted first and may preempt a
+    #: higher one when KV blocks run out
+    priority: int = 0
+    #: seconds from submission within which the request must start and finish: refused at
+    #: once (:class:`~stoic.errors.Overloaded`) when it cannot start in time, ended with
+    #: ``finish_reason="timeout"`` and its partial output when the time passes. ``None``: the
+    #: server's queue-wait limit only
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is not None and not isinstance(self.prompt, str | tuple):
@@ -85,6 +102,29 @@ class Request:
         if isinstance(request, Request):
             return dataclasses.replace(request, **fields) if fields else request
         return cls(**fields) if request is None else cls(request, **fields)
+
+    def check_scheduling(self) -> None:
+        """Check ``tenant``, ``priority`` and ``timeout``.
+
+        :raises InvalidRequest: a tenant that is not a short printable name, a priority that is
+            not an integer (within 32 bits), a timeout that is not a positive number of seconds.
+        """
+        tenant = self.tenant
+        if not isinstance(tenant, str) or len(tenant) > MAX_TENANT_LEN or not tenant.isprintable():
+            raise InvalidRequest(
+                f"the tenant must be a printable name of at most {MAX_TENANT_LEN} characters",
+                param="tenant",
+            )
+        priority = self.priority
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
+            raise InvalidRequest("priority must be an integer (32 bits)", param="priority")
+        timeout = self.timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < math.inf
+        ):
+            raise InvalidRequest("timeout must be a positive number of seconds", param="timeout")
 
     @property
     def param(self) -> str:

@@ -9,17 +9,21 @@ the :class:`BlockAllocator` the core owns. The cache manager actor owns the phys
 tensors' lifetime and their drop after a failure.
 """
 
+from ._admission import LoadMeter, queue_wait
 from ._allocator import BlockAllocator, OutOfBlocks
 from ._budget import CLEAN_STEPS_PER_DOUBLING, StepBudget
 from ._core import SchedulerCore, Step
 from ._plan import Planned, StepPlan, blocks_for, chunks_of, plan_step, prefix_blocks
 from ._records import Recovered, SchedulerConfig, SchedulerStats
 from ._sequence import FinishReason, Seq, SeqSink, SeqStatus, TokenLogprob, block_hashes
+from ._tenants import OTHER_TENANTS, TenantPolicy, TenantShares, TenantStats
 
 __all__ = [
     "CLEAN_STEPS_PER_DOUBLING",
+    "OTHER_TENANTS",
     "BlockAllocator",
     "FinishReason",
+    "LoadMeter",
     "OutOfBlocks",
     "Planned",
     "Recovered",
@@ -32,10 +36,14 @@ __all__ = [
     "Step",
     "StepBudget",
     "StepPlan",
+    "TenantPolicy",
+    "TenantShares",
+    "TenantStats",
     "TokenLogprob",
     "block_hashes",
     "blocks_for",
     "chunks_of",
     "plan_step",
     "prefix_blocks",
+    "queue_wait",
 ]

@@ -34,12 +34,15 @@ the prefix cache's hashes (:class:`~stoic.scheduler._queues.SeqQueues`: blocks g
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..errors import EngineFailed, EngineStopped, FailureKind, StoicError
 from ..request import SamplingParams, StepBatch, StepOutput
+from ._admission import LoadMeter, queue_wait
 from ._allocator import BlockAllocator
 from ._budget import StepBudget
 from ._plan import Planned, chunks_of, plan_step
@@ -47,6 +50,7 @@ from ._queues import SeqQueues
 from ._records import Recovered, SchedulerConfig, SchedulerStats
 from ._recovery import Recovery
 from ._sequence import Seq, SeqSink, SeqStatus
+from ._tenants import TenantShares, TenantStats
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats", "Step"]
 
@@ -64,6 +68,8 @@ class _Inflight:
     step_id: int
     incarnation: int
     planned: tuple[Planned, ...]
+    #: when it was planned (the core's clock): its duration feeds the load meter
+    started: float
 
 
 class SchedulerCore:
@@ -81,14 +87,25 @@ class SchedulerCore:
     sequences.
     """
 
-    def __init__(self, config: SchedulerConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, config: SchedulerConfig, tokenizer: Any, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = config
         self._tokenizer = tokenizer
+        #: the time deadlines and step durations are read on (injected by tests)
+        self.clock = clock
+        #: the tenants' fair shares and counters
+        self.shares = TenantShares(config.tenants)
+        #: recent steps' durations and sequences' ends: the admission estimate's rates
+        self.meter = LoadMeter()
+        #: ``(deadline, seq_id, seq)`` of the sequences with a deadline (a heap; ended ones
+        #: are skipped when they come up)
+        self._deadlines: list[tuple[float, int, Seq]] = []
         self._next_seq_id = 0
         self._next_step_id = 0
         #: the KV cache's logical side: block tables, free list, prefix cache (see the module)
         self.allocator = BlockAllocator(config.num_blocks)
-        self.queues = SeqQueues(self.allocator, config.block_size)
+        self.queues = SeqQueues(self.allocator, config.block_size, self.shares)
         self.recovery = Recovery(
             self.queues, policy=config.recovery, max_resumes=config.max_resumes, fail=self._fail
         )
@@ -112,6 +129,7 @@ class SchedulerCore:
         self._prompt_tokens = 0
         self._generated = 0
         self._prefix_cached_tokens = 0
+        self._timed_out = 0
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -172,6 +190,31 @@ class SchedulerCore:
             isolation_failures=self.recovery.isolation_failures,
             token_budget=self.budget.tokens,
             seq_budget=self.budget.seqs,
+            timed_out=self._timed_out,
+        )
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        """Every tenant's counters, and its running and waiting sequences now."""
+        q = self.queues
+        return self.shares.snapshot(
+            (s.tenant for s in q.running), (s.tenant for s in (*q.waiting, *q.held))
+        )
+
+    def queue_wait(self, tenant: str, priority: int, prompt_tokens: int) -> float:
+        """Seconds a new request would wait for its first step (the admission estimate:
+        :func:`~stoic.scheduler._admission.queue_wait`)."""
+        q = self.queues
+        return queue_wait(
+            tenant=tenant,
+            priority=priority,
+            prompt_tokens=prompt_tokens,
+            running=q.running,
+            waiting=(*q.waiting, *q.held),
+            step_tokens=self.budget.tokens,
+            max_seqs=self.budget.seqs,
+            policy=self.shares.policy,
+            meter=self.meter,
+            now=self.clock(),
         )
 
     # -- admission and removal ------------------------------------------------------------------
@@ -183,10 +226,15 @@ class SchedulerCore:
         max_tokens: int,
         stream: SeqSink,
         generated: tuple[int, ...] = (),
+        *,
+        tenant: str = "",
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> Seq | None:
         """Queue a new sequence (continuing after ``generated``, the tokens its request generated
-        before: see :class:`Seq`); if the engine is failed or draining, end its stream
-        instead."""
+        before: see :class:`Seq`) for ``tenant`` with ``priority``, to end with ``"timeout"``
+        ``timeout`` seconds from now if not done by then; if the engine is failed or draining,
+        end its stream instead."""
         if self.failed is not None:
             stream.fail(EngineFailed(f"engine failed: {self.failed}"))
             return None
@@ -202,7 +250,12 @@ class SchedulerCore:
             stream,
             self._tokenizer,
             generated,
+            tenant=tenant,
+            priority=priority,
+            deadline=None if timeout is None else self.clock() + timeout,
         )
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
         self._next_seq_id += 1
         self.queues.admit(seq, hold=self.recovery.probe is not None)
         self._prompt_tokens += seq.prompt_len
@@ -239,6 +292,8 @@ class SchedulerCore:
         prefix). Returns the step to send, or None if no step can or need run (one in flight,
         no executor, the engine failed, or nothing fits).
         """
+        if self._deadlines:
+            self.expire()
         if not self.can_step:
             return None
         cfg = self.cfg
@@ -251,6 +306,7 @@ class SchedulerCore:
             block_size=cfg.block_size,
             preempt=self._preempt,
             prefix_hashes=self.queues.prefix_hashes if cfg.prefix_caching else None,
+            shares=self.shares,
         )
         if not plan.planned:
             return None
@@ -258,7 +314,7 @@ class SchedulerCore:
         self._next_step_id += 1
         incarnation = self._incarnation
         assert incarnation is not None
-        self._inflight = _Inflight(self._next_step_id, incarnation, plan.planned)
+        self._inflight = _Inflight(self._next_step_id, incarnation, plan.planned, self.clock())
         self._last_batch = len(plan.planned)
         self._max_batch = max(self._max_batch, len(plan.planned))
         batch = StepBatch(chunks_of(plan.planned), plan.fresh_blocks)
@@ -278,6 +334,8 @@ class SchedulerCore:
             return None
         self._inflight = None
         self._steps += 1
+        now = self.clock()
+        self.meter.step(sum(p.n_tokens for p in inflight.planned), now - inflight.started)
         touched: list[Seq] = []
         for p in inflight.planned:
             seq = p.seq
@@ -313,6 +371,30 @@ class SchedulerCore:
                 seq.stream.finish(seq.finish_reason, seq.stop_reason)
                 self._remove(seq)
                 ended.append(seq)
+        if ended:
+            now = self.clock()
+            for _ in ended:
+                self.meter.ended(now)
+        return ended
+
+    def expire(self) -> int:
+        """End the sequences whose deadline has passed with ``"timeout"`` and their output so
+        far (the text of tokens not yet emitted included). Returns how many ended."""
+        now, heap, ended = self.clock(), self._deadlines, 0
+        while heap and heap[0][0] <= now:
+            seq = heapq.heappop(heap)[2]
+            if (
+                seq.finish_reason is not None
+                or self.queues.by_request.get(seq.request_id) is not seq
+            ):
+                continue  # ended, or ending (emit() finishes it)
+            seq.finish_reason = "timeout"
+            seq.detokenize()  # a stop string it completes ends it with "stop" instead
+            seq.stream.finish(seq.finish_reason, seq.stop_reason)
+            self._remove(seq)
+            self.shares.stats_of(seq.tenant).timed_out += 1
+            self._timed_out += 1
+            ended += 1
         return ended
 
     # -- the executor's lifecycle and the ways sequences end with an error -----------------------

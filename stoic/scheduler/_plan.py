@@ -10,6 +10,7 @@ afterwards and no plan is refused. Pure functions over the scheduler core's queu
 
 from __future__ import annotations
 
+import collections
 import math
 from collections import deque
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from ..request import SeqChunk
 from ._allocator import BlockAllocator
 from ._sequence import Seq, SeqStatus
+from ._tenants import TenantShares
 
 __all__ = [
     "Planned",
@@ -71,21 +73,37 @@ def plan_step(
     block_size: int,
     preempt: Callable[[Seq], None],
     prefix_hashes: Callable[[Seq], tuple[bytes, ...]] | None,
+    shares: TenantShares,
 ) -> StepPlan:
     """Choose the next step's chunks and allocate their blocks.
 
-    Running sequences come first, oldest first; when the free blocks run out, the youngest
-    running sequences are handed to ``preempt`` (which moves them from ``running`` to the front
-    of ``waiting`` and gives their blocks back to ``allocator``). Then waiting sequences are
-    moved to ``running`` in order while blocks, ``budget`` and ``max_num_seqs`` allow. With
+    The order, each under ``budget`` tokens and the free blocks:
+
+    1. **Room for priorities**: a waiting sequence whose priority is better (lower) than a
+       running sequence's of its tenant, with too few blocks free for its first chunk, has
+       those running sequences preempted, worst priority first (vLLM's priority preemption,
+       kept within a tenant: a priority never outranks another tenant's share).
+    2. **Decodes first**: every running sequence with one token to feed, oldest first: a burst
+       of prompts never stalls the running streams.
+    3. **Fair shares**: prompt chunks of running sequences, then waiting sequences admitted,
+       taken from the tenant whose virtual time is least (:class:`TenantShares`; within a
+       tenant: running chunks first, then waiting by priority and admission order), while
+       ``max_num_seqs``, the tenant's running limit and the blocks allow. A waiting sequence
+       that does not fit the free blocks stops admission for this step (first come, first
+       served within what the shares allow: a short one never jumps the queue for blocks).
+
+    When the free blocks run out for a running sequence's chunk, ``preempt`` takes back the
+    blocks of the worst-priority, youngest running sequence not yet in the plan (the sequence
+    itself when that is it): it moves from ``running`` to the front of ``waiting``. With
     prefix caching (``prefix_hashes``: a starting sequence's full prefix blocks' hashes), one
-    that starts first shares the cached blocks of its longest cached prefix and its chunk
-    begins after them: the budget is charged only for the tokens computed, and the blocks it
-    takes are exactly those the allocator will give (a shared block a running sequence holds
-    costs nothing; an evictable one leaves the free pool). Each chunk samples when it reaches
-    the end of its sequence's tokens.
+    that starts shares the cached blocks of its longest cached prefix and its chunk begins
+    after them: the budget is charged only for the tokens computed, and the blocks it takes
+    are exactly those the allocator will give (a shared block a running sequence holds costs
+    nothing; an evictable one leaves the free pool). Each chunk samples when it reaches the end
+    of its sequence's tokens, and charges its tokens to its tenant's share.
     """
     planned: list[Planned] = []
+    in_plan: set[int] = set()
     fresh: list[int] = []
     cached_tokens = 0
 
@@ -93,44 +111,126 @@ def plan_step(
         fresh.extend(allocator.grow(seq.seq_id, blocks_for(tokens, block_size)))
         seq.block_table = allocator.table(seq.seq_id)
 
-    i = 0
-    while i < len(running) and budget > 0:
-        seq = running[i]
-        n = min(seq.remaining, budget)
+    def add(seq: Seq, n: int) -> None:
+        nonlocal budget
+        budget -= n
+        in_plan.add(seq.seq_id)
+        planned.append(Planned(seq, n, sample=n == seq.remaining))
+        shares.charge(seq.tenant, n)
+
+    def place(seq: Seq, n: int) -> bool:
+        """Plan ``n`` tokens of running ``seq``, preempting for its blocks; False if it was
+        preempted itself."""
         need = blocks_for(seq.num_computed + n, block_size) - len(seq.block_table)
-        while need > allocator.free_blocks and running[-1] is not seq:
-            preempt(running[-1])
-        if need > allocator.free_blocks:
-            preempt(seq)
-            continue
+        while need > allocator.free_blocks:
+            victim = max(
+                (s.priority, i, s)
+                for i, s in enumerate(running)
+                if s.seq_id not in in_plan  # seq itself among them
+            )[2]
+            preempt(victim)
+            if victim is seq:
+                return False
         grow(seq, seq.num_computed + n)
-        budget -= n
-        planned.append(Planned(seq, n, sample=n == seq.remaining))
-        i += 1
-    while waiting and budget > 0 and len(running) < max_num_seqs:
-        seq = waiting[0]
-        hashes = prefix_hashes(seq) if prefix_hashes is not None else ()
-        shared, unused = allocator.lookup(hashes)
-        start = shared * block_size
-        n = min(len(seq.all_ids) - start, budget)
-        if unused + blocks_for(start + n, block_size) - shared > allocator.free_blocks:
+        add(seq, n)
+        return True
+
+    _room_for_priorities(running, waiting, budget, allocator, block_size, preempt)
+    for seq in [s for s in running if s.remaining == 1]:
+        if budget <= 0:
             break
-        waiting.popleft()
-        seq.status = SeqStatus.RUNNING
-        running.append(seq)
-        if shared:
-            allocator.match(seq.seq_id, hashes[:shared])
-            seq.num_computed = start
-            seq.committed_blocks = shared
-            cached_tokens += start
-            if seq.num_new == 0 and not seq.stream.cached_tokens:
-                # what the client is told (usage.prompt_tokens_details.cached_tokens): the
-                # first admission's hit; a readmission after preemption is stoic's business
-                seq.stream.cached_tokens = min(start, seq.prompt_len)
-        grow(seq, start + n)
-        budget -= n
-        planned.append(Planned(seq, n, sample=n == seq.remaining))
+        if seq.status is SeqStatus.RUNNING:  # not preempted for an earlier one
+            place(seq, 1)
+    queues = _by_tenant(running, waiting, in_plan)
+    active = collections.Counter(s.tenant for s in running)
+    admitting = True
+    max_running = shares.policy.max_running
+    while queues and budget > 0:
+        tenant = min(queues, key=shares.vtime)
+        queue = queues[tenant]
+        seq = queue[0]
+        if seq.status is SeqStatus.RUNNING:
+            queue.popleft()
+            place(seq, min(seq.remaining, budget))
+        elif seq.status is not SeqStatus.WAITING or seq not in waiting:
+            queue.popleft()  # preempted or readmitted meanwhile: the next plan sees it
+        elif (
+            not admitting
+            or len(running) >= max_num_seqs
+            or (max_running is not None and active[tenant] >= max_running)
+        ):
+            queue.clear()  # the rest of this tenant's queue is waiting sequences too
+        else:
+            hashes = prefix_hashes(seq) if prefix_hashes is not None else ()
+            shared, unused = allocator.lookup(hashes)
+            start = shared * block_size
+            n = min(len(seq.all_ids) - start, budget)
+            if unused + blocks_for(start + n, block_size) - shared > allocator.free_blocks:
+                admitting = False
+                continue
+            queue.popleft()
+            waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            running.append(seq)
+            active[tenant] += 1
+            if shared:
+                allocator.match(seq.seq_id, hashes[:shared])
+                seq.num_computed = start
+                seq.committed_blocks = shared
+                cached_tokens += start
+                if seq.num_new == 0 and not seq.stream.cached_tokens:
+                    # what the client is told (usage.prompt_tokens_details.cached_tokens): the
+                    # first admission's hit; a readmission after preemption is stoic's business
+                    seq.stream.cached_tokens = min(start, seq.prompt_len)
+            grow(seq, start + n)
+            add(seq, n)
+        if not queue:
+            del queues[tenant]
     return StepPlan(tuple(planned), tuple(fresh), cached_tokens)
+
+
+def _by_tenant(running: list[Seq], waiting: deque[Seq], in_plan: set[int]) -> dict[str, deque[Seq]]:
+    """Each tenant's candidates for the rest of a step, in its own order: its running sequences
+    not yet planned (oldest first), then its waiting ones by priority (stable: admission order,
+    preempted ones first, within a priority)."""
+    queues: dict[str, deque[Seq]] = {}
+    for seq in running:
+        if seq.seq_id not in in_plan:
+            queues.setdefault(seq.tenant, deque()).append(seq)
+    for seq in sorted(waiting, key=_priority):
+        queues.setdefault(seq.tenant, deque()).append(seq)
+    return queues
+
+
+def _priority(seq: Seq) -> int:
+    return seq.priority
+
+
+def _room_for_priorities(
+    running: list[Seq],
+    waiting: deque[Seq],
+    budget: int,
+    allocator: BlockAllocator,
+    block_size: int,
+    preempt: Callable[[Seq], None],
+) -> None:
+    """Preempt, for each tenant's best waiting sequence short of blocks, the running
+    sequences of that tenant with a worse priority (worst, then youngest, first) until its
+    first chunk fits (counted without the prefix cache: at worst one preemption too many)."""
+    if not waiting or not running:
+        return
+    best: dict[str, Seq] = {}
+    for seq in waiting:
+        if seq.tenant not in best or seq.priority < best[seq.tenant].priority:
+            best[seq.tenant] = seq
+    for tenant, seq in best.items():
+        victims = sorted(
+            (s for s in running if s.tenant == tenant and s.priority > seq.priority),
+            key=lambda s: (s.priority, s.seq_id),
+        )
+        need = blocks_for(min(len(seq.all_ids), budget), block_size)
+        while victims and need > allocator.free_blocks:
+            preempt(victims.pop())
 
 
 def chunks_of(planned: tuple[Planned, ...]) -> tuple[SeqChunk, ...]:

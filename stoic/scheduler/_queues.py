@@ -14,6 +14,7 @@ from collections import deque
 from ._allocator import BlockAllocator
 from ._plan import prefix_blocks
 from ._sequence import Seq, SeqStatus, block_hashes
+from ._tenants import TenantShares
 
 __all__ = ["SeqQueues"]
 
@@ -26,9 +27,14 @@ class SeqQueues:
     alone), and in :attr:`by_request`, from :meth:`admit` until :meth:`unlink`.
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, shares: TenantShares | None = None
+    ) -> None:
         #: the KV cache's logical side: block tables, free list, prefix cache
         self.allocator = allocator
+        #: the tenants' shares: a sequence joins its tenant at :meth:`admit`, leaves at
+        #: :meth:`unlink`
+        self.shares = shares or TenantShares()
         self.block_size = block_size
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -42,6 +48,7 @@ class SeqQueues:
     def admit(self, seq: Seq, *, hold: bool) -> None:
         """Queue a new sequence: held back (``hold``: an isolation runs) or waiting."""
         self.by_request[seq.request_id] = seq
+        self.shares.joined(seq.tenant)
         (self.held if hold else self.waiting).append(seq)
 
     def unlink(self, seq: Seq) -> None:
@@ -51,7 +58,9 @@ class SeqQueues:
         elif seq.status is SeqStatus.WAITING:
             (self.held if seq in self.held else self.waiting).remove(seq)
         seq.status = SeqStatus.FINISHED
-        self.by_request.pop(seq.request_id, None)
+        if self.by_request.get(seq.request_id) is seq:
+            del self.by_request[seq.request_id]
+            self.shares.left(seq.tenant)
         self.release(seq)
 
     def release(self, seq: Seq) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
+
+from ._tenants import TenantPolicy
 
 __all__ = ["Recovered", "SchedulerConfig", "SchedulerStats"]
 
@@ -21,6 +23,8 @@ class SchedulerConfig:
     recovery: Literal["fail", "resume"] = "fail"
     #: with ``"resume"``: times one sequence may be resumed before it fails as under ``"fail"``
     max_resumes: int = 3
+    #: the tenants' weights and limits
+    tenants: TenantPolicy = field(default_factory=TenantPolicy)
 
 
 class SchedulerStats(NamedTuple):
@@ -67,6 +71,8 @@ class SchedulerStats(NamedTuple):
     token_budget: int
     #: sequences running at once in force
     seq_budget: int
+    #: sequences ended by their own deadline (``finish_reason="timeout"``)
+    timed_out: int = 0
 
 
 class Recovered(NamedTuple):

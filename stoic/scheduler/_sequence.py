@@ -14,7 +14,8 @@ from ..request import Detokenizer, SampledToken, SamplingParams
 
 __all__ = ["FinishReason", "Seq", "SeqSink", "SeqStatus", "TokenLogprob", "block_hashes"]
 
-FinishReason = Literal["stop", "length", "abort"]
+#: ``"timeout"``: the request's own deadline (:attr:`stoic.Request.timeout`) passed first
+FinishReason = Literal["stop", "length", "abort", "timeout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +99,13 @@ class Seq:
         "block_table",
         "committed_blocks",
         "continued",
+        "deadline",
         "finish_reason",
         "hashes",
         "max_tokens",
         "num_computed",
         "params",
+        "priority",
         "prompt_len",
         "request_id",
         "resumes",
@@ -112,6 +115,7 @@ class Seq:
         "stop_reason",
         "stream",
         "strikes",
+        "tenant",
     )
 
     def __init__(
@@ -124,8 +128,18 @@ class Seq:
         stream: SeqSink,
         tokenizer: Any,
         generated: tuple[int, ...] = (),
+        *,
+        tenant: str = "",
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> None:
         self.seq_id = seq_id
+        #: whose share of the steps it runs in (:class:`~stoic.scheduler.TenantShares`)
+        self.tenant = tenant
+        #: within its tenant, a lower value is admitted first (vLLM's meaning)
+        self.priority = priority
+        #: when it ends with ``"timeout"`` (the core's clock), if not done by then
+        self.deadline = deadline
         self.request_id = request_id
         self.all_ids: list[int] = [*prompt_ids, *generated]
         self.prompt_len = len(prompt_ids)

@@ -272,3 +272,29 @@ async def test_submit_keywords_build_the_same_request(
         await engine.submit("hello", params, no_such_field=1)
     assert len(intake_requests) == 1
     await wait_idle(engine, 2.0)
+
+
+async def test_a_tenant_past_its_queued_limit_is_refused_and_others_are_not(
+    tiny_model_dir: Path,
+) -> None:
+    """``tenant_max_queued`` refuses a tenant's request past its limit (Overloaded, counted on
+    its refusals) while another tenant's is admitted; once one ends, the tenant is admitted
+    again. A bad tenant, priority or timeout is an InvalidRequest naming it."""
+    config = stoic.EngineConfig(model=str(tiny_model_dir), dtype="float32", tenant_max_queued=1)
+    async with stoic.Engine.start(config) as eng:
+        params = stoic.SamplingParams(max_tokens=20, ignore_eos=True)
+        first = await eng.submit("one", params, tenant="a", priority=3)
+        with pytest.raises(stoic.errors.Overloaded, match="tenant 'a'"):
+            await eng.submit("two", params, tenant="a")
+        other = await eng.submit("three", params, tenant="b")
+        for stream in (first, other):
+            assert (await stream.collect()).finish_reason == "length"
+        await eng.complete("four", stoic.SamplingParams(max_tokens=2), tenant="a")
+        tenants = dict(eng.stats().tenants)
+        assert (tenants["a"].admitted, tenants["a"].refused) == (2, 1)
+        assert (tenants["b"].admitted, tenants["b"].refused) == (1, 0)
+        assert tenants["a"].computed_tokens > 20
+        for field, value in (("tenant", "x" * 200), ("priority", 1.5), ("timeout", 0)):
+            with pytest.raises(InvalidRequest) as bad:
+                await eng.submit("five", params, **{field: value})
+            assert bad.value.param == field

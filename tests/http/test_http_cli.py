@@ -77,6 +77,12 @@ def test_cli_arguments_map_to_config() -> None:
         ["serve", "--threads", "0"],
         ["serve", "--fault", '{"kind": "error", "match": ""}'],
         ["serve", "--fault", '{"kind": "error", "match": "x", "after_steps": 1}'],
+        ["serve", "--max-queue-wait", "-1"],
+        ["serve", "--tenant-weight", "acme"],
+        ["serve", "--tenant-weight", "acme=0"],
+        ["serve", "--tenant-weight", "=2"],
+        ["serve", "--tenant-max-running", "0"],
+        ["serve", "--tenant-max-queued", "0"],
     ],
 )
 def test_cli_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -189,16 +195,26 @@ def test_every_serve_option_says_its_default() -> None:
 
 
 def test_serve_help_groups_every_option_by_job() -> None:
-    """`stoic serve --help` shows five titled groups, in this order, and every option sits in
+    """`stoic serve --help` shows six titled groups, in this order, and every option sits in
     exactly one of them (only -h in argparse's own "options")."""
     parser = _serve_parser()
     groups = {g.title: g for g in parser._action_groups if g._group_actions}
-    assert list(groups) == ["options", "model", "engine", "server", "recovery", "scale-out"]
+    assert list(groups) == [
+        "options",
+        "model",
+        "engine",
+        "overload and tenants",
+        "server",
+        "recovery",
+        "scale-out",
+    ]
     assert [a.dest for a in groups["options"]._group_actions] == ["help"]
     grouped = [a for title in list(groups)[1:] for a in groups[title]._group_actions]
     assert len(grouped) == len({id(a) for a in grouped}) == len(parser._actions) - 1
     assert "--model" in {o for a in groups["model"]._group_actions for o in a.option_strings}
     assert "--replicas" in {o for a in groups["scale-out"]._group_actions for o in a.option_strings}
+    overload = {o for a in groups["overload and tenants"]._group_actions for o in a.option_strings}
+    assert {"--max-queue-wait", "--tenant-header", "--tenant-weight"} <= overload
     text = parser.format_help()
     assert all(f"\n{title}:\n" in text for title in list(groups)[1:])
 
@@ -243,3 +259,22 @@ def test_access_and_limit_options_map_to_the_server() -> None:
     assert access.metrics_require_key
     assert (limits.max_request_bytes, limits.max_connections) == (1000, 7)
     assert env_only.api_keys == ("sk-env",) and env_only.admin_key is None
+
+
+def test_overload_options_map_to_the_config_and_the_server() -> None:
+    """--max-queue-wait (0: no limit), --tenant-weight (repeatable, NAME=W, the last = splits),
+    the tenant limits and --tenant-header reach the engine's config and the access policy."""
+    from stoic.cli import http_options
+
+    argv = ["serve", "--max-queue-wait", "2.5", "--tenant-weight", "acme=3"]
+    argv += ["--tenant-weight", "a=b=0.5", "--tenant-max-running", "4", "--tenant-max-queued", "9"]
+    argv += ["--tenant-header", "x-tenant-id"]
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    assert config.max_queue_wait == 2.5
+    assert config.tenant_weights == {"acme": 3.0, "a=b": 0.5}
+    assert (config.tenant_max_running, config.tenant_max_queued) == (4, 9)
+    assert http_options(args)[0].tenant_header == "x-tenant-id"
+    unlimited = config_from_args(build_parser().parse_args(["serve", "--max-queue-wait", "0"]))
+    assert unlimited.max_queue_wait is None
+    assert stoic.EngineConfig().max_queue_wait == 30.0
