@@ -180,6 +180,10 @@ class EngineConfig:
     tenant_max_running: int | None = None
     #: requests one tenant may have admitted and not finished (None: ``max_waiting`` only)
     tenant_max_queued: int | None = None
+    #: while sequences decode, a step carries prompt chunks only up to this many times a
+    #: decode-only step's measured duration: a shorter inter-token tail for a longer prefill.
+    #: ``None``: prompt chunks up to the token budget
+    decode_stretch: float | None = None
     #: context length override (defaults to the model's)
     max_model_len: int | None = None
     #: restart intensity: more than ``max_restarts`` executor failures within ``restart_window``
@@ -246,6 +250,8 @@ class EngineConfig:
             raise ValueError("threads must be >= 1")
         if self.max_resumes < 0:
             raise ValueError("max_resumes must be >= 0")
+        if self.decode_stretch is not None and not self.decode_stretch > 1:
+            raise ValueError("decode_stretch must be > 1 (or None: the token budget only)")
         if self.max_queue_wait is not None and not self.max_queue_wait > 0:
             raise ValueError("max_queue_wait must be > 0 (or None: no limit)")
         bad = {name: w for name, w in self.tenant_weights.items() if not w > 0}

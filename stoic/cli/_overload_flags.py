@@ -52,6 +52,15 @@ def add_overload_args(p: argparse.ArgumentParser) -> None:
         "timeout may ask for less; 0: no limit (default %(default)s)",
     )
     g.add_argument(
+        "--decode-stretch",
+        type=non_negative_float,
+        default=0.0,
+        metavar="RATIO",
+        help="while sequences decode, steps carry prompt chunks only up to RATIO times a "
+        "decode-only step's measured duration: a shorter inter-token tail for a longer prefill "
+        "(e.g. 2.5); 0: prompt chunks up to --max-num-batched-tokens (default %(default)s)",
+    )
+    g.add_argument(
         "--tenant-header",
         metavar="NAME",
         help="the request header that names its tenant (e.g. x-tenant-id, set by a gateway); "
@@ -84,6 +93,7 @@ def overload_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`~stoic.EngineConfig` fields the overload flags set."""
     return {
         "max_queue_wait": args.max_queue_wait or None,
+        "decode_stretch": args.decode_stretch or None,
         "tenant_weights": dict(args.tenant_weight or ()),
         "tenant_max_running": args.tenant_max_running,
         "tenant_max_queued": args.tenant_max_queued,

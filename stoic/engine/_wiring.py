@@ -130,6 +130,7 @@ async def wire(
                 max_running=config.tenant_max_running,
                 max_queued=config.tenant_max_queued,
             ),
+            decode_stretch=config.decode_stretch,
         ),
         loaded.tokenizer.backend_tokenizer,
     )

@@ -217,6 +217,7 @@ def snapshot(
         "series": list(points),
         "incidents": _incidents(activity),
         "replicas": _replicas(engine),
+        "tenants": [{"tenant": name, **asdict(t)} for name, t in stats.tenants],
         "faults": {"kinds": _fault_kinds(engine, admin), "injected": stats.faults_injected},
     }
 

@@ -9,7 +9,7 @@ the :class:`BlockAllocator` the core owns. The cache manager actor owns the phys
 tensors' lifetime and their drop after a failure.
 """
 
-from ._admission import LoadMeter, queue_wait
+from ._admission import LoadMeter, prompt_budget, queue_wait
 from ._allocator import BlockAllocator, OutOfBlocks
 from ._budget import CLEAN_STEPS_PER_DOUBLING, StepBudget
 from ._core import SchedulerCore, Step
@@ -45,5 +45,6 @@ __all__ = [
     "chunks_of",
     "plan_step",
     "prefix_blocks",
+    "prompt_budget",
     "queue_wait",
 ]

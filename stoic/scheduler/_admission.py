@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from ._sequence import Seq
 from ._tenants import TenantPolicy
 
-__all__ = ["LoadMeter", "queue_wait"]
+__all__ = ["LoadMeter", "prompt_budget", "queue_wait"]
 
 
 class LoadMeter:
@@ -55,12 +55,20 @@ class LoadMeter:
         first, slow ones; a neighbour's burst) do not tilt it, as they would a least-squares
         line. With one step size only, the duration scales with the tokens.
         """
+        line = self.line()
+        if line is None:
+            return None
+        intercept, slope = line
+        return intercept + slope * tokens
+
+    def line(self) -> tuple[float, float] | None:
+        """``(intercept, slope)``: a step's fixed seconds and seconds per token (None before
+        any step; see :meth:`step_seconds`)."""
         if not self._steps:
             return None
         if self._fit is None:
             self._fit = _theil_sen(self._steps)
-        intercept, slope = self._fit
-        return intercept + slope * tokens
+        return self._fit
 
     def end_rate(self, now: float) -> float | None:
         """Sequences ended per second over the recent ones (None with fewer than two)."""
@@ -141,3 +149,17 @@ def queue_wait(
             wait = max(wait, over / rate)
     in_flight = meter.step_seconds(decoding + min(math.ceil(ahead), room)) or 0.0
     return wait + in_flight
+
+
+def prompt_budget(meter: LoadMeter, decoding: int, stretch: float | None, floor: int) -> int | None:
+    """The prompt tokens a step may carry beside ``decoding`` decodes so that it takes at most
+    ``stretch`` times a decode-only step (the meter's line), never fewer than ``floor``; None
+    (the step budget alone) without decodes, a stretch, or a measured line with a slope."""
+    if not stretch or not decoding:
+        return None
+    line = meter.line()
+    if line is None or line[1] <= 0:
+        return None
+    intercept, slope = line
+    decode_only = intercept + slope * decoding
+    return max(floor, int((stretch - 1.0) * decode_only / slope))

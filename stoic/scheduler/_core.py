@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from ..errors import EngineFailed, EngineStopped, FailureKind, StoicError
 from ..request import SamplingParams, StepBatch, StepOutput
-from ._admission import LoadMeter, queue_wait
+from ._admission import LoadMeter, prompt_budget, queue_wait
 from ._allocator import BlockAllocator
 from ._budget import StepBudget
 from ._plan import Planned, chunks_of, plan_step
@@ -307,6 +307,7 @@ class SchedulerCore:
             preempt=self._preempt,
             prefix_hashes=self.queues.prefix_hashes if cfg.prefix_caching else None,
             shares=self.shares,
+            prompt_budget=self._prompt_budget if cfg.decode_stretch else None,
         )
         if not plan.planned:
             return None
@@ -319,6 +320,9 @@ class SchedulerCore:
         self._max_batch = max(self._max_batch, len(plan.planned))
         batch = StepBatch(chunks_of(plan.planned), plan.fresh_blocks)
         return Step(self._next_step_id, incarnation, batch)
+
+    def _prompt_budget(self, decodes: int) -> int | None:
+        return prompt_budget(self.meter, decodes, self.cfg.decode_stretch, self.cfg.block_size)
 
     def complete(self, step_id: int, incarnation: int, output: StepOutput) -> list[Seq] | None:
         """Apply a step's sampled tokens and the token-level stops (EOS, stop ids, max_tokens).

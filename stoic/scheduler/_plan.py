@@ -74,6 +74,7 @@ def plan_step(
     preempt: Callable[[Seq], None],
     prefix_hashes: Callable[[Seq], tuple[bytes, ...]] | None,
     shares: TenantShares,
+    prompt_budget: Callable[[int], int | None] | None = None,
 ) -> StepPlan:
     """Choose the next step's chunks and allocate their blocks.
 
@@ -91,6 +92,8 @@ def plan_step(
        ``max_num_seqs``, the tenant's running limit and the blocks allow. A waiting sequence
        that does not fit the free blocks stops admission for this step (first come, first
        served within what the shares allow: a short one never jumps the queue for blocks).
+       With ``prompt_budget`` (the decodes planned -> prompt tokens, or None), a step that
+       decodes carries at most that many prompt tokens (a bound on how long the decodes wait).
 
     When the free blocks run out for a running sequence's chunk, ``preempt`` takes back the
     blocks of the worst-priority, youngest running sequence not yet in the plan (the sequence
@@ -136,11 +139,15 @@ def plan_step(
         return True
 
     _room_for_priorities(running, waiting, budget, allocator, block_size, preempt)
+    decodes = 0
     for seq in [s for s in running if s.remaining == 1]:
         if budget <= 0:
             break
         if seq.status is SeqStatus.RUNNING:  # not preempted for an earlier one
-            place(seq, 1)
+            decodes += place(seq, 1)
+    cap = prompt_budget(decodes) if prompt_budget is not None and decodes else None
+    if cap is not None:
+        budget = min(budget, cap)
     queues = _by_tenant(running, waiting, in_plan)
     active = collections.Counter(s.tenant for s in running)
     admitting = True

@@ -25,6 +25,9 @@ class SchedulerConfig:
     max_resumes: int = 3
     #: the tenants' weights and limits
     tenants: TenantPolicy = field(default_factory=TenantPolicy)
+    #: while sequences decode, a step carries prompt chunks only up to this many times a
+    #: decode-only step's measured duration (None: up to the token budget)
+    decode_stretch: float | None = None
 
 
 class SchedulerStats(NamedTuple):

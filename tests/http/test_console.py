@@ -190,3 +190,24 @@ async def test_a_ray_front_end_shows_one_row_per_replica_from_its_board() -> Non
     rows = [(r["replica"], r["state"], r["pid"], r["running"]) for r in snap["replicas"]]
     assert rows == [("a", "serving", 41, 3), ("b", "failed", 42, 0)]
     assert snap["executor"]["state"] == "serving" and snap["incidents"] is None
+
+
+async def test_a_snapshot_lists_each_tenant_with_its_counters() -> None:
+    """The console's data has one row per tenant: its weight, sequences now, requests admitted,
+    refused and timed out, and tokens computed; none before any tenant was seen."""
+    from stoic.scheduler import TenantStats
+
+    class Tenanted(FakeEngine):
+        def stats(self) -> EngineStats:
+            rows = (("", TenantStats(1.0, running=1)), ("acme", TenantStats(3.0, refused=2)))
+            return dataclasses.replace(super().stats(), tenants=rows)
+
+    async with run_app(create_app(Tenanted())) as server:
+        _, snap = await _first_event(server.url)
+    assert [(t["tenant"], t["weight"], t["running"], t["refused"]) for t in snap["tenants"]] == [
+        ("", 1.0, 1, 0),
+        ("acme", 3.0, 0, 2),
+    ]
+    async with run_app(create_app(FakeEngine())) as server:
+        _, snap = await _first_event(server.url)
+    assert snap["tenants"] == []

@@ -268,13 +268,14 @@ def test_overload_options_map_to_the_config_and_the_server() -> None:
 
     argv = ["serve", "--max-queue-wait", "2.5", "--tenant-weight", "acme=3"]
     argv += ["--tenant-weight", "a=b=0.5", "--tenant-max-running", "4", "--tenant-max-queued", "9"]
-    argv += ["--tenant-header", "x-tenant-id"]
+    argv += ["--tenant-header", "x-tenant-id", "--decode-stretch", "2.5"]
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     assert config.max_queue_wait == 2.5
     assert config.tenant_weights == {"acme": 3.0, "a=b": 0.5}
     assert (config.tenant_max_running, config.tenant_max_queued) == (4, 9)
+    assert config.decode_stretch == 2.5
     assert http_options(args)[0].tenant_header == "x-tenant-id"
     unlimited = config_from_args(build_parser().parse_args(["serve", "--max-queue-wait", "0"]))
-    assert unlimited.max_queue_wait is None
+    assert unlimited.max_queue_wait is None and unlimited.decode_stretch is None
     assert stoic.EngineConfig().max_queue_wait == 30.0

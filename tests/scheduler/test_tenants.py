@@ -9,6 +9,7 @@ matters, a clock of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -331,3 +332,40 @@ def test_the_wait_estimate_counts_the_queue_ahead_by_share() -> None:
         weighted.core.meter.step(32, 0.1)
     # a weighs five times b: 50 of a's tokens go ahead of b's 10: two steps
     assert weighted.core.queue_wait("b", 0, 10) == pytest.approx(0.2 + 0.1)
+
+
+def test_the_decode_stretch_bounds_the_prompt_tokens_beside_decodes() -> None:
+    """With a decode stretch, a step that decodes carries only the prompt tokens that keep it
+    within the stretch of a decode-only step (the meter's line; never below a block); a step
+    with no decode takes the whole budget; before any step is measured, the budget alone."""
+    from stoic.scheduler import SchedulerConfig, SchedulerCore, prompt_budget
+
+    meter = LoadMeter()
+    assert prompt_budget(meter, 4, 2.0, 16) is None  # nothing measured
+    for tokens in (1, 4, 64, 128):
+        meter.step(tokens, 0.02 + 0.001 * tokens)  # 20 ms a step, 1 ms a token
+    # a decode-only step of 4: 24 ms; twice that allows 24 ms more: 24 prompt tokens
+    assert prompt_budget(meter, 4, 2.0, 16) == 24
+    assert prompt_budget(meter, 4, 2.0, 32) == 32  # the floor
+    assert prompt_budget(meter, 0, 2.0, 16) is None  # no decode: nobody to stall
+    assert prompt_budget(meter, 4, None, 16) is None
+    h = create_scheduler(
+        num_blocks=512, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, clock=Clock()
+    )
+    h.core = SchedulerCore(
+        dataclasses.replace(h.core.cfg, decode_stretch=2.0), h.tokenizer, h.core.clock
+    )
+    h.core.executor_ready(0)
+    h.core.meter = meter
+    h.add("d" * 10, max_tokens=30)
+    h.step()  # prefilled: decoding from now on (a step the frozen clock times at 0 s: an
+    # outlier the robust line ignores)
+    h.add("p" * 100, max_tokens=2)
+    batch = h.step()
+    assert batch is not None
+    prompt = sum(len(c.token_ids) for c in batch.chunks if len(c.token_ids) > 1)
+    # one decode: 21 ms; twice that: 21 prompt tokens (a whole chunk, as planned)
+    assert prompt == 21
+    assert isinstance(h.core.cfg, SchedulerConfig)
+    h.run_until_idle()
+    h.check()

@@ -189,6 +189,14 @@ function render(s) {
     );
   }
 
+  const tenants = s.tenants || [];
+  $("tenants-section").hidden = tenants.length === 0;
+  fill(
+    $("tenants").tBodies[0],
+    tenants.map((t) => [t.tenant === "" ? "(default)" : t.tenant, t.weight, t.running, t.waiting, t.admitted, t.refused, t.timed_out, t.computed_tokens]),
+    "no tenant yet"
+  );
+
   const faults = s.faults;
   $("faults-section").hidden = faults.kinds.length === 0;
   text("faults-injected", faults.injected);
@@ -237,9 +245,10 @@ function clearData() {
   }
   stateWord($("state"), "unknown");
   text("reason", "");
-  for (const t of ["sequences", "incidents", "replicas"]) $(t).tBodies[0].replaceChildren();
+  for (const t of ["sequences", "incidents", "replicas", "tenants"]) $(t).tBodies[0].replaceChildren();
   $("faults-section").hidden = true;
   $("replicas-section").hidden = true;
+  $("tenants-section").hidden = true;
 }
 
 // -- charts ---------------------------------------------------------------------------------
