@@ -210,7 +210,10 @@ async def closed_loop(
     n = max(16, int(clients * seconds * 8))
     bodies = [t.body(m, plan.max_tokens, **(fields or {})) for m in prompts(tag, n, plan.seed)]
     watch = CpuWatch(family(t.pid))
-    records, span = await run_load(t.chat, bodies, clients, budget=seconds, headers=headers)
+    # a refused client waits what Retry-After says, as the OpenAI SDKs do (not a retry storm)
+    records, span = await run_load(
+        t.chat, bodies, clients, budget=seconds, headers=headers, backoff=True
+    )
     result = Result(t.name, clients, n, records, span, watch.stop())
     if len(records) == n:
         result.note = "ran out of prompts before the budget"

@@ -28,6 +28,7 @@ class RequestRecord:
     status: int | None = None  # the HTTP status (None: no response)
     finish_reason: str | None = None  # the last one a choice carried
     retry_after: str | None = None  # a refusal's ``Retry-After`` header
+    retry_after_s: float | None = None  # its wait in seconds (``retry-after-ms`` if sent)
 
 
 @dataclass
@@ -157,6 +158,8 @@ async def one_request(
             rec.status = resp.status
             if resp.status != 200:
                 rec.retry_after = resp.headers.get("Retry-After")
+                ms = resp.headers.get("retry-after-ms")
+                rec.retry_after_s = float(ms) / 1000 if ms else _seconds(rec.retry_after)
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 rec.e2e = time.perf_counter() - start
                 return rec
@@ -193,6 +196,14 @@ async def one_request(
     return rec
 
 
+def _seconds(header: str | None) -> float | None:
+    """A ``Retry-After`` header's seconds (None for a date or nothing)."""
+    try:
+        return float(header) if header is not None else None
+    except ValueError:
+        return None
+
+
 async def run_load(
     url: str,
     bodies: Sequence[dict[str, Any]],
@@ -201,9 +212,12 @@ async def run_load(
     budget: float,
     request_timeout: float = 300.0,
     headers: dict[str, str] | None = None,
+    backoff: bool = False,
 ) -> tuple[list[RequestRecord], float]:
     """C closed-loop clients over ``bodies`` in order; no new request starts after ``budget`` s.
-    ``headers`` go with every request (e.g. a tenant's).
+    ``headers`` go with every request (e.g. a tenant's). With ``backoff``, a client refused
+    (429, 503) waits what the refusal's ``retry-after-ms`` / ``Retry-After`` says before its
+    next request, as the OpenAI SDKs do.
 
     Returns the records and the wall time from the first request to the last response.
     """
@@ -216,7 +230,12 @@ async def run_load(
         async def client() -> None:
             while queue and time.perf_counter() - start < budget:
                 body = queue.popleft()
-                records.append(await one_request(session, url, body, request_timeout, headers))
+                rec = await one_request(session, url, body, request_timeout, headers)
+                records.append(rec)
+                if backoff and rec.status in (429, 503) and rec.retry_after_s:
+                    # as the OpenAI SDKs do: wait what the refusal says (within the budget)
+                    left = budget - (time.perf_counter() - start)
+                    await asyncio.sleep(max(0.0, min(rec.retry_after_s, left)))
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         seconds = time.perf_counter() - start

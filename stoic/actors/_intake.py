@@ -121,6 +121,9 @@ class Intake(Actor[IntakeMsg]):
                 f"tenant {request.tenant or '(default)'!r} has {queued} requests in flight "
                 f"(limit {self.cfg.tenant_max_queued}); retry later"
             )
+        # the wait of a one-token prompt is the least any prompt waits: a request refused
+        # anyway is refused before its template and tokenisation (a flood's cheap answer)
+        self._check_wait(request, 1)
         param = request.param
         if request.messages is None and request.prompt is not None and not request.prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")

@@ -1,74 +1,83 @@
-"""Admission by deadline: how long a new request would wait to start, from the queue ahead of it
-and the measured step rate.
+"""Admission by deadline: how long a new request would wait for its first token, from the queue
+ahead of it and the measured step rate.
 
 The estimate is what the intake compares with a request's deadline and the server's queue-wait
-limit, so that a request that cannot start in time is refused at once (429, ``Retry-After``)
-instead of being admitted to be late. It counts, in the order the planner serves
-(:func:`~stoic.scheduler.plan_step`), the prompt tokens that start before the request's first
-chunk: its own tenant's waiting work of a priority as good or better, and each other tenant's
-work up to that tenant's share of the same stretch (weights); divides them by the prompt tokens
-a step has room for beside the running decodes; and prices each step at a full step's measured
-duration (a robust line through the recent steps' durations against their tokens).
-When the running sequences fill ``max_num_seqs``, it adds the time for enough of them to end at
-the measured rate of sequences ending. With no step measured yet it returns 0: a refusal needs
-evidence.
+limit, so that a request that cannot get its first token in time is refused at once (429,
+``Retry-After``) instead of being admitted to be late. It counts, in the order the planner
+serves (:func:`~stoic.scheduler.plan_step`), the prompt tokens computed before the request's
+first token: its own tenant's waiting work of a priority as good or better, each other tenant's
+work up to that tenant's share of the same stretch (weights), and its own prompt; divides them
+by the prompt tokens a step has room for beside the running decodes (the token budget, or the
+decode stretch's :func:`prompt_budget`); prices each step by the meter's cost (a least-squares
+fit of the recent steps' durations to their decode rows and prompt tokens); and adds half a
+step for the one in
+flight. When the running sequences fill ``max_num_seqs``, it takes at least the time for enough
+of them to end at the measured rate of sequences ending. With no step measured yet it returns
+0: a refusal needs evidence.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ._sequence import Seq
 from ._tenants import TenantPolicy
 
-__all__ = ["LoadMeter", "prompt_budget", "queue_wait"]
+__all__ = ["LoadMeter", "StepCost", "prompt_budget", "queue_wait"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """What a step costs: ``fixed + per_decode * decodes + per_prompt * prompt_tokens`` seconds
+    (a decode row reads its sequence's whole context; a prompt token is one row of a chunk)."""
+
+    fixed: float
+    per_decode: float
+    per_prompt: float
+
+    def seconds(self, decodes: int, prompt_tokens: int) -> float:
+        return self.fixed + self.per_decode * decodes + self.per_prompt * prompt_tokens
 
 
 class LoadMeter:
-    """The recent steps' durations and token counts, and the times sequences ended."""
+    """The recent steps' decodes, prompt tokens and durations, and the times sequences ended."""
 
-    def __init__(self, window: int = 32) -> None:
-        # 32 steps: about a second of a busy engine, and 496 pairs for the fit
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, window: int = 64) -> None:
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._ends: deque[float] = deque(maxlen=window)
-        #: ``(intercept, slope)`` of the steps now (None: to be fitted again)
-        self._fit: tuple[float, float] | None = None
+        #: the fit of the steps now (None: to be fitted again)
+        self._cost: StepCost | None = None
 
-    def step(self, tokens: int, seconds: float) -> None:
-        """A step of ``tokens`` tokens took ``seconds`` (planned to result)."""
-        self._steps.append((tokens, seconds))
-        self._fit = None
+    def step(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+        """A step of ``decodes`` decode rows and ``prompt_tokens`` prompt tokens took
+        ``seconds`` (planned to result)."""
+        self._steps.append((decodes, prompt_tokens, seconds))
+        self._cost = None
 
     def ended(self, now: float) -> None:
         """A sequence ended at ``now``."""
         self._ends.append(now)
 
-    def step_seconds(self, tokens: int) -> float | None:
-        """A step of ``tokens`` tokens' expected duration (None before any step).
-
-        The line ``a + b * tokens`` through the recent steps by Theil and Sen's estimator (the
-        median of the slopes between pairs of steps, the median intercept): a few odd steps (the
-        first, slow ones; a neighbour's burst) do not tilt it, as they would a least-squares
-        line. With one step size only, the duration scales with the tokens.
-        """
-        line = self.line()
-        if line is None:
-            return None
-        intercept, slope = line
-        return intercept + slope * tokens
-
-    def line(self) -> tuple[float, float] | None:
-        """``(intercept, slope)``: a step's fixed seconds and seconds per token (None before
-        any step; see :meth:`step_seconds`)."""
+    def cost(self) -> StepCost | None:
+        """The recent steps' cost (None before any step): least squares over ``1``,
+        ``decodes`` and ``prompt_tokens``, each of the latter two only where the window varies
+        it (else the intercept holds it), a coefficient that comes out negative dropped and the
+        rest fitted again. Where the prompt tokens never varied, a prompt token is priced as a
+        decode row (dearer: a cautious estimate), or, nothing having varied, every row at the
+        mean cost per row."""
         if not self._steps:
             return None
-        if self._fit is None:
-            self._fit = _theil_sen(self._steps)
-        return self._fit
+        if self._cost is None:
+            self._cost = _fit(self._steps)
+        return self._cost
+
+    def seconds(self, decodes: int, prompt_tokens: int) -> float | None:
+        """A step's expected duration (None before any step)."""
+        cost = self.cost()
+        return None if cost is None else cost.seconds(decodes, prompt_tokens)
 
     def end_rate(self, now: float) -> float | None:
         """Sequences ended per second over the recent ones (None with fewer than two)."""
@@ -78,20 +87,66 @@ class LoadMeter:
         return len(ends) / (now - ends[0])
 
 
-def _theil_sen(steps: deque[tuple[int, float]]) -> tuple[float, float]:
-    """``(intercept, slope)`` of ``seconds`` against ``tokens``, neither negative."""
-    slopes = [
-        (s2 - s1) / (t2 - t1)
-        for i, (t1, s1) in enumerate(steps)
-        for t2, s2 in itertools.islice(steps, i + 1, None)
-        if t2 != t1
+def _fit(steps: deque[tuple[int, int, float]]) -> StepCost:
+    decodes = [d for d, _, _ in steps]
+    prompts = [r for _, r, _ in steps]
+    seconds = [s for _, _, s in steps]
+    columns = {"decode": decodes, "prompt": prompts}
+    varied = [name for name, xs in columns.items() if max(xs) - min(xs) >= 2]
+    coefs: dict[str, float] = {}
+    while True:
+        coefs = _least_squares(seconds, [columns[name] for name in varied], varied)
+        negative = [name for name in varied if coefs[name] < 0]
+        if not negative:
+            break
+        varied.remove(min(negative, key=coefs.__getitem__))
+    fixed = coefs["1"]
+    per_decode = coefs.get("decode", 0.0)
+    per_prompt = coefs.get("prompt")
+    if per_prompt is None:  # the prompt tokens never varied: the intercept holds them
+        mean_prompt = sum(prompts) / len(prompts)
+        if per_decode > 0:  # priced as decode rows
+            per_prompt = per_decode
+            fixed -= per_prompt * mean_prompt
+        else:  # nothing varied: every row at the mean cost per row
+            rows = sum(decodes) + sum(prompts)
+            per_prompt = per_decode = sum(seconds) / rows if rows else 0.0
+            fixed = 0.0 if rows else fixed
+    return StepCost(max(0.0, fixed), per_decode, per_prompt)
+
+
+def _least_squares(y: list[float], xs: list[list[int]], names: list[str]) -> dict[str, float]:
+    """``{"1": intercept, name: coefficient...}`` minimising the squared error of ``y`` against
+    an intercept and the columns ``xs`` (centred normal equations, Gaussian elimination)."""
+    n = len(y)
+    mean_y = sum(y) / n
+    means = [sum(x) / n for x in xs]
+    k = len(xs)
+    a = [
+        [sum((xs[i][t] - means[i]) * (xs[j][t] - means[j]) for t in range(n)) for j in range(k)]
+        for i in range(k)
     ]
-    if not slopes:  # one size: the duration per token, scaled
-        tokens = max(1, steps[0][0])
-        return 0.0, statistics.median(s for _, s in steps) / tokens
-    slope = max(0.0, statistics.median(slopes))
-    intercept = max(0.0, statistics.median(s - slope * t for t, s in steps))
-    return intercept, slope
+    b = [sum((xs[i][t] - means[i]) * (y[t] - mean_y) for t in range(n)) for i in range(k)]
+    coef = _solve(a, b)
+    out = dict(zip(names, coef, strict=True))
+    out["1"] = mean_y - sum(c * m for c, m in zip(coef, means, strict=True))
+    return out
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``a x = b`` for a small symmetric ``a`` (a singular column gets 0)."""
+    k = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            continue
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [v - f * w for v, w in zip(m[r], m[col], strict=True)]
+    return [m[i][k] / m[i][i] if abs(m[i][i]) >= 1e-12 else 0.0 for i in range(k)]
 
 
 def queue_wait(
@@ -106,9 +161,12 @@ def queue_wait(
     policy: TenantPolicy,
     meter: LoadMeter,
     now: float,
+    stretch: float | None = None,
+    floor: int = 1,
 ) -> float:
     """Seconds a request of ``tenant`` with ``priority`` and a prompt of ``prompt_tokens``
-    would wait for its first step (see the module)."""
+    would wait for its first token (see the module; ``stretch`` and ``floor``: the decode
+    stretch in force and its least prompt budget, :func:`prompt_budget`)."""
     own_ahead, own_count = 0, 0
     others: dict[str, list[int]] = {}
     decoding = 0
@@ -137,29 +195,33 @@ def queue_wait(
         share = mine * policy.weight(name) / weight
         ahead += min(tokens, share)
         count += seqs if tokens <= share else math.ceil(seqs * share / tokens)
-    full_step = meter.step_seconds(step_tokens)
-    if full_step is None:
+    cost = meter.cost()
+    if cost is None:
         return 0.0
     room = max(1, step_tokens - decoding)
-    wait = math.ceil(ahead / room) * full_step
+    cap = prompt_budget(meter, decoding, stretch, floor)
+    if cap is not None:
+        room = min(room, cap)
+    step = cost.seconds(decoding, room)
+    # the work ahead and its own prompt: its first token comes with its prompt's last chunk
+    wait = math.ceil((ahead + prompt_tokens) / room) * step
     over = len(running) + count + 1 - max_seqs
     if over > 0:
         rate = meter.end_rate(now)
         if rate:
             wait = max(wait, over / rate)
-    in_flight = meter.step_seconds(decoding + min(math.ceil(ahead), room)) or 0.0
-    return wait + in_flight
+    # the step in flight when it arrives: half of one, on average
+    return wait + (step / 2 if running else 0.0)
 
 
 def prompt_budget(meter: LoadMeter, decoding: int, stretch: float | None, floor: int) -> int | None:
     """The prompt tokens a step may carry beside ``decoding`` decodes so that it takes at most
-    ``stretch`` times a decode-only step (the meter's line), never fewer than ``floor``; None
-    (the step budget alone) without decodes, a stretch, or a measured line with a slope."""
+    ``stretch`` times a decode-only step (the meter's cost), never fewer than ``floor``; None
+    (the step budget alone) without decodes, a stretch, or a measured cost of prompt tokens."""
     if not stretch or not decoding:
         return None
-    line = meter.line()
-    if line is None or line[1] <= 0:
+    cost = meter.cost()
+    if cost is None or cost.per_prompt <= 0:
         return None
-    intercept, slope = line
-    decode_only = intercept + slope * decoding
-    return max(floor, int((stretch - 1.0) * decode_only / slope))
+    decode_only = cost.seconds(decoding, 0)
+    return max(floor, int((stretch - 1.0) * decode_only / cost.per_prompt + 1e-9))

@@ -201,7 +201,7 @@ class SchedulerCore:
         )
 
     def queue_wait(self, tenant: str, priority: int, prompt_tokens: int) -> float:
-        """Seconds a new request would wait for its first step (the admission estimate:
+        """Seconds a new request would wait for its first token (the admission estimate:
         :func:`~stoic.scheduler._admission.queue_wait`)."""
         q = self.queues
         return queue_wait(
@@ -215,6 +215,8 @@ class SchedulerCore:
             policy=self.shares.policy,
             meter=self.meter,
             now=self.clock(),
+            stretch=self.cfg.decode_stretch,
+            floor=self.cfg.block_size,
         )
 
     # -- admission and removal ------------------------------------------------------------------
@@ -339,7 +341,9 @@ class SchedulerCore:
         self._inflight = None
         self._steps += 1
         now = self.clock()
-        self.meter.step(sum(p.n_tokens for p in inflight.planned), now - inflight.started)
+        decodes = sum(1 for p in inflight.planned if p.n_tokens == 1)  # (a 1-token prompt too)
+        prompt = sum(p.n_tokens for p in inflight.planned) - decodes
+        self.meter.step(decodes, prompt, now - inflight.started)
         touched: list[Seq] = []
         for p in inflight.planned:
             seq = p.seq

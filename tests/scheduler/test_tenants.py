@@ -288,21 +288,29 @@ def test_weights_must_be_positive() -> None:
         TenantPolicy(max_running=0)
 
 
-def test_the_meter_fits_step_durations_to_their_tokens() -> None:
-    """Step durations ``a + b * tokens`` are recovered from the recent steps; before any step
-    the meter knows nothing."""
+def test_the_meter_fits_step_durations_to_decodes_and_prompt_tokens() -> None:
+    """Step durations ``fixed + per_decode * decodes + per_prompt * prompt`` are recovered from
+    the recent steps, whatever their mix; a window of decode-only steps prices a prompt token
+    as a decode row; before any step the meter knows nothing."""
     meter = LoadMeter()
-    assert meter.step_seconds(32) is None
-    for tokens in (4, 8, 16, 32, 4, 32):
-        meter.step(tokens, 0.01 + 0.001 * tokens)
-    assert meter.step_seconds(32) == pytest.approx(0.042)
-    assert meter.step_seconds(1) == pytest.approx(0.011)
+    assert meter.cost() is None and meter.seconds(4, 32) is None
+    for decodes, prompt in ((32, 0), (8, 0), (31, 225), (2, 254), (16, 100), (0, 256), (20, 0)):
+        meter.step(decodes, prompt, 0.01 + 0.006 * decodes + 0.0025 * prompt)
+    cost = meter.cost()
+    assert cost is not None
+    assert (cost.fixed, cost.per_decode, cost.per_prompt) == pytest.approx((0.01, 0.006, 0.0025))
+    assert meter.seconds(32, 224) == pytest.approx(0.01 + 0.192 + 0.56)
+    decode_only = LoadMeter()
+    for decodes in (32, 30, 31, 32):
+        decode_only.step(decodes, 0, 0.02 + 0.006 * decodes)
+    assert decode_only.seconds(0, 10) == pytest.approx(0.02 + 0.06)
 
 
 def test_the_wait_estimate_counts_the_queue_ahead_by_share() -> None:
-    """The estimate counts a tenant's own queue ahead of it (priority as good or better) in
-    full, another tenant's only up to that tenant's share of the same stretch; with no step
-    measured it is 0 (no refusal without evidence)."""
+    """The estimate (the wait for the first token) counts a tenant's own queue ahead of it
+    (priority as good or better) in full, another tenant's only up to that tenant's share of
+    the same stretch, and its own prompt; with no step measured it is 0 (no refusal without
+    evidence)."""
     clock = Clock()
     h = create_scheduler(
         num_blocks=1024, block_size=4, max_num_seqs=64, max_num_batched_tokens=32, clock=clock
@@ -311,16 +319,16 @@ def test_the_wait_estimate_counts_the_queue_ahead_by_share() -> None:
     for _ in range(10):
         h.add("a" * 64, max_tokens=4, tenant="a")
     assert core.queue_wait("a", 0, 10) == 0.0
-    for tokens in (32, 32, 32):
-        core.meter.step(tokens, 0.1)
+    for _ in range(3):
+        core.meter.step(0, 32, 0.1)
     # steps of 0.1 s per 32 tokens (one size: the duration scales with the tokens); the wait
-    # is whole steps of the work ahead and the step in flight (what the next one carries)
-    # tenant a: 640 tokens ahead, 32 a step: 20 steps, and a full one in flight
-    assert core.queue_wait("a", 0, 10) == pytest.approx(2.0 + 0.1)
-    # a better priority jumps its own tenant's queue: nothing ahead, nothing running
-    assert core.queue_wait("a", -1, 10) == 0.0
+    # is whole steps of the work ahead and of its own prompt (nothing runs: no step in flight)
+    # tenant a: 640 tokens ahead and its 10, 32 a step: 21 steps
+    assert core.queue_wait("a", 0, 10) == pytest.approx(2.1)
+    # a better priority jumps its own tenant's queue: its own prompt only
+    assert core.queue_wait("a", -1, 10) == pytest.approx(0.1)
     # tenant b: a's queue counts up to b's share, as many tokens as b's own 10: one step
-    assert core.queue_wait("b", 0, 10) == pytest.approx(0.1 + 0.1 * 10 / 32)
+    assert core.queue_wait("b", 0, 10) == pytest.approx(0.1)
     weighted = create_scheduler(
         num_blocks=1024,
         max_num_batched_tokens=32,
@@ -329,9 +337,9 @@ def test_the_wait_estimate_counts_the_queue_ahead_by_share() -> None:
     for _ in range(10):
         weighted.add("a" * 64, max_tokens=4, tenant="a")
     for _ in range(3):
-        weighted.core.meter.step(32, 0.1)
+        weighted.core.meter.step(0, 32, 0.1)
     # a weighs five times b: 50 of a's tokens go ahead of b's 10: two steps
-    assert weighted.core.queue_wait("b", 0, 10) == pytest.approx(0.2 + 0.1)
+    assert weighted.core.queue_wait("b", 0, 10) == pytest.approx(0.2)
 
 
 def test_the_decode_stretch_bounds_the_prompt_tokens_beside_decodes() -> None:
@@ -342,8 +350,8 @@ def test_the_decode_stretch_bounds_the_prompt_tokens_beside_decodes() -> None:
 
     meter = LoadMeter()
     assert prompt_budget(meter, 4, 2.0, 16) is None  # nothing measured
-    for tokens in (1, 4, 64, 128):
-        meter.step(tokens, 0.02 + 0.001 * tokens)  # 20 ms a step, 1 ms a token
+    for decodes, prompt in ((1, 0), (4, 0), (2, 64), (0, 128)):
+        meter.step(decodes, prompt, 0.02 + 0.001 * (decodes + prompt))  # 20 ms, 1 ms a row
     # a decode-only step of 4: 24 ms; twice that allows 24 ms more: 24 prompt tokens
     assert prompt_budget(meter, 4, 2.0, 16) == 24
     assert prompt_budget(meter, 4, 2.0, 32) == 32  # the floor
@@ -356,10 +364,9 @@ def test_the_decode_stretch_bounds_the_prompt_tokens_beside_decodes() -> None:
         dataclasses.replace(h.core.cfg, decode_stretch=2.0), h.tokenizer, h.core.clock
     )
     h.core.executor_ready(0)
-    h.core.meter = meter
     h.add("d" * 10, max_tokens=30)
-    h.step()  # prefilled: decoding from now on (a step the frozen clock times at 0 s: an
-    # outlier the robust line ignores)
+    h.step()  # prefilled: decoding from now on
+    h.core.meter = meter  # the steps above, not the harness's (the frozen clock times at 0 s)
     h.add("p" * 100, max_tokens=2)
     batch = h.step()
     assert batch is not None
