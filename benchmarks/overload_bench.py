@@ -718,7 +718,7 @@ async def run(args: argparse.Namespace, plan: Plan, work: Path) -> dict[str, Any
         flags = (
             shlex.split(args.stoic_flags)
             if args.stoic_flags is not None
-            else ["--tenant-header", plan.tenant_header, "--max-queue-wait", "2"]
+            else ["--tenant-header", plan.tenant_header, "--max-queue-wait", "3"]
         )
         srv = stoic_server(work, "stoic", flags)
         t = Target("stoic", srv.url, srv.model, srv.extra, True, argv=srv.argv)
@@ -804,8 +804,8 @@ def main() -> None:
         "--deadline",
         type=float,
         default=0.0,
-        help="(b) each request's timeout (default 0: none; the server's --max-queue-wait, 2 s "
-        "in the default flags, bounds the wait to start)",
+        help="(b) each request's timeout (default 0: none; the server's --max-queue-wait, 3 s "
+        "in the default flags, bounds the wait for the first token)",
     )
     parser.add_argument(
         "--grace",

@@ -204,7 +204,7 @@ class Intake(Actor[IntakeMsg]):
             self._refused(request.tenant)
             which = "its timeout" if allowed == request.timeout else "the queue-wait limit"
             raise Overloaded(
-                f"the request would wait about {wait:.1f}s to start, past {which} "
+                f"the request would wait about {wait:.1f}s for its first token, past {which} "
                 f"({allowed:g}s); retry later",
                 retry_after=wait - allowed,
             )

@@ -12,8 +12,9 @@ decode stretch's :func:`prompt_budget`); prices each step by the meter's cost (a
 fit of the recent steps' durations to their decode rows and prompt tokens); and adds half a
 step for the one in
 flight. When the running sequences fill ``max_num_seqs``, it takes at least the time for enough
-of them to end at the measured rate of sequences ending. With no step measured yet it returns
-0: a refusal needs evidence.
+of them to end at the measured rate of sequences ending. With no step measured yet, or nothing
+running and nothing ahead, it returns 0: a refusal needs evidence, and an idle engine takes
+anything (were it refused on stale measurements, no step would ever renew them).
 """
 
 from __future__ import annotations
@@ -196,7 +197,9 @@ def queue_wait(
         ahead += min(tokens, share)
         count += seqs if tokens <= share else math.ceil(seqs * share / tokens)
     cost = meter.cost()
-    if cost is None:
+    if cost is None or (not running and not ahead):
+        # nothing measured, or nothing before it: an idle engine takes anything (its own
+        # deadline ends it if its prompt alone is too long), and its steps renew the meter
         return 0.0
     room = max(1, step_tokens - decoding)
     cap = prompt_budget(meter, decoding, stretch, floor)

@@ -325,8 +325,9 @@ def test_the_wait_estimate_counts_the_queue_ahead_by_share() -> None:
     # is whole steps of the work ahead and of its own prompt (nothing runs: no step in flight)
     # tenant a: 640 tokens ahead and its 10, 32 a step: 21 steps
     assert core.queue_wait("a", 0, 10) == pytest.approx(2.1)
-    # a better priority jumps its own tenant's queue: its own prompt only
-    assert core.queue_wait("a", -1, 10) == pytest.approx(0.1)
+    # a better priority jumps its own tenant's queue: nothing ahead, nothing running: an idle
+    # engine takes anything (refused on old measurements, nothing would renew them)
+    assert core.queue_wait("a", -1, 10_000) == 0.0
     # tenant b: a's queue counts up to b's share, as many tokens as b's own 10: one step
     assert core.queue_wait("b", 0, 10) == pytest.approx(0.1)
     weighted = create_scheduler(
