@@ -89,6 +89,13 @@ class Intake(Actor[IntakeMsg]):
                 if _gone(reply):
                     return  # the caller gave up while we prepared it
                 self.outstanding += 1
+                if self._load is not None:
+                    self._load.expect(
+                        add.request_id,
+                        add.request.tenant,
+                        add.request.priority,
+                        len(add.prompt_ids),
+                    )
                 self._active[add.request_id] = add.request.tenant
                 self._by_tenant[add.request.tenant] += 1
                 await self._scheduler.tell(add)

@@ -23,11 +23,36 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from ._sequence import Seq
 from ._tenants import TenantPolicy
 
-__all__ = ["LoadMeter", "StepCost", "prompt_budget", "queue_wait"]
+__all__ = ["Expected", "LoadMeter", "StepCost", "prompt_budget", "queue_wait"]
+
+
+class Work(Protocol):
+    """What the estimate reads of a sequence ahead (a :class:`Seq`, or an :class:`Expected`)."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def remaining(self) -> int: ...
+
+
+class Expected(NamedTuple):
+    """A request the intake admitted whose sequence has not reached the scheduler yet (its
+    message is in the scheduler's mailbox): counted as waiting, or a burst would be admitted on
+    a view that misses itself."""
+
+    tenant: str
+    priority: int
+    #: its prompt tokens
+    remaining: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +181,7 @@ def queue_wait(
     priority: int,
     prompt_tokens: int,
     running: Iterable[Seq],
-    waiting: Iterable[Seq],
+    waiting: Iterable[Work],
     step_tokens: int,
     max_seqs: int,
     policy: TenantPolicy,
@@ -179,14 +204,14 @@ def queue_wait(
             own_ahead += seq.remaining
         else:
             others.setdefault(seq.tenant, [0, 0])[0] += seq.remaining
-    for seq in waiting:
-        if seq.tenant == tenant:
-            if seq.priority <= priority:
-                own_ahead += seq.remaining
+    for work in waiting:
+        if work.tenant == tenant:
+            if work.priority <= priority:
+                own_ahead += work.remaining
                 own_count += 1
         else:
-            tally = others.setdefault(seq.tenant, [0, 0])
-            tally[0] += seq.remaining
+            tally = others.setdefault(work.tenant, [0, 0])
+            tally[0] += work.remaining
             tally[1] += 1
     mine = own_ahead + prompt_tokens
     weight = policy.weight(tenant)

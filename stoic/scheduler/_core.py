@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from ..errors import EngineFailed, EngineStopped, FailureKind, StoicError
 from ..request import SamplingParams, StepBatch, StepOutput
-from ._admission import LoadMeter, prompt_budget, queue_wait
+from ._admission import Expected, LoadMeter, prompt_budget, queue_wait
 from ._allocator import BlockAllocator
 from ._budget import StepBudget
 from ._plan import Planned, chunks_of, plan_step
@@ -101,6 +101,8 @@ class SchedulerCore:
         #: ``(deadline, seq_id, seq)`` of the sequences with a deadline (a heap; ended ones
         #: are skipped when they come up)
         self._deadlines: list[tuple[float, int, Seq]] = []
+        #: requests the intake admitted, their sequences on their way (:meth:`expect`)
+        self._expected: dict[str, Expected] = {}
         self._next_seq_id = 0
         self._next_step_id = 0
         #: the KV cache's logical side: block tables, free list, prefix cache (see the module)
@@ -209,7 +211,7 @@ class SchedulerCore:
             priority=priority,
             prompt_tokens=prompt_tokens,
             running=q.running,
-            waiting=(*q.waiting, *q.held),
+            waiting=(*q.waiting, *q.held, *self._expected.values()),
             step_tokens=self.budget.tokens,
             max_seqs=self.budget.seqs,
             policy=self.shares.policy,
@@ -218,6 +220,11 @@ class SchedulerCore:
             stretch=self.cfg.decode_stretch,
             floor=self.cfg.block_size,
         )
+
+    def expect(self, request_id: str, tenant: str, priority: int, prompt_tokens: int) -> None:
+        """The intake admitted ``request_id``; its sequence is on its way (:meth:`add`, or
+        :meth:`abort` if its caller gave up first): the wait estimate counts it meanwhile."""
+        self._expected[request_id] = Expected(tenant, priority, prompt_tokens)
 
     # -- admission and removal ------------------------------------------------------------------
     def add(
@@ -237,6 +244,7 @@ class SchedulerCore:
         before: see :class:`Seq`) for ``tenant`` with ``priority``, to end with ``"timeout"``
         ``timeout`` seconds from now if not done by then; if the engine is failed or draining,
         end its stream instead."""
+        self._expected.pop(request_id, None)
         if self.failed is not None:
             stream.fail(EngineFailed(f"engine failed: {self.failed}"))
             return None
@@ -265,6 +273,7 @@ class SchedulerCore:
 
     def abort(self, request_id: str) -> Seq | None:
         """End the request's stream with ``"abort"`` and free its blocks (None if unknown)."""
+        self._expected.pop(request_id, None)
         seq = self.queues.by_request.get(request_id)
         if seq is not None:
             seq.stream.finish("abort")

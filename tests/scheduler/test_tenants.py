@@ -377,3 +377,22 @@ def test_the_decode_stretch_bounds_the_prompt_tokens_beside_decodes() -> None:
     assert isinstance(h.core.cfg, SchedulerConfig)
     h.run_until_idle()
     h.check()
+
+
+def test_a_request_on_its_way_counts_in_the_estimate_once() -> None:
+    """A request the intake admitted whose sequence has not reached the core yet counts as
+    waiting work (a burst is not admitted on a view that misses itself); once added, or
+    aborted on its way, it counts once or not at all."""
+    h = create_scheduler(num_blocks=1024, block_size=4, max_num_batched_tokens=32)
+    core = h.core
+    h.add("r" * 20, max_tokens=4)
+    for _ in range(3):
+        core.meter.step(0, 32, 0.1)
+    alone = core.queue_wait("", 0, 10)  # 20 ahead and its 10: one step
+    core.expect("req-x", "", 0, 64)
+    assert core.queue_wait("", 0, 10) == pytest.approx(alone + 0.2)  # 64 more: two steps
+    h.add("x" * 64, max_tokens=4, request_id="req-x")
+    assert core.queue_wait("", 0, 10) == pytest.approx(alone + 0.2)
+    core.expect("req-y", "", 0, 64)
+    core.abort("req-y")
+    assert core.queue_wait("", 0, 10) == pytest.approx(alone + 0.2)
