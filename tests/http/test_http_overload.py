@@ -24,18 +24,18 @@ LONG = {"max_tokens": 4000, "ignore_eos": True}
 async def test_a_request_that_cannot_start_in_time_is_refused_at_once(
     server: Server, engine: stoic.Engine, http: aiohttp.ClientSession
 ) -> None:
-    """Behind a queue of long prompts, a streaming request with a 0.2 s timeout is a 429 with
+    """Behind a queue of long prompts, a streaming request with a 0.05 s timeout is a 429 with
     ``Retry-After`` and a JSON error (no event stream) within a fraction of a second; one with
     room to wait is admitted; the queue's requests are unaffected."""
     await engine.complete("warm up the step meter", stoic.SamplingParams(max_tokens=4))
-    words = " ".join(f"word{i}" for i in range(350))  # ~1,000 tokens each
+    words = " ".join(f"word{i}" for i in range(200))  # ~600 tokens each
     params = stoic.SamplingParams(max_tokens=2, ignore_eos=True)
     queued = [await engine.submit(f"{i} {words}", params) for i in range(2)]
     steps = engine.stats().steps
     await until(lambda: engine.stats().steps >= steps + 2, 60, "the queue's first steps")
     try:
         started = asyncio.get_running_loop().time()
-        body = chat_body(stream=True, timeout=0.2)
+        body = chat_body(stream=True, timeout=0.05)
         async with http.post(f"{server.url}/v1/chat/completions", json=body) as r:
             refused_after = asyncio.get_running_loop().time() - started
             assert r.status == 429, await r.text()
