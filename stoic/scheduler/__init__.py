@@ -9,7 +9,7 @@ the :class:`BlockAllocator` the core owns. The cache manager actor owns the phys
 tensors' lifetime and their drop after a failure.
 """
 
-from ._admission import LoadMeter, prompt_budget, queue_wait
+from ._admission import MIN_STEPS, LoadMeter, prompt_budget, queue_wait
 from ._allocator import BlockAllocator, OutOfBlocks
 from ._budget import CLEAN_STEPS_PER_DOUBLING, StepBudget
 from ._core import SchedulerCore, Step
@@ -20,6 +20,7 @@ from ._tenants import OTHER_TENANTS, TenantPolicy, TenantShares, TenantStats
 
 __all__ = [
     "CLEAN_STEPS_PER_DOUBLING",
+    "MIN_STEPS",
     "OTHER_TENANTS",
     "BlockAllocator",
     "FinishReason",

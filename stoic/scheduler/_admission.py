@@ -12,13 +12,15 @@ decode stretch's :func:`prompt_budget`); prices each step by the meter's cost (a
 fit of the recent steps' durations to their decode rows and prompt tokens); and adds half a
 step for the one in
 flight. When the running sequences fill ``max_num_seqs``, it takes at least the time for enough
-of them to end at the measured rate of sequences ending. With no step measured yet, or nothing
+of them to end at the measured rate of sequences ending. With fewer than :data:`MIN_STEPS` steps
+measured, or nothing
 running and nothing ahead, it returns 0: a refusal needs evidence, and an idle engine takes
 anything (were it refused on stale measurements, no step would ever renew them).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -28,7 +30,11 @@ from typing import NamedTuple, Protocol
 from ._sequence import Seq
 from ._tenants import TenantPolicy
 
-__all__ = ["Expected", "LoadMeter", "StepCost", "prompt_budget", "queue_wait"]
+__all__ = ["MIN_STEPS", "Expected", "LoadMeter", "StepCost", "prompt_budget", "queue_wait"]
+
+#: steps measured before the meter prices a step: a few steps (a cold first one among them)
+#: would be extrapolated to a full step many times over, and refuse on that
+MIN_STEPS = 16
 
 
 class Work(Protocol):
@@ -83,27 +89,31 @@ class LoadMeter:
         self._steps.append((decodes, prompt_tokens, seconds))
         self._cost = None
 
-    def ended(self, now: float) -> None:
-        """A sequence ended at ``now``."""
-        self._ends.append(now)
+    def ended(self, now: float, count: int = 1) -> None:
+        """``count`` sequences ended at ``now``."""
+        self._ends.extend(itertools.repeat(now, count))
 
     def cost(self) -> StepCost | None:
-        """The recent steps' cost (None before any step): least squares over ``1``,
+        """The recent steps' cost (None before :data:`MIN_STEPS` steps): least squares over ``1``,
         ``decodes`` and ``prompt_tokens``, each of the latter two only where the window varies
         it (else the intercept holds it), a coefficient that comes out negative dropped and the
         rest fitted again. Where the prompt tokens never varied, a prompt token is priced as a
         decode row (dearer: a cautious estimate), or, nothing having varied, every row at the
         mean cost per row."""
-        if not self._steps:
+        if len(self._steps) < MIN_STEPS:
             return None
         if self._cost is None:
             self._cost = _fit(self._steps)
         return self._cost
 
     def seconds(self, decodes: int, prompt_tokens: int) -> float | None:
-        """A step's expected duration (None before any step)."""
+        """A step's expected duration (None before :data:`MIN_STEPS` steps)."""
         cost = self.cost()
         return None if cost is None else cost.seconds(decodes, prompt_tokens)
+
+    def largest_prompt(self) -> int:
+        """The most prompt tokens one recent step carried (0 before any step)."""
+        return max((r for _, r, _ in self._steps), default=0)
 
     def end_rate(self, now: float) -> float | None:
         """Sequences ended per second over the recent ones (None with fewer than two)."""
@@ -230,6 +240,10 @@ def queue_wait(
     cap = prompt_budget(meter, decoding, stretch, floor)
     if cap is not None:
         room = min(room, cap)
+    if meter.largest_prompt() * 4 < room:
+        # no recent step carried a quarter of the room: its prompt cost would be extrapolated
+        # from small chunks (a cold first step among them) many times over; no evidence
+        return 0.0
     step = cost.seconds(decoding, room)
     # the work ahead and its own prompt: its first token comes with its prompt's last chunk
     wait = math.ceil((ahead + prompt_tokens) / room) * step

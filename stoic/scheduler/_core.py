@@ -131,7 +131,6 @@ class SchedulerCore:
         self._prompt_tokens = 0
         self._generated = 0
         self._prefix_cached_tokens = 0
-        self._timed_out = 0
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -192,7 +191,7 @@ class SchedulerCore:
             isolation_failures=self.recovery.isolation_failures,
             token_budget=self.budget.tokens,
             seq_budget=self.budget.seqs,
-            timed_out=self._timed_out,
+            timed_out=self.shares.timed_out(),
         )
 
     def tenant_stats(self) -> dict[str, TenantStats]:
@@ -389,9 +388,7 @@ class SchedulerCore:
                 self._remove(seq)
                 ended.append(seq)
         if ended:
-            now = self.clock()
-            for _ in ended:
-                self.meter.ended(now)
+            self.meter.ended(self.clock(), len(ended))
         return ended
 
     def expire(self) -> int:
@@ -410,7 +407,6 @@ class SchedulerCore:
             seq.stream.finish(seq.finish_reason, seq.stop_reason)
             self._remove(seq)
             self.shares.stats_of(seq.tenant).timed_out += 1
-            self._timed_out += 1
             ended += 1
         return ended
 

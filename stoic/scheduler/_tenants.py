@@ -117,6 +117,10 @@ class TenantShares:
         self._vtime[tenant] = self.vtime(tenant) + tokens / self.policy.weight(tenant)
         self.stats_of(tenant).computed_tokens += tokens
 
+    def timed_out(self) -> int:
+        """Requests ended by their own deadline, every tenant's (``SchedulerStats.timed_out``)."""
+        return sum(stats.timed_out for stats in self._stats.values())
+
     def stats_of(self, tenant: str) -> TenantStats:
         """The tenant's counters (those of :data:`OTHER_TENANTS` once enough names are known)."""
         stats = self._stats.get(tenant)

@@ -15,6 +15,7 @@ from support import until, wait_idle
 
 import stoic
 from stoic.http import AccessPolicy, create_app
+from stoic.scheduler import MIN_STEPS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -27,33 +28,46 @@ async def test_a_request_that_cannot_start_in_time_is_refused_at_once(
     """Behind a queue of long prompts, a streaming request with a 0.05 s timeout is a 429 with
     ``Retry-After`` and a JSON error (no event stream) within a fraction of a second; one with
     room to wait is admitted; the queue's requests are unaffected."""
-    await engine.complete("warm up the step meter", stoic.SamplingParams(max_tokens=4))
+    # the meter prices steps once it has seen MIN_STEPS of them
+    warm = stoic.SamplingParams(max_tokens=MIN_STEPS + 4, ignore_eos=True)
+    await engine.complete("warm up the step meter", warm)
     words = " ".join(f"word{i}" for i in range(200))  # ~600 tokens each
     params = stoic.SamplingParams(max_tokens=2, ignore_eos=True)
-    queued = [await engine.submit(f"{i} {words}", params) for i in range(2)]
-    steps = engine.stats().steps
-    await until(lambda: engine.stats().steps >= steps + 2, 60, "the queue's first steps")
+    queued: list[stoic.RequestStream] = []
     try:
-        started = asyncio.get_running_loop().time()
-        body = chat_body(stream=True, timeout=0.05)
-        async with http.post(f"{server.url}/v1/chat/completions", json=body) as r:
-            refused_after = asyncio.get_running_loop().time() - started
-            assert r.status == 429, await r.text()
-            assert r.content_type == "application/json"
-            assert int(r.headers["Retry-After"]) >= 1
-            error = (await r.json())["error"]
-        assert "timeout" in error["message"] and error["type"] == "rate_limit_error"
-        assert refused_after < 1.0
-        patient = chat_body(timeout=600)
-        async with http.post(f"{server.url}/v1/chat/completions", json=patient) as r:
-            assert r.status == 200, await r.text()
-        for stream in queued:
-            result = await stream.collect()
-            assert result.finish_reason == "length"
+        for i in range(2):
+            queued.append(await engine.submit(f"{i} {words}", params))
+        await _refused_then_admitted(server, engine, http, queued)
     finally:
         for stream in queued:
             await stream.aclose()
         await wait_idle(engine, 60.0, serving=True)
+
+
+async def _refused_then_admitted(
+    server: Server,
+    engine: stoic.Engine,
+    http: aiohttp.ClientSession,
+    queued: list[stoic.RequestStream],
+) -> None:
+    steps = engine.stats().steps
+    await until(lambda: engine.stats().steps >= steps + 2, 60, "the queue's first steps")
+    started = asyncio.get_running_loop().time()
+    body = chat_body(stream=True, timeout=0.05)
+    async with http.post(f"{server.url}/v1/chat/completions", json=body) as r:
+        refused_after = asyncio.get_running_loop().time() - started
+        assert r.status == 429, await r.text()
+        assert r.content_type == "application/json"
+        assert int(r.headers["Retry-After"]) >= 1
+        error = (await r.json())["error"]
+    assert "timeout" in error["message"] and error["type"] == "rate_limit_error"
+    assert refused_after < 1.0
+    patient = chat_body(timeout=600)
+    async with http.post(f"{server.url}/v1/chat/completions", json=patient) as r:
+        assert r.status == 200, await r.text()
+    for stream in queued:
+        result = await stream.collect()
+        assert result.finish_reason == "length"
 
 
 async def test_a_deadline_that_passes_mid_answer_ends_it_with_timeout(

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoic.actors.testing import SchedulerHarness, create_scheduler, drain
-from stoic.scheduler import LoadMeter, TenantPolicy, TenantShares
+from stoic.scheduler import MIN_STEPS, LoadMeter, TenantPolicy, TenantShares
 
 
 class Clock:
@@ -294,14 +294,17 @@ def test_the_meter_fits_step_durations_to_decodes_and_prompt_tokens() -> None:
     as a decode row; before any step the meter knows nothing."""
     meter = LoadMeter()
     assert meter.cost() is None and meter.seconds(4, 32) is None
-    for decodes, prompt in ((32, 0), (8, 0), (31, 225), (2, 254), (16, 100), (0, 256), (20, 0)):
+    steps = ((32, 0), (8, 0), (31, 225), (2, 254), (16, 100), (0, 256), (20, 0)) * 3
+    for n, (decodes, prompt) in enumerate(steps, 1):
         meter.step(decodes, prompt, 0.01 + 0.006 * decodes + 0.0025 * prompt)
+        # a few steps are no evidence (a cold first one would be extrapolated many times over)
+        assert (meter.cost() is None) == (n < MIN_STEPS)
     cost = meter.cost()
     assert cost is not None
     assert (cost.fixed, cost.per_decode, cost.per_prompt) == pytest.approx((0.01, 0.006, 0.0025))
     assert meter.seconds(32, 224) == pytest.approx(0.01 + 0.192 + 0.56)
     decode_only = LoadMeter()
-    for decodes in (32, 30, 31, 32):
+    for decodes in (32, 30, 31, 32) * 4:
         decode_only.step(decodes, 0, 0.02 + 0.006 * decodes)
     assert decode_only.seconds(0, 10) == pytest.approx(0.02 + 0.06)
 
@@ -319,7 +322,7 @@ def test_the_wait_estimate_counts_the_queue_ahead_by_share() -> None:
     for _ in range(10):
         h.add("a" * 64, max_tokens=4, tenant="a")
     assert core.queue_wait("a", 0, 10) == 0.0
-    for _ in range(3):
+    for _ in range(MIN_STEPS):
         core.meter.step(0, 32, 0.1)
     # steps of 0.1 s per 32 tokens (one size: the duration scales with the tokens); the wait
     # is whole steps of the work ahead and of its own prompt (nothing runs: no step in flight)
@@ -337,7 +340,7 @@ def test_the_wait_estimate_counts_the_queue_ahead_by_share() -> None:
     )
     for _ in range(10):
         weighted.add("a" * 64, max_tokens=4, tenant="a")
-    for _ in range(3):
+    for _ in range(MIN_STEPS):
         weighted.core.meter.step(0, 32, 0.1)
     # a weighs five times b: 50 of a's tokens go ahead of b's 10: two steps
     assert weighted.core.queue_wait("b", 0, 10) == pytest.approx(0.2)
@@ -351,7 +354,7 @@ def test_the_decode_stretch_bounds_the_prompt_tokens_beside_decodes() -> None:
 
     meter = LoadMeter()
     assert prompt_budget(meter, 4, 2.0, 16) is None  # nothing measured
-    for decodes, prompt in ((1, 0), (4, 0), (2, 64), (0, 128)):
+    for decodes, prompt in ((1, 0), (4, 0), (2, 64), (0, 128)) * 4:
         meter.step(decodes, prompt, 0.02 + 0.001 * (decodes + prompt))  # 20 ms, 1 ms a row
     # a decode-only step of 4: 24 ms; twice that allows 24 ms more: 24 prompt tokens
     assert prompt_budget(meter, 4, 2.0, 16) == 24
@@ -386,7 +389,7 @@ def test_a_request_on_its_way_counts_in_the_estimate_once() -> None:
     h = create_scheduler(num_blocks=1024, block_size=4, max_num_batched_tokens=32)
     core = h.core
     h.add("r" * 20, max_tokens=4)
-    for _ in range(3):
+    for _ in range(MIN_STEPS):
         core.meter.step(0, 32, 0.1)
     alone = core.queue_wait("", 0, 10)  # 20 ahead and its 10: one step
     core.expect("req-x", "", 0, 64)
@@ -396,3 +399,18 @@ def test_a_request_on_its_way_counts_in_the_estimate_once() -> None:
     core.expect("req-y", "", 0, 64)
     core.abort("req-y")
     assert core.queue_wait("", 0, 10) == pytest.approx(alone + 0.2)
+
+
+def test_no_refusal_on_a_cost_extrapolated_from_small_chunks() -> None:
+    """Steps that carried only small prompt chunks (a slow cold one among them) do not price a
+    full step: the estimate is 0 until a step carried a quarter of the room."""
+    h = create_scheduler(num_blocks=1024, block_size=4, max_num_batched_tokens=256)
+    core = h.core
+    for _ in range(4):
+        h.add("w" * 300, max_tokens=4)
+    core.meter.step(0, 8, 0.3)  # cold
+    for _ in range(MIN_STEPS):
+        core.meter.step(1, 0, 0.02)
+    assert core.queue_wait("", 0, 300) == 0.0
+    core.meter.step(0, 256, 0.5)
+    assert core.queue_wait("", 0, 300) > 1.0
