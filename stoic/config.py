@@ -218,6 +218,12 @@ class EngineConfig:
     #: with ``recovery="resume"``: times one request may be resumed; then it fails as under
     #: ``"fail"``
     max_resumes: int = 3
+    #: with the process executor on a host: the KV pools live in memory the engine owns and
+    #: every worker maps, so a worker killed from outside, hung or failing a step leaves its
+    #: keys and values to its replacement, and resumed sequences compute only the failed step
+    #: again (docs/operations.md, "What survives a failure"). None: on wherever possible (the
+    #: process executor on a CPU, Linux); True where it is not is an error; False: off
+    kv_outlives_worker: bool | None = None
 
     def __post_init__(self) -> None:
         if self.faults and not self.enable_fault_injection:
@@ -261,6 +267,16 @@ class EngineConfig:
             limit = getattr(self, name)
             if limit is not None and limit < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: no limit)")
+        if self.kv_outlives_worker and self.executor != "process":
+            raise ValueError(
+                "kv_outlives_worker needs the process executor (executor='process'): with "
+                "the thread executor the KV cache lives and dies with the server"
+            )
+        if self.kv_outlives_worker and self.device.startswith("cuda"):
+            raise ValueError(
+                "kv_outlives_worker is implemented for host memory only: on a GPU the KV "
+                "pools die with the worker (docs/architecture.md has the design)"
+            )
         if self.executor_spares < 0 or (self.executor_spares and self.executor != "process"):
             raise ValueError("executor_spares must be >= 0 and needs executor='process'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

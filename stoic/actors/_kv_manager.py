@@ -15,7 +15,7 @@ from typing import assert_never
 
 from ..model import KVCacheSpec, PagedKVCache, empty_device_cache
 from ..runtime import Actor
-from ._messages import AcquireKV, CacheMsg, DropAll
+from ._messages import AcquireKV, CacheMsg, DropAll, KVLease
 
 __all__ = ["KVCacheManager"]
 
@@ -26,7 +26,9 @@ class KVCacheManager(Actor[CacheMsg]):
     ``DropAll`` releases the tensors (emptying the CUDA allocator's cache on GPUs); the next
     ``AcquireKV`` (from a restarted executor) re-creates them. With ``make_cache=None`` (the
     process executor) the tensors live in the worker process, which drops and re-creates its
-    own: ``AcquireKV`` answers ``None``.
+    own: the lease carries no tensors, only whether they were dropped. A recovery that keeps
+    the cache (pools that outlive the worker) sends no ``DropAll``: the next lease says
+    ``dropped=False``.
     """
 
     def __init__(
@@ -40,6 +42,8 @@ class KVCacheManager(Actor[CacheMsg]):
         self._kv: PagedKVCache | None = None
         #: the pools are to be (re)created before the next use (at start, after a DropAll)
         self._stale = True
+        #: no lease given yet (the first is ``dropped``: nothing in the cache is known)
+        self._first = True
 
     async def on_start(self) -> None:
         self._recreate()
@@ -62,10 +66,12 @@ class KVCacheManager(Actor[CacheMsg]):
                 self.context.log.debug("cache.dropped_all", tensors_released=held)
                 reply.send(held)
             case AcquireKV(reply=reply):
-                if self._stale:
+                dropped = self._stale
+                if dropped:
                     self._recreate()
                     self.context.log.debug("cache.recreated", blocks=self.spec.num_blocks)
-                reply.send(self._kv)
+                reply.send(KVLease(self._kv, dropped or self._first))
+                self._first = False
             case _:
                 assert_never(message)
 

@@ -32,6 +32,7 @@ __all__ = [
     "ExecutorMsg",
     "ExecutorReady",
     "IntakeMsg",
+    "KVLease",
     "Recovered",
     "RunStep",
     "SchedulerMsg",
@@ -119,6 +120,10 @@ class ExecutorDown:
     #: the same, but only if the failure is charged to the engine (counted, it exceeds the
     #: restart intensity); one charged to a suspect (``Recovered.charged``) recovers
     final_if_charged: str | None = None
+    #: the KV cache outlives the failure (its pools outlive the worker, and the failure kind
+    #: cannot have corrupted them): the block tables and the prefix cache stay, and the
+    #: sequences resume from the positions completed steps committed
+    keep_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +178,23 @@ class DropAll:
 
 
 @dataclass(frozen=True, slots=True)
-class AcquireKV:
-    """The executor asks for the KV tensors (re-created after a DropAll); ``None`` when they
-    live in the executor's worker process."""
+class KVLease:
+    """The cache manager's answer to :class:`AcquireKV`."""
 
-    reply: Reply[PagedKVCache | None]
+    #: the KV tensors (re-created after a DropAll); None when they live in the executor's
+    #: worker process
+    kv: PagedKVCache | None
+    #: the cache's contents were dropped since the last lease (or this is the first): a worker
+    #: whose pools outlive it must not serve on from them. False after a failure the recovery
+    #: kept the cache through (no DropAll): the block tables still say what each block holds
+    dropped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireKV:
+    """The executor asks for the KV tensors: a :class:`KVLease`."""
+
+    reply: Reply[KVLease]
 
 
 CacheMsg = DropAll | AcquireKV

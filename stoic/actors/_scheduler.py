@@ -137,7 +137,11 @@ class Scheduler(Actor[SchedulerMsg]):
                 self._cancel_watchdog()
                 budget = core.budget.tokens
                 outcome = core.executor_down(
-                    error, kind, final=message.final, final_if_charged=message.final_if_charged
+                    error,
+                    kind,
+                    final=message.final,
+                    final_if_charged=message.final_if_charged,
+                    keep_kv=message.keep_kv,
                 )
                 log.debug(  # recovery.executor_failed reports it, with these counts
                     "scheduler.executor_down",

@@ -212,12 +212,17 @@ class SchedulerHarness:
         kind: Any = "error",
         *,
         final_if_charged: str | None = None,
+        keep_kv: bool = False,
     ) -> Recovered:
-        """What recovery does: fence, drop the cache, fail (or resume) every sequence, restart.
-        Call it while a step is in flight (:meth:`start_step`) to fail that step. With
-        ``final_if_charged``, a failure charged to the engine fails it (the supervisor's last)."""
+        """What recovery does: fence, drop the cache (or keep it: ``keep_kv``), fail (or
+        resume) every sequence, restart. Call it while a step is in flight (:meth:`start_step`)
+        to fail that step. With ``final_if_charged``, a failure charged to the engine fails it
+        (the supervisor's last)."""
         count = self.core.executor_down(
-            error or RuntimeError("injected"), kind, final_if_charged=final_if_charged
+            error or RuntimeError("injected"),
+            kind,
+            final_if_charged=final_if_charged,
+            keep_kv=keep_kv,
         )
         self.inflight = None
         self.incarnation += 1

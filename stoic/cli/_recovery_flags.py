@@ -66,6 +66,16 @@ def _add_executor_args(g: ArgumentGroup) -> None:
         help="with --executor process: N warm worker processes (weights loaded) that take over "
         "at once when the worker must be replaced (default %(default)s)",
     )
+    g.add_argument(
+        "--kv-outlives-worker",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --executor process on a CPU: the KV cache lives in memory the server owns "
+        "and every worker maps, so after a worker is killed (kill -9, the OOM killer), hangs or "
+        "fails a step, its replacement serves on from the same keys and values and resumed "
+        "requests recompute only the failed step; a segfault, abort, out-of-memory error or "
+        "poisoned device still drops the cache (default: on where possible)",
+    )
 
 
 def _add_restart_args(g: ArgumentGroup) -> None:
@@ -145,6 +155,7 @@ def recovery_fields(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "executor": args.executor,
         "executor_spares": args.executor_spares,
+        "kv_outlives_worker": args.kv_outlives_worker,
         "max_restarts": args.max_restarts,
         "restart_window": args.restart_window,
         "step_timeout": args.step_timeout,

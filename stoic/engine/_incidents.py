@@ -82,6 +82,12 @@ class Incident:
     isolated: int = 0
     #: the failure counted toward the restart intensity (False: charged to a suspect)
     charged: bool = True
+    #: the KV cache outlived the failure (``--kv-outlives-worker``; a failure that leaves the
+    #: pools intact): resumed streams went on from their kept keys and values
+    kv_kept: bool = False
+    #: resumed streams' tokens whose keys and values were kept, and those to compute again
+    reused_tokens: int = 0
+    recompute_tokens: int = 0
     #: the engine failed for good after it (restart intensity, an unrecoverable device)
     engine_failed: str | None = None
     _started: float = 0.0  # time.monotonic() when it happened
@@ -133,6 +139,9 @@ class IncidentLog:
                 exhausted=outcome.exhausted,
                 isolated=outcome.isolated,
                 charged=outcome.charged,
+                kv_kept=outcome.kv_kept,
+                reused_tokens=outcome.reused_tokens,
+                recompute_tokens=outcome.recompute_tokens,
             )
         )
 

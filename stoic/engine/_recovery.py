@@ -17,7 +17,7 @@ from ..actors import (
     SchedulerMsg,
 )
 from ..errors import EngineFailed
-from ..executor import ExecutorFault, classify_failure
+from ..executor import ExecutorFault, classify_failure, kv_survives
 from ..runtime import ActorRef, ChildFailure, SupervisorEscalation
 from ._incidents import IncidentLog
 
@@ -35,6 +35,12 @@ class Recovery:
     KV tensors (the cache manager). The supervisor then restarts the executor, which marks the
     engine serving again once it holds a fresh KV cache.
 
+    When the KV pools outlive the worker (``kv_outlives_worker``) and the failure cannot have
+    corrupted them (:func:`~stoic.executor.kv_survives`: a kill from outside, a hang, a step that
+    raised), the cache is kept instead: the scheduler keeps its block tables and prefix cache,
+    resumed sequences go on from what completed steps committed, and no ``DropAll`` is sent
+    (the next worker serves on from the same pools).
+
     A failure of an isolation probe (a step that ran only a suspect) is charged to the suspect,
     not to the engine: the hook exempts it from the supervisor's restart intensity (the
     scheduler core bounds those, ``SchedulerCore._charged``).
@@ -47,6 +53,7 @@ class Recovery:
         cache: ActorRef[CacheMsg],
         *,
         replaces_worker: bool,
+        kv_outlives_worker: bool = False,
         max_restarts: int,
         restart_window: float,
         incidents: IncidentLog | None = None,
@@ -59,6 +66,8 @@ class Recovery:
         #: the executor runs the model in a worker process it replaces when the device is
         #: poisoned; otherwise a poisoned device is the server's own and cannot be recovered
         self._replaces_worker = replaces_worker
+        #: the KV pools outlive the worker: a failure that leaves them intact keeps the cache
+        self._kv_outlives_worker = kv_outlives_worker
         self._max_restarts = max_restarts
         self._restart_window = restart_window
 
@@ -86,6 +95,7 @@ class Recovery:
         final: str | None = None
         if kind == "fatal" and not self._replaces_worker:
             final = f"unrecoverable device error: {error}"
+        keep = self._kv_outlives_worker and kv_survives(error, kind)
         # if it counts, the supervisor escalates after this hook: streams must not hear "recovered"
         over = (
             f"the executor failed more than {self._max_restarts} times within "
@@ -95,7 +105,7 @@ class Recovery:
         )
         try:
             outcome: Recovered = await self._scheduler.ask(
-                lambda r: ExecutorDown(error, kind, incarnation, r, final, over),
+                lambda r: ExecutorDown(error, kind, incarnation, r, final, over, keep),
                 timeout=ASK_TIMEOUT,
             )
         except BaseException:
@@ -108,19 +118,25 @@ class Recovery:
             "resumes_exhausted": outcome.exhausted,
             "isolated": outcome.isolated,
             "charged": outcome.charged,
+            "kv_kept": outcome.kv_kept,
+            "reused_tokens": outcome.reused_tokens,
+            "recompute_tokens": outcome.recompute_tokens,
         }
         # the one event an operator needs: what failed, how, and what became of the streams (no
         # traceback: the executor's failure_expected keeps it for bugs); the rest is at debug
         last = final or (over if outcome.charged else None)  # the supervisor gives up after this
         (log.error if last else log.warning)("recovery.executor_failed", error=described, **streams)
         log.debug("recovery.fenced", **streams)
-        released: bool = await self._cache.ask(DropAll, timeout=ASK_TIMEOUT)
-        log.debug(
-            "recovery.cache_dropped",
-            blocks_freed=outcome.blocks_freed,
-            tensors_released=released,
-            seconds=round(time.monotonic() - started, 4),
-        )
+        if outcome.kv_kept:
+            log.debug("recovery.cache_kept", seconds=round(time.monotonic() - started, 4))
+        else:
+            released: bool = await self._cache.ask(DropAll, timeout=ASK_TIMEOUT)
+            log.debug(
+                "recovery.cache_dropped",
+                blocks_freed=outcome.blocks_freed,
+                tensors_released=released,
+                seconds=round(time.monotonic() - started, 4),
+            )
         if kind == "fatal" and not self._replaces_worker:
             raise EngineFailed(f"unrecoverable device error: {error}")
         return outcome.charged

@@ -84,6 +84,11 @@ class EngineStats:
     compute_threads: int = 0
     #: each tenant's counters, by name (sorted)
     tenants: tuple[tuple[str, TenantStats], ...] = ()
+    #: resumed requests' tokens whose keys and values outlived an executor failure (pools that
+    #: outlive the worker, the prefix cache) and were not computed again
+    resume_reused_tokens: int = 0
+    #: resumed requests' tokens computed before a failure and prefilled again after it
+    resume_recomputed_tokens: int = 0
 
     @classmethod
     def idle(cls, state: State = "starting", *, token_budget: int = 0) -> EngineStats:
@@ -140,4 +145,6 @@ def collect_stats(core: SchedulerCore, health: _Health, faults: FaultInjector) -
         compute=now.compute,
         compute_threads=now.threads,
         tenants=tuple(sorted(core.tenant_stats().items())),
+        resume_reused_tokens=sched.resume_reused_tokens,
+        resume_recomputed_tokens=sched.resume_recomputed_tokens,
     )

@@ -163,6 +163,7 @@ async def wire(
         scheduler,
         cache,
         replaces_worker=backend.replaces_worker,
+        kv_outlives_worker=backend.kv_outlives_worker,
         max_restarts=config.max_restarts,
         restart_window=config.restart_window,
         incidents=incidents,

@@ -10,7 +10,7 @@ Above :mod:`stoic.actors` (it speaks their messages) and below :mod:`stoic.engin
 
 from ._backend import Attached, ProcessBackend, StepBackend, ThreadBackend, make_backend
 from ._executor import Executor
-from ._failures import ExecutorFault, classify_failure
+from ._failures import ExecutorFault, classify_failure, kv_survives
 from ._thread import StepWorker
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "StepWorker",
     "ThreadBackend",
     "classify_failure",
+    "kv_survives",
     "make_backend",
 ]

@@ -16,9 +16,10 @@ from typing import Any
 
 import anyio
 
-from ..actors import FaultInjector, InjectedFault
+from .._logging import get_logger
+from ..actors import FaultInjector, InjectedFault, KVLease
 from ..config import EngineConfig, FaultSpec
-from ..model import ComputePath, KVCacheSpec, LoadedModel, PagedKVCache
+from ..model import ComputePath, KVCacheSpec, LoadedModel, PagedKVCache, shared_kv_available
 from ..request import GrammarVocab, StepBatch, StepOutput
 from ..sampling import LLGuidanceBackend
 from ..worker import CacheBudget, CacheSizing, ModelRunner, ThreadGovernor, size_kv_cache
@@ -28,6 +29,8 @@ from ._procworker import WorkerSpec
 from ._thread import StepWorker
 
 __all__ = ["Attached", "ProcessBackend", "StepBackend", "ThreadBackend", "make_backend"]
+
+_log = get_logger("stoic.executor")
 
 #: with the process executor, the executor kills a worker whose step made no progress for the
 #: step timeout; the scheduler's watchdog watches the same counter and waits this much longer,
@@ -58,6 +61,9 @@ class StepBackend(abc.ABC):
     make_cache: Callable[[KVCacheSpec], PagedKVCache] | None
     #: a failure replaces the process that runs the model (so a poisoned device is recoverable)
     replaces_worker: bool
+    #: the KV pools outlive the process that computes into them (known after :meth:`prepare`):
+    #: a recovery may keep the cache through a failure :func:`kv_survives` trusts
+    kv_outlives_worker: bool = False
     #: how much longer than ``step_timeout`` the scheduler's watchdog waits (0: it is the only one)
     watchdog_margin: float
 
@@ -85,9 +91,9 @@ class StepBackend(abc.ABC):
 
     @abc.abstractmethod
     async def attach(
-        self, kv: PagedKVCache | None, on_exit: Callable[[int], None], incarnation: int
+        self, lease: KVLease, on_exit: Callable[[int], None], incarnation: int
     ) -> Attached:
-        """Get ready for executor ``incarnation``: ``kv`` is the cache manager's answer to
+        """Get ready for executor ``incarnation``: ``lease`` is the cache manager's answer to
         ``AcquireKV``; ``on_exit(pid)`` is called (from any thread) if the worker dies.
 
         :raises ExecutorFault: the worker died or did not get ready.
@@ -137,7 +143,7 @@ def make_backend(config: EngineConfig) -> StepBackend:
     """The backend ``config.executor`` names (``"thread"`` or ``"process"``)."""
     if config.executor == "thread":
         return ThreadBackend(StepWorker("stoic-executor"))
-    return ProcessBackend(spares=config.executor_spares)
+    return ProcessBackend(spares=config.executor_spares, share_kv=config.kv_outlives_worker)
 
 
 class ThreadBackend(StepBackend):
@@ -196,8 +202,9 @@ class ThreadBackend(StepBackend):
         return await self._worker.run(functools.partial(size_kv_cache, runner, budget))
 
     async def attach(
-        self, kv: PagedKVCache | None, on_exit: Callable[[int], None], incarnation: int
+        self, lease: KVLease, on_exit: Callable[[int], None], incarnation: int
     ) -> Attached:
+        kv = lease.kv
         assert kv is not None, "the thread executor needs the KV tensors in this process"
         assert self._runner is not None, "prepare() first"
         self._kv = kv
@@ -253,8 +260,11 @@ class ProcessBackend(StepBackend):
     replaces_worker = True
     watchdog_margin = _WATCHDOG_MARGIN
 
-    def __init__(self, *, spares: int) -> None:
+    def __init__(self, *, spares: int, share_kv: bool | None = None) -> None:
+        """``share_kv``: the KV pools in memory this process owns (``kv_outlives_worker``;
+        None: wherever possible, the host with ``memfd``)."""
         self._spares = spares
+        self._share_kv = share_kv
         self._pool: WorkerPool | None = None
         self._worker: WorkerProcess | None = None
 
@@ -305,16 +315,26 @@ class ProcessBackend(StepBackend):
                 else str(loaded.cache_dtype).removeprefix("torch.")
             ),
         )
-        self._pool = WorkerPool(worker_spec, spares=self._spares)
+        share = self._share_kv is not False and loaded.device.type == "cpu"
+        share = share and shared_kv_available()
+        if self._share_kv and not share:  # asked for where it cannot be (the config refuses
+            # an explicit GPU device; "auto" may resolve to one)
+            _log.warning(
+                "executor.kv_outlives_worker_unavailable",
+                device=str(loaded.device),
+                reason="host memory on Linux only (memfd): the KV pools die with the worker",
+            )
+        self.kv_outlives_worker = share
+        self._pool = WorkerPool(worker_spec, spares=self._spares, share_kv=share)
         return await self._pool.start()
 
     async def attach(
-        self, kv: PagedKVCache | None, on_exit: Callable[[int], None], incarnation: int
+        self, lease: KVLease, on_exit: Callable[[int], None], incarnation: int
     ) -> Attached:
-        """The same process with fresh KV pools when it survived the failure, else a spare or a
-        new process."""
+        """The same process when it survived the failure (its pools dropped if the lease says
+        so), else a spare or a new process (on the shared pools, punched out if dropped)."""
         assert self._pool is not None, "prepare() first"
-        worker, replaced = await self._pool.acquire()
+        worker, replaced = await self._pool.acquire(drop=lease.dropped)
         worker.on_exit = lambda gone: on_exit(gone.pid)
         self._worker = worker
         if not worker.alive:  # it died between being handed out and now

@@ -14,12 +14,12 @@ from ..actors import (
     ExecutorMsg,
     ExecutorReady,
     FaultInjector,
+    KVLease,
     RunStep,
     SchedulerMsg,
     StepResult,
     WorkerExited,
 )
-from ..model import PagedKVCache
 from ..runtime import Actor, ActorContext, ActorRef
 from ._backend import StepBackend
 
@@ -40,10 +40,10 @@ class Executor(Actor[ExecutorMsg]):
     """Runs :class:`RunStep` messages on ``backend``; a failed step, a dead worker or a hung one
     fails the actor (its supervisor recovers).
 
-    On start (every incarnation) it takes the KV tensors from the cache manager (re-created
-    after a drop; with a worker process: the pools are new from here on), attaches to the
-    backend (a worker process: the same one with fresh KV pools when it survived the failure,
-    else a spare or a new process) and tells the scheduler it is ready. Each result carries the
+    On start (every incarnation) it takes the KV cache's lease from the cache manager (the
+    tensors, re-created after a drop; with a worker process: whether its pools were dropped),
+    attaches to the backend (a worker process: the same one when it survived the failure, else
+    a spare or a new process) and tells the scheduler it is ready. Each result carries the
     incarnation number.
     """
 
@@ -66,7 +66,7 @@ class Executor(Actor[ExecutorMsg]):
 
     async def on_start(self) -> None:
         incarnation = self.context.incarnation
-        kv: PagedKVCache | None = await self._cache.ask(AcquireKV, timeout=ASK_TIMEOUT)
+        lease: KVLease = await self._cache.ask(AcquireKV, timeout=ASK_TIMEOUT)
         ref = self.context.ref
 
         def exited(pid: int) -> None:
@@ -74,7 +74,7 @@ class Executor(Actor[ExecutorMsg]):
             with contextlib.suppress(Exception):
                 ref.try_tell(WorkerExited(pid))
 
-        attached = await self._backend.attach(kv, exited, incarnation)
+        attached = await self._backend.attach(lease, exited, incarnation)
         self._health.executor_ready(incarnation, pid=attached.pid, compute=attached.compute)
         await self._scheduler.tell(ExecutorReady(incarnation, ref))
         self.context.log.info("executor.ready", **attached.log)

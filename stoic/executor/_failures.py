@@ -35,7 +35,11 @@ import torch
 
 from ..errors import FailureKind
 
-__all__ = ["ExecutorFault", "classify_failure"]
+__all__ = ["ExecutorFault", "classify_failure", "kv_survives"]
+
+#: how a worker may end and leave its memory as its completed steps wrote it: killed from
+#: outside (an operator's or the kernel OOM killer's SIGKILL, a watchdog's SIGTERM of a hang)
+_CLEAN_KILLS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 #: lower-case parts of the messages of every allocation failure torch and its libraries raise
 _OOM_MARKERS = (
@@ -133,3 +137,30 @@ def classify_failure(error: BaseException) -> FailureKind:
     if _ACCELERATOR_ERROR is not None and isinstance(error, _ACCELERATOR_ERROR):
         return "error" if getattr(error, "error_code", None) in _CONTEXT_SURVIVES else "fatal"
     return "error"
+
+
+def kv_survives(error: BaseException, kind: FailureKind) -> bool:
+    """Whether KV pools that outlive the worker may be trusted after it failed with ``error``.
+
+    Kept (what completed steps wrote is intact; the failed step wrote only positions no
+    completed step committed): a step that raised (``error``), a worker killed for hanging
+    (``hang``), and a worker that died from a signal sent from outside (SIGKILL: an operator,
+    the kernel's OOM killer; SIGTERM, SIGINT, SIGHUP) or exited with a status (a Python-level
+    exit). Dropped: an out-of-memory failure (the seed's semantics: drop, and back the budget
+    off; the memory is given back), a poisoned device (``fatal``), and a worker that died from
+    a fault of its own (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT: memory corruption is possible)
+    or in a way not known.
+    """
+    if kind in ("error", "hang"):
+        return True
+    if kind != "crash":
+        return False
+    code = error.exitcode if isinstance(error, ExecutorFault) else None
+    if code is None:
+        return False
+    if code >= 0:
+        return True
+    try:
+        return signal.Signals(-code) in _CLEAN_KILLS
+    except ValueError:
+        return False

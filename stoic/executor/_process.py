@@ -4,11 +4,14 @@ A :class:`WorkerProcess` is one child interpreter running :mod:`stoic.executor._
 asyncio queue; when the child dies the pipe's end reaches that thread at once (no polling), which
 posts the exit ("killed by SIGKILL", "exited with status 1") and calls ``on_exit``.
 
-A :class:`WorkerPool` outlives executor incarnations: it keeps the current worker (reused, with
-fresh KV pools, after a failure that left it healthy), ``spares`` warm workers with the weights
-already loaded, which take over at once when the current one must be replaced, and one
-pre-started interpreter that has imported torch and the model code but loaded nothing, so that
-a cold replacement pays only for loading the weights.
+A :class:`WorkerPool` outlives executor incarnations: it keeps the current worker (reused after
+a failure that left it healthy), ``spares`` warm workers with the weights already loaded, which
+take over at once when the current one must be replaced, and one pre-started interpreter that
+has imported torch and the model code but loaded nothing, so that a cold replacement pays only
+for loading the weights. With ``share_kv`` it also owns the KV pools' memory
+(:class:`~stoic.model.KVMemory`), which every worker it starts maps: a replacement finds the
+keys and values its predecessor computed, unless the recovery dropped them
+(:meth:`WorkerPool.acquire`'s ``drop``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from .._logging import get_logger
 from ..actors import ProgressWatch
 from ..config import FaultSpec
 from ..errors import InsufficientMemory
-from ..model import ComputePath, StepProgress
+from ..model import ComputePath, KVMemory, StepProgress
 from ..request import StepBatch, StepOutput
 from ..worker import CacheSizing
 from ._failures import ExecutorFault
-from ._procworker import PROGRESS_FD_ENV, WorkerSpec
+from ._procworker import KV_FD_ENV, PROGRESS_FD_ENV, WorkerSpec
 
 __all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
 
@@ -63,13 +66,20 @@ def describe_exit(exitcode: int | None) -> str:
 class WorkerProcess:
     """One worker process and its pipe."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_fd: int | None = None) -> None:
+        """Start the interpreter; ``kv_fd``: the KV pools' shared memory it maps (None: it
+        allocates its own)."""
         self._inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
         #: the worker's step progress, in a page of memory it shares with this process: read
         #: by the step watchdog without a message (the worker may be stuck in native code)
         self.progress, page = StepProgress.shared()
+        env = {**os.environ, PROGRESS_FD_ENV: str(page)}
+        fds = [theirs.fileno(), page]
+        if kv_fd is not None:
+            env[KV_FD_ENV] = str(kv_fd)
+            fds.append(kv_fd)
         # a fresh interpreter (what multiprocessing calls "spawn": nothing inherited from this
         # process's state, CUDA-safe), started without multiprocessing, so the embedding
         # application's __main__ is never imported again in the child. Started from the event
@@ -82,8 +92,8 @@ class WorkerProcess:
                 str(theirs.fileno()),
                 str(os.getpid()),
             ],
-            pass_fds=(theirs.fileno(), page),
-            env={**os.environ, PROGRESS_FD_ENV: str(page)},
+            pass_fds=fds,
+            env=env,
             stdin=subprocess.DEVNULL,
             # whatever the worker prints (a native crash report, a library's warning) becomes a
             # log event of the server's: in JSON mode every line on stderr stays JSON
@@ -334,8 +344,22 @@ class WorkerPool:
     """The current worker process, ``spares`` warm ones, and one pre-started interpreter, across
     executor incarnations."""
 
-    def __init__(self, spec: WorkerSpec, *, spares: int = 0, ready_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        spares: int = 0,
+        ready_timeout: float = 600.0,
+        share_kv: bool = False,
+    ) -> None:
+        """``share_kv``: own the KV pools' memory, so that they outlive a worker (see the
+        module).
+
+        :raises OSError: the kernel refuses the shared memory.
+        """
         self._spec = spec
+        #: the KV pools' memory, which every worker maps (None: each allocates its own)
+        self.kv_memory = KVMemory() if share_kv else None
         self._spares_wanted = spares
         self._ready_timeout = ready_timeout
         self.current: WorkerProcess | None = None
@@ -376,7 +400,7 @@ class WorkerPool:
 
     def _new(self) -> WorkerProcess:
         self._started = [w for w in self._started if w.exited is None]
-        worker = WorkerProcess()
+        worker = WorkerProcess(self.kv_memory.fd if self.kv_memory is not None else None)
         self._started.append(worker)
         return worker
 
@@ -401,20 +425,26 @@ class WorkerPool:
         if self._prestarted is None or not self._prestarted.alive:
             self._prestarted = self._new()
 
-    async def acquire(self) -> tuple[WorkerProcess, bool]:
+    async def acquire(self, *, drop: bool = True) -> tuple[WorkerProcess, bool]:
         """A ready worker for a new executor incarnation, and whether it is a new process.
 
-        The current worker is kept if it is alive (its KV pools are recreated); otherwise a
-        spare takes over (at once if it has loaded), or the pre-started interpreter loads the
-        weights (a cold start), or a new process is started.
+        The current worker is kept if it is alive; otherwise a spare takes over (at once if it
+        has loaded), or the pre-started interpreter loads the weights (a cold start), or a new
+        process is started. ``drop``: the KV cache's contents are gone (the recovery dropped
+        them): a kept worker drops its pools, and shared ones are punched out before a new
+        worker serves from them. Without ``drop`` (shared pools, a failure that keeps them) a
+        new worker serves on from the keys and values its predecessor computed.
 
         :raises ExecutorFault: if the new worker dies or does not get ready in time.
         """
         current = self.current
         if current is not None and current.alive:
-            await current.reset(self._ready_timeout)
+            if drop:
+                await current.reset(self._ready_timeout)
             return current, False
         self.current = None
+        if drop and self.kv_memory is not None:
+            self.kv_memory.drop()  # no worker serves from it now: spares only map it
         spares = [w for w in self._spares if w.alive]
         sized, self._first = self._first, None
         if sized is not None and sized.alive:  # started, and its start logged, by start()
@@ -456,3 +486,5 @@ class WorkerPool:
         self._spares = []
         self._prestarted = None
         self._started = []
+        if self.kv_memory is not None:
+            self.kv_memory.close()  # freed once the last worker's mapping is gone

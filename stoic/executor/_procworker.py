@@ -15,7 +15,8 @@ tensor):
   ``("unfit", message)`` when not even a minimal cache fits, and it exits;
 * parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
   output)`` or ``("error", step_id, kind, type_name, message)``;
-* parent -> child ``("reset",)``: drop and recreate the KV pools; child -> parent ``("reset",)``;
+* parent -> child ``("reset",)``: drop the KV pools' contents (recreate private pools, or
+  punch the shared memory out); child -> parent ``("reset",)``;
 * parent -> child ``("role", role, incarnation)``: what the worker is now (``"spare"``, or
   ``"serving"`` executor ``incarnation``), for its process title (:mod:`stoic._proctitle`);
   no answer;
@@ -23,7 +24,10 @@ tensor):
 
 The worker's step progress (:class:`stoic.model.StepProgress`) is a page of memory shared with
 the server, whose descriptor the environment variable :data:`PROGRESS_FD_ENV` names: the
-server's watchdog reads it without a message.
+server's watchdog reads it without a message. With ``--kv-outlives-worker`` the KV pools are
+shared memory too (:class:`stoic.model.KVMemory`, the descriptor in :data:`KV_FD_ENV`): the
+worker maps them once it has sized them (the first worker sizes the file), so they outlive it;
+it warms up on a private block, never on pools another worker may be serving from.
 
 The child never outlives the server: it asks the kernel for SIGKILL when its parent dies
 (``PR_SET_PDEATHSIG``), and a read that finds the pipe closed ends it.
@@ -51,11 +55,14 @@ if TYPE_CHECKING:
     from ..request import GrammarVocab
     from ..worker import CacheBudget
 
-__all__ = ["PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
+__all__ = ["KV_FD_ENV", "PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
 
 _PR_SET_PDEATHSIG = 1
 #: the environment variable that names the descriptor of the worker's shared progress page
 PROGRESS_FD_ENV = "STOIC_PROGRESS_FD"
+#: the environment variable that names the descriptor of the KV pools' shared memory (absent:
+#: the worker allocates private pools)
+KV_FD_ENV = "STOIC_KV_FD"
 
 
 @dataclass(frozen=True)
@@ -113,14 +120,18 @@ def _quiet_logs() -> None:
     root.setLevel(logging.WARNING)
 
 
-def _warm_up(runner: Any, kv: Any) -> None:
+def _warm_up(runner: Any, block_size: int) -> None:
     """One forward pass of one token before reporting ready, so that the first real step after
-    a replacement does not pay for lazy initialisation (kernels, allocator growth). It writes
-    block 0, which the cache manager zeroes before its first use anyway."""
+    a replacement does not pay for lazy initialisation (kernels, allocator growth). On a
+    private one-block cache: the serving pools may be another worker's (shared memory) or hold
+    a cache kept across a restart."""
+    from ..model import PagedKVCache
     from ..request import SamplingParams, SeqChunk, StepBatch
 
+    scratch = PagedKVCache(runner.kv_spec(1, block_size))
     chunk = SeqChunk(0, (0,), 0, (0,), True, SamplingParams(max_tokens=1, temperature=0.0))
-    runner.execute(StepBatch((chunk,), zero_blocks=(0,)), kv)
+    runner.execute(StepBatch((chunk,), zero_blocks=(0,)), scratch)
+    scratch.release()
 
 
 def _send(conn: Connection, message: tuple[Any, ...]) -> None:
@@ -137,7 +148,7 @@ def worker_main(conn: Connection, parent: int) -> None:
     import torch
     import transformers  # noqa: F401  (the model classes load lazily from here)
 
-    from ..model import PagedKVCache, StepProgress, load_model
+    from ..model import PagedKVCache, StepProgress, drop_contents, load_model
     from ..sampling import LLGuidanceBackend
     from ..worker import ModelRunner, ThreadGovernor, size_kv_cache
     from ._failures import classify_failure
@@ -157,6 +168,8 @@ def worker_main(conn: Connection, parent: int) -> None:
     if (page := os.environ.pop(PROGRESS_FD_ENV, None)) is not None:  # the server's watchdog
         progress = StepProgress.attach(int(page))
         os.close(int(page))
+    shared = os.environ.pop(KV_FD_ENV, None)
+    kv_fd = int(shared) if shared is not None else None  # the server's KV memory
 
     governor = ThreadGovernor(
         spec.threads or torch.get_num_threads(),
@@ -192,8 +205,8 @@ def worker_main(conn: Connection, parent: int) -> None:
         _send(conn, ("unfit", exc.message))
         return
     kv_spec = runner.kv_spec(sizing.num_blocks, spec.budget.block_size)
-    kv = PagedKVCache(kv_spec)
-    _warm_up(runner, kv)
+    kv = PagedKVCache(kv_spec, memory_fd=kv_fd)
+    _warm_up(runner, spec.budget.block_size)
     _send(conn, ("ready", os.getpid(), runner.quantized, sizing))
     serving = False  # a warm spare commits no pages until it serves: it may never
     while True:
@@ -219,9 +232,11 @@ def worker_main(conn: Connection, parent: int) -> None:
                 _send(conn, ("result", step_id, output))
             case ("reset",):
                 kv.release()
+                if kv_fd is not None:
+                    drop_contents(kv_fd)
                 if kv_spec.device.type == "cuda":
                     torch.cuda.empty_cache()
-                kv = PagedKVCache(kv_spec)
+                kv = PagedKVCache(kv_spec, memory_fd=kv_fd)
                 _send(conn, ("reset",))
             case ("role", str(role), incarnation):
                 set_title(role, incarnation)

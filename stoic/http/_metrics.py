@@ -133,6 +133,18 @@ class _EngineCollector:
             stats.requests_resumed,
         )
         yield counter(
+            "stoic_resume_reused_tokens",
+            "Resumed requests' tokens whose keys and values outlived an executor failure (KV "
+            "pools that outlive the worker, the prefix cache): not computed again.",
+            stats.resume_reused_tokens,
+        )
+        yield counter(
+            "stoic_resume_recomputed_tokens",
+            "Resumed requests' tokens computed before an executor failure and prefilled again "
+            "after it.",
+            stats.resume_recomputed_tokens,
+        )
+        yield counter(
             "stoic_requests_resume_exhausted",
             "Requests that failed because their resumes were spent (--max-resumes).",
             stats.resumes_exhausted,

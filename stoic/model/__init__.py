@@ -31,6 +31,7 @@ from ._paged import (
     empty_device_cache,
     group_decodes,
 )
+from ._sharedkv import KVMemory, drop_contents, shared_kv_available
 from ._source import check_model_source, one_line
 from ._stepprogress import StepProgress, tick
 
@@ -42,6 +43,7 @@ __all__ = [
     "DecodeGroup",
     "FusedLlama",
     "KVCacheSpec",
+    "KVMemory",
     "LoadedModel",
     "OutputLayer",
     "PagedKVCache",
@@ -53,6 +55,7 @@ __all__ = [
     "check_model_source",
     "cuda_devices",
     "default_gguf_path",
+    "drop_contents",
     "empty_device_cache",
     "fuse_llama",
     "group_decodes",
@@ -66,6 +69,7 @@ __all__ = [
     "require_deterministic",
     "resolve_device",
     "resolve_dtype",
+    "shared_kv_available",
     "tick",
     "to_device",
     "token_codec",

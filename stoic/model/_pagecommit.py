@@ -32,12 +32,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .._logging import get_logger
+from ._libc import libc_function
 
 __all__ = ["STEP_BYTES", "PageCommitter"]
 
@@ -51,19 +51,7 @@ _PAGE = mmap.PAGESIZE
 STEP_BYTES = max(1, (256 << 10) // _PAGE) * _PAGE
 
 
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _madvise()
+_MADVISE = libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class PageCommitter:

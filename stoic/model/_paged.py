@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ._pagecommit import PageCommitter
+from ._sharedkv import map_pools
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -95,15 +96,33 @@ class PagedKVCache:
     contiguously, which the attention matmuls consume without another copy.
     """
 
-    def __init__(self, spec: KVCacheSpec) -> None:
+    def __init__(self, spec: KVCacheSpec, *, memory_fd: int | None = None) -> None:
+        """Allocate the pools (empty: the scheduler zeroes each block before its first use), or
+        with ``memory_fd`` (a host cache only) map them over that shared memory
+        (:mod:`._sharedkv`: they outlive this process).
+
+        :raises ValueError: ``memory_fd`` is sized for another cache, or the cache is not on
+            the host.
+        """
         self.spec = spec
+        #: the pools are shared memory another process owns (:mod:`._sharedkv`)
+        self.shared = memory_fd is not None
         shape = (spec.num_kv_heads * spec.num_blocks, spec.block_size, spec.head_dim)
-        self.keys: list[torch.Tensor] = [
-            torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
-        ]
-        self.values: list[torch.Tensor] = [
-            torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
-        ]
+        self.keys: list[torch.Tensor]
+        self.values: list[torch.Tensor]
+        if memory_fd is not None:
+            if spec.device.type != "cpu":
+                raise ValueError(f"KV pools in shared memory are host memory, not {spec.device}")
+            self.keys, self.values = map_pools(memory_fd, spec.num_layers, shape, spec.dtype)
+        else:
+            self.keys = [
+                torch.empty(shape, dtype=spec.dtype, device=spec.device)
+                for _ in range(spec.num_layers)
+            ]
+            self.values = [
+                torch.empty(shape, dtype=spec.dtype, device=spec.device)
+                for _ in range(spec.num_layers)
+            ]
         #: a host cache's pages, committed by the step thread while it has no step to run
         #: (:mod:`._pagecommit`); nothing to commit on a device (memory allocated when asked)
         self.pages = PageCommitter([*self.keys, *self.values])

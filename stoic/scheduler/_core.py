@@ -70,6 +70,8 @@ class _Inflight:
     planned: tuple[Planned, ...]
     #: when it was planned (the core's clock): its duration feeds the load meter
     started: float
+    #: the blocks it zeroes before use (:attr:`StepBatch.zero_blocks`)
+    fresh: tuple[int, ...] = ()
 
 
 class SchedulerCore:
@@ -115,6 +117,9 @@ class SchedulerCore:
         self._inflight: _Inflight | None = None
         #: set once the engine is failed for good: nothing is admitted or stepped again
         self.failed: str | None = None
+        #: blocks a failed step was to zero, kept with the cache through the failure: the next
+        #: step zeroes them (they hold no position a completed step committed)
+        self._rezero: tuple[int, ...] = ()
         #: set by a drain: nothing new is admitted
         self.admitting = True
         #: the step limits in force (backed off after an out-of-memory failure)
@@ -192,6 +197,8 @@ class SchedulerCore:
             token_budget=self.budget.tokens,
             seq_budget=self.budget.seqs,
             timed_out=self.shares.timed_out(),
+            resume_reused_tokens=self.recovery.reused_tokens,
+            resume_recomputed_tokens=self.recovery.recomputed_tokens,
         )
 
     def tenant_stats(self) -> dict[str, TenantStats]:
@@ -322,13 +329,19 @@ class SchedulerCore:
         if not plan.planned:
             return None
         self._prefix_cached_tokens += plan.cached_tokens
+        for p in plan.planned:
+            if p.seq.resume_debt:
+                self.recovery.readmitted(p.seq)
         self._next_step_id += 1
         incarnation = self._incarnation
         assert incarnation is not None
-        self._inflight = _Inflight(self._next_step_id, incarnation, plan.planned, self.clock())
+        fresh, self._rezero = (*self._rezero, *plan.fresh_blocks), ()
+        self._inflight = _Inflight(
+            self._next_step_id, incarnation, plan.planned, self.clock(), fresh
+        )
         self._last_batch = len(plan.planned)
         self._max_batch = max(self._max_batch, len(plan.planned))
-        batch = StepBatch(chunks_of(plan.planned), plan.fresh_blocks)
+        batch = StepBatch(chunks_of(plan.planned), fresh)
         return Step(self._next_step_id, incarnation, batch)
 
     def _prompt_budget(self, decodes: int) -> int | None:
@@ -423,6 +436,7 @@ class SchedulerCore:
         *,
         final: str | None = None,
         final_if_charged: str | None = None,
+        keep_kv: bool = False,
     ) -> Recovered:
         """The executor failed: fence it (its late results are dropped), forget every block (the
         KV tensors and the prefix cache go with it: the cache manager's ``DropAll``), back the
@@ -430,21 +444,31 @@ class SchedulerCore:
         the sequences that had started (fail or resume; waiting ones stay queued). With
         ``final``, or ``final_if_charged`` and a failure charged to the engine
         (:meth:`~._recovery.Recovery.charged`), the engine fails instead (:meth:`fail_engine`).
+
+        With ``keep_kv`` the KV cache outlived the failure: no block is forgotten (the block
+        tables and the prefix cache stand: what completed steps wrote is intact), and the
+        failed step's freshly handed-out blocks are zeroed by the next step instead.
         """
-        freed = self.allocator.free_all()
-        planned = self._inflight.planned if self._inflight is not None else ()
+        inflight = self._inflight
+        if keep_kv:
+            freed = 0
+            self._rezero = inflight.fresh if inflight is not None else self._rezero
+        else:
+            freed = self.allocator.free_all()
+            self._rezero = ()
+        planned = inflight.planned if inflight is not None else ()
         batch = [p.seq for p in planned if p.seq.status is SeqStatus.RUNNING]
         charged = self.recovery.charged(batch)
         final = final or (final_if_charged if charged else None)
         if final is not None:
             return Recovered(self.fail_engine(final), 0, 0, 0, charged, freed)
-        prefilling = {p.seq.seq_id for p in planned if p.n_tokens > 1}
+        step_tokens = {p.seq.seq_id: p.n_tokens for p in planned}
         self._incarnation = None
         self._inflight = None
         if kind == "oom":
             self.budget.out_of_memory()
-        settled = self.recovery.settle(batch, prefilling, error, kind)
-        return settled._replace(charged=charged, blocks_freed=freed)
+        settled = self.recovery.settle(batch, step_tokens, error, kind, keep=keep_kv)
+        return settled._replace(charged=charged, blocks_freed=freed, kv_kept=keep_kv)
 
     def fail_all(self, error: Callable[[Seq], StoicError]) -> int:
         """The one exit path for errors: end every waiting and running sequence with

@@ -76,6 +76,12 @@ class SchedulerStats(NamedTuple):
     seq_budget: int
     #: sequences ended by their own deadline (``finish_reason="timeout"``)
     timed_out: int = 0
+    #: resumed sequences' tokens whose keys and values outlived the executor failure (kept
+    #: pools, or the prefix cache) and were not computed again
+    resume_reused_tokens: int = 0
+    #: resumed sequences' tokens computed (or being computed) before the failure and prefilled
+    #: again after it
+    resume_recomputed_tokens: int = 0
 
 
 class Recovered(NamedTuple):
@@ -94,3 +100,10 @@ class Recovered(NamedTuple):
     charged: bool = True
     #: KV blocks that were in use, forgotten with the dropped cache
     blocks_freed: int = 0
+    #: the KV cache outlived the failure (kept: block tables and prefix cache stand)
+    kv_kept: bool = False
+    #: of the resumed sequences' tokens, those whose keys and values were kept, and those to
+    #: compute again (a sequence restarted may still find some of these in the prefix cache:
+    #: the scheduler's counters say what was)
+    reused_tokens: int = 0
+    recompute_tokens: int = 0

@@ -1,6 +1,9 @@
 """What becomes of the sequences when the executor fails: under ``"fail"`` the started ones end
-with the error, under ``"resume"`` they are re-admitted, and a poison request is isolated
-(suspects run alone, one at a time) and ended. A collaborator of
+with the error, under ``"resume"`` they continue, and a poison request is isolated (suspects run
+alone, one at a time) and ended. A resumed sequence is re-admitted from nothing computed when
+the KV cache was dropped; when it was kept (pools that outlive the worker) it stays running on
+its block table from the last position a completed step committed, and only the failed step's
+tokens are computed again. A collaborator of
 :class:`~stoic.scheduler.SchedulerCore` with its own state (the isolation's probe, the
 failures charged to suspects, its counters); it moves sequences only through the core's
 :class:`~stoic.scheduler._queues.SeqQueues` and ends them only through the core's ``fail``.
@@ -52,6 +55,10 @@ class Recovery:
         self.exhausted = 0
         self.isolated = 0
         self.isolation_failures = 0
+        #: resumed sequences' tokens kept across failures, and computed again (see
+        #: :class:`~stoic.scheduler.SchedulerStats`)
+        self.reused_tokens = 0
+        self.recomputed_tokens = 0
 
     def clean_step(self) -> None:
         """A step completed: suspects' charges start again; a cleared or ended probe makes way
@@ -84,14 +91,22 @@ class Recovery:
         return True
 
     def settle(
-        self, batch: list[Seq], prefilling: set[int], error: BaseException, kind: FailureKind
+        self,
+        batch: list[Seq],
+        step_tokens: dict[int, int],
+        error: BaseException,
+        kind: FailureKind,
+        *,
+        keep: bool = False,
     ) -> Recovered:
-        """The executor failed while ``batch`` ran (``prefilling``: the ids of those whose prompt
-        chunk it was): under ``"resume"`` see :meth:`_resume`; under ``"fail"`` every sequence
-        that had started ends with an :class:`~stoic.errors.ExecutorFailed` carrying its partial
-        output, and those still waiting for their first step stay queued (they lost nothing)."""
+        """The executor failed while ``batch`` ran (``step_tokens``: each one's tokens in the
+        failed step, more than one for a prompt chunk): under ``"resume"`` see :meth:`_resume`
+        (``keep``: the KV cache outlived the failure); under ``"fail"`` every sequence that had
+        started ends with an :class:`~stoic.errors.ExecutorFailed` carrying its partial output,
+        and those still waiting for their first step stay queued (they lost nothing)."""
         if self._policy == "resume":
-            return self._resume(batch, error, kind)
+            return self._resume(batch, step_tokens, error, kind, keep)
+        prefilling = {seq_id for seq_id, n in step_tokens.items() if n > 1}
         queues = self._queues
         queued = [seq for seq in queues.waiting if seq.num_new == 0]
         for seq in queued:
@@ -104,10 +119,21 @@ class Recovery:
         queues.waiting.extend(queued)
         return Recovered(len(ended), 0, 0, 0)
 
-    def _resume(self, batch: list[Seq], error: BaseException, kind: FailureKind) -> Recovered:
-        """Re-admit every running sequence with its prompt and generated tokens as context (its
-        detokeniser, stop-string and sampling state are its own and carry on), unless it was
-        resumed ``max_resumes`` times already or is found to cause the failures.
+    def _resume(
+        self,
+        batch: list[Seq],
+        step_tokens: dict[int, int],
+        error: BaseException,
+        kind: FailureKind,
+        keep: bool,
+    ) -> Recovered:
+        """Resume every running sequence (its detokeniser, stop-string and sampling state are its
+        own and carry on), unless it was resumed ``max_resumes`` times already or is found to
+        cause the failures. With ``keep`` (the KV cache outlived the failure) and no suspect,
+        each stays running on its block table: its ``num_computed`` is what completed steps
+        committed, so its next chunk is the failed step's again. Otherwise each is re-admitted
+        with its prompt and generated tokens as context, recomputed from the prefix cache on
+        (empty unless kept).
 
         **Isolation.** Each sequence counts the failed steps it was in since its last clean step.
         One that failed twice in a row is a suspect: while suspects exist, they run one at a time,
@@ -131,20 +157,40 @@ class Recovery:
                 exhausted += 1
                 self._fail(seq, exhausted_error(seq, error, kind))
             else:
-                queues.running.remove(seq)
                 seq.resumes += 1
                 resumed.append(seq)
-        everyone = sorted([*resumed, *queues.waiting, *queues.held], key=lambda q: q.seq_id)
-        for seq in everyone:  # their blocks were dropped with the cache
-            queues.restart(seq)
         self.resumed += len(resumed)
         self.isolated += isolated
         self.exhausted += exhausted
+        suspects = any(seq.strikes >= 2 for seq in (*resumed, *queues.waiting, *queues.held))
+        failed = Recovered(isolated + exhausted, len(resumed), exhausted, isolated)
+        redo = sum(step_tokens.get(seq.seq_id, 0) for seq in resumed)
+        if keep and not suspects:  # they run on where they were: only the failed step again
+            kept = sum(seq.num_computed for seq in resumed)
+            self.reused_tokens += kept
+            self.recomputed_tokens += redo
+            return failed._replace(reused_tokens=kept, recompute_tokens=redo)
+        for seq in resumed:
+            queues.running.remove(seq)
+            seq.resume_debt += seq.num_computed + step_tokens.get(seq.seq_id, 0)
+        debt = sum(seq.resume_debt for seq in resumed)
+        everyone = sorted([*resumed, *queues.waiting, *queues.held], key=lambda q: q.seq_id)
+        for seq in everyone:  # their blocks go back (the prefix cache keeps full ones if kept)
+            queues.restart(seq)
         queues.waiting, queues.held = deque(everyone), []
-        suspects = [seq for seq in everyone if seq.strikes >= 2]
         if suspects:
-            self._hold_all_but(previous if previous in suspects else suspects[0])
-        return Recovered(isolated + exhausted, len(resumed), exhausted, isolated)
+            candidates = [seq for seq in everyone if seq.strikes >= 2]
+            self._hold_all_but(previous if previous in candidates else candidates[0])
+        return failed._replace(recompute_tokens=debt)
+
+    def readmitted(self, seq: Seq) -> None:
+        """``seq``, restarted by a failure (``resume_debt``), is admitted again: what of its
+        computed tokens the prefix cache gave back (its ``num_computed`` at admission) counts
+        as reused, the rest as recomputed."""
+        reused = min(seq.resume_debt, seq.num_computed)
+        self.reused_tokens += reused
+        self.recomputed_tokens += seq.resume_debt - reused
+        seq.resume_debt = 0
 
     def _hold_all_but(self, probe: Seq) -> None:
         """Run ``probe`` alone (it waits): hold back every other waiting sequence."""

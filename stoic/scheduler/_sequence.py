@@ -108,6 +108,7 @@ class Seq:
         "priority",
         "prompt_len",
         "request_id",
+        "resume_debt",
         "resumes",
         "seq_id",
         "solo_failures",
@@ -175,6 +176,10 @@ class Seq:
         self.strikes = 0
         #: failed steps it ran in alone, in a row (two: the cause of the failures)
         self.solo_failures = 0
+        #: tokens it had computed (or was computing) when an executor failure restarted it:
+        #: at its readmission what the prefix cache still holds of them counts as reused, the
+        #: rest as recomputed (:meth:`~stoic.scheduler._recovery.Recovery.readmitted`)
+        self.resume_debt = 0
 
     @property
     def num_generated(self) -> int:

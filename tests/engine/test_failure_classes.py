@@ -14,7 +14,7 @@ from support import collect, engine_config, wait_idle, wait_replaced, wait_resta
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed
-from stoic.executor import ExecutorFault, classify_failure
+from stoic.executor import ExecutorFault, classify_failure, kv_survives
 
 # the advice lines torch appends to a CUDA runtime error (c10_cuda_check_implementation)
 _ADVICE = (
@@ -176,6 +176,33 @@ def test_a_worker_fault_keeps_the_kind_the_worker_gave_it() -> None:
     """The process executor classifies in the worker; the server keeps that kind."""
     fault = ExecutorFault("RuntimeError: CUDA error: out of memory", "fatal")
     assert classify_failure(fault) == "fatal"
+
+
+@pytest.mark.parametrize(
+    ("kind", "exitcode", "kept"),
+    [
+        ("error", None, True),  # a step raised: the worker wrote only the failed step's slots
+        ("hang", -15, True),  # the watchdog's SIGTERM (then SIGKILL) of a hung step
+        ("crash", -9, True),  # kill -9: an operator, the kernel's OOM killer
+        ("crash", -15, True),
+        ("crash", 1, True),  # a Python-level exit
+        ("crash", -11, False),  # SIGSEGV: memory corruption is possible
+        ("crash", -7, False),  # SIGBUS
+        ("crash", -6, False),  # abort()
+        ("crash", -4, False),  # SIGILL
+        ("crash", None, False),  # died, how not known
+        ("oom", None, False),  # the seed's semantics: drop and back off
+        ("fatal", None, False),  # a poisoned device
+    ],
+)
+def test_the_kv_cache_survives_only_failures_that_cannot_corrupt_it(
+    kind: str, exitcode: int | None, kept: bool
+) -> None:
+    """Pools that outlive the worker are kept after a kill from outside, a hang or a step
+    that raised; dropped after a fault of the worker's own, out of memory or a poisoned
+    device."""
+    fault = ExecutorFault("worker failed", kind, pid=1234, exitcode=exitcode)  # type: ignore[arg-type]
+    assert kv_survives(fault, fault.kind) is kept
 
 
 # the engine's reaction, with the real forms injected into its steps (the tiny model on a CPU)

@@ -38,6 +38,7 @@ def test_cli_arguments_map_to_config() -> None:
             "--no-adapt-threads",
             "--deterministic",
             "--kv-cache-dtype", "float32",
+            "--no-kv-outlives-worker",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -49,7 +50,7 @@ def test_cli_arguments_map_to_config() -> None:
     assert (config.recovery, config.max_resumes) == ("resume", 5)
     assert config.quantization == "none" and config.deterministic
     assert config.weight_layouts == "compact"
-    assert config.kv_cache_dtype == "float32"
+    assert config.kv_cache_dtype == "float32" and config.kv_outlives_worker is False
     assert (config.threads, config.adapt_threads) == (3, False)
     assert config.faults == (
         FaultSpec(kind="error", after_steps=2),
@@ -279,3 +280,24 @@ def test_overload_options_map_to_the_config_and_the_server() -> None:
     unlimited = config_from_args(build_parser().parse_args(["serve", "--max-queue-wait", "0"]))
     assert unlimited.max_queue_wait is None and unlimited.decode_stretch is None
     assert stoic.EngineConfig().max_queue_wait == 30.0
+
+
+def test_kv_outlives_worker_defaults_to_wherever_possible_and_refuses_where_it_cannot(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not given, the engine decides (on with the process executor on a host); asked for with
+    the thread executor or on a GPU it is a usage error naming why."""
+    from stoic.cli import main
+
+    default = config_from_args(build_parser().parse_args(["serve"]))
+    assert default.kv_outlives_worker is None
+    on = config_from_args(build_parser().parse_args(["serve", "--kv-outlives-worker"]))
+    assert on.kv_outlives_worker is True
+    for argv, why in (
+        (["--executor", "thread"], "needs the process executor"),
+        (["--device", "cuda"], "host memory only"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--kv-outlives-worker", *argv])
+        assert exited.value.code == 2
+        assert why in capsys.readouterr().err

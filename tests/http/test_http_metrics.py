@@ -151,7 +151,12 @@ async def test_metrics_while_the_model_loads_show_an_idle_engine(
     names = {name for name, _labels in samples}
     assert "stoic_executor_pid" not in names and "stoic_model_info" not in names
     assert {"stoic_sequences_running", "stoic_kv_cache_blocks_total"} <= names
-    assert {"stoic_requests_resumed_total", "stoic_compute_threads"} <= names
+    assert {
+        "stoic_requests_resumed_total",
+        "stoic_resume_reused_tokens_total",
+        "stoic_resume_recomputed_tokens_total",
+        "stoic_compute_threads",
+    } <= names
     nonzero = {k: v for k, v in samples.items() if v and not k[0].endswith("_created")}
     assert nonzero == {}
 

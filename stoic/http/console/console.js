@@ -222,6 +222,12 @@ function streams(i) {
   if (i.failed) parts.push(i.failed + " failed with partial output");
   if (i.isolated) parts.push(i.isolated + " isolated");
   if (i.exhausted) parts.push(i.exhausted + " out of resumes");
+  if (i.resumed) {
+    parts.push(
+      (i.kv_kept ? "KV cache kept: " + i.reused_tokens + " tokens reused, " : "KV cache dropped: ") +
+        i.recompute_tokens + " recomputed"
+    );
+  }
   return parts.length ? parts.join(", ") : "none in flight";
 }
 
