@@ -324,8 +324,8 @@ class ProcessBackend(StepBackend):
                 device=str(loaded.device),
                 reason="host memory on Linux only (memfd): the KV pools die with the worker",
             )
-        self.kv_outlives_worker = share
         self._pool = WorkerPool(worker_spec, spares=self._spares, share_kv=share)
+        self.kv_outlives_worker = self._pool.kv_memory is not None
         return await self._pool.start()
 
     async def attach(

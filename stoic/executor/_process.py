@@ -353,13 +353,15 @@ class WorkerPool:
         share_kv: bool = False,
     ) -> None:
         """``share_kv``: own the KV pools' memory, so that they outlive a worker (see the
-        module).
-
-        :raises OSError: the kernel refuses the shared memory.
-        """
+        module); if the kernel refuses the shared memory, each worker owns its pools (logged)."""
         self._spec = spec
         #: the KV pools' memory, which every worker maps (None: each allocates its own)
-        self.kv_memory = KVMemory() if share_kv else None
+        self.kv_memory: KVMemory | None = None
+        if share_kv:
+            try:
+                self.kv_memory = KVMemory()
+            except OSError as exc:  # a sandbox without memfd_create, say
+                _log.warning("executor.kv_outlives_worker_unavailable", reason=str(exc))
         self._spares_wanted = spares
         self._ready_timeout = ready_timeout
         self.current: WorkerProcess | None = None

@@ -144,9 +144,13 @@ def worker_main(conn: Connection, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # its output is relayed line by line
     _quiet_logs()
-    # the imports first: a pre-started worker has paid for them before it is needed
+    # the imports first: a pre-started worker has paid for them before it is needed. That
+    # includes what transformers imports lazily on a model's first load (its model-building
+    # machinery pulls in torch's dynamo and distributed tensors): some 2 s of a cold
+    # replacement's 3 s on the default model, paid here while nothing waits
     import torch
-    import transformers  # noqa: F401  (the model classes load lazily from here)
+    import transformers.modeling_utils
+    import transformers.models.auto.modeling_auto  # noqa: F401
 
     from ..model import PagedKVCache, StepProgress, drop_contents, load_model
     from ..sampling import LLGuidanceBackend
