@@ -27,6 +27,10 @@ __all__ = ["Recovery"]
 _SOLO_FAILURES = 2
 
 
+def _seq_id(seq: Seq) -> int:
+    return seq.seq_id
+
+
 class Recovery:
     """The fail/resume policy and the poison isolation, over the core's queues.
 
@@ -169,12 +173,16 @@ class Recovery:
             kept = sum(seq.num_computed for seq in resumed)
             self.reused_tokens += kept
             self.recomputed_tokens += redo
+            if queues.held:  # the isolation ended with this failure (its last probe failed
+                # alone): what it held back queues again, in order (none holds blocks)
+                queues.waiting = deque(sorted([*queues.waiting, *queues.held], key=_seq_id))
+                queues.held = []
             return failed._replace(reused_tokens=kept, recompute_tokens=redo)
         for seq in resumed:
             queues.running.remove(seq)
             seq.resume_debt += seq.num_computed + step_tokens.get(seq.seq_id, 0)
         debt = sum(seq.resume_debt for seq in resumed)
-        everyone = sorted([*resumed, *queues.waiting, *queues.held], key=lambda q: q.seq_id)
+        everyone = sorted([*resumed, *queues.waiting, *queues.held], key=_seq_id)
         for seq in everyone:  # their blocks go back (the prefix cache keeps full ones if kept)
             queues.restart(seq)
         queues.waiting, queues.held = deque(everyone), []

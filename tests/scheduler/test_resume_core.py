@@ -6,6 +6,7 @@ its position, so a fault-free run's text is known and a resumed one must equal i
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -68,9 +69,12 @@ def test_a_spent_resume_budget_ends_the_request_with_its_partial() -> None:
     assert h.allocator.used_blocks == 0 and h.core.idle
 
 
-def _run_with_poison(h: SchedulerHarness, poison: str, limit: int = 500) -> int:
+def _run_with_poison(
+    h: SchedulerHarness, poison: str, limit: int = 500, *, keep_kv: bool = False
+) -> int:
     """Step until idle, failing (``error``) every step whose batch holds a prompt with
-    ``poison``; returns the failures."""
+    ``poison`` (the KV cache kept through each failure with ``keep_kv``); returns the
+    failures."""
     failures = 0
     for _ in range(limit):
         if h.core.idle:
@@ -78,7 +82,7 @@ def _run_with_poison(h: SchedulerHarness, poison: str, limit: int = 500) -> int:
         batch = h.start_step()
         assert batch is not None, "work remains but no step could start"
         if any(poison in prompt for prompt in h.core.inflight_prompts()):
-            h.executor_down(RuntimeError("poisoned"), "error")
+            h.executor_down(RuntimeError("poisoned"), "error", keep_kv=keep_kv)
             failures += 1
         else:
             h.finish_step()
@@ -86,17 +90,25 @@ def _run_with_poison(h: SchedulerHarness, poison: str, limit: int = 500) -> int:
     raise AssertionError("not idle")
 
 
-def test_a_poison_request_is_isolated_and_every_other_completes() -> None:
+@pytest.mark.parametrize("keep_kv", [False, True])
+@pytest.mark.parametrize("poison_last", [False, True])
+def test_a_poison_request_is_isolated_and_every_other_completes(
+    keep_kv: bool, poison_last: bool
+) -> None:
     """A request that fails every step it is in ends alone, with the error and its partial;
-    the others batched with it complete with their fault-free text. Isolation costs few
+    the others batched with it complete with their fault-free text, whether the KV cache is
+    dropped or kept through the failures, and whether the poison is probed before others or
+    last (its end ends the isolation, which releases what it held back). Isolation costs few
     failures (within the default restart intensity of 5)."""
     prompts = [*PROMPTS[:3], "XYZZY poison", *PROMPTS[4:], "more text here"]
+    if poison_last:
+        prompts.append(prompts.pop(3))
     expected = _fault_free(prompts, 10)
     h = create_scheduler(num_blocks=64, block_size=4, recovery="resume")
     streams = [h.add(p, max_tokens=10) for p in prompts]
     for _ in range(3):  # everyone decoding, the poison too (the fault arrives later)
         h.step()
-    failures = _run_with_poison(h, "XYZZY")
+    failures = _run_with_poison(h, "XYZZY", keep_kv=keep_kv)
     assert failures <= 4
     results = [drain(s) for s in streams]
     for prompt, (text, finish, error), want in zip(prompts, results, expected, strict=True):
