@@ -46,6 +46,8 @@ __all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
 _log = get_logger("stoic.executor")
 #: how long a hung worker gets between SIGTERM and SIGKILL
 _KILL_GRACE = 1.0
+#: how long a worker whose pipe broke is waited for, to learn how it ended
+_REAP_WAIT = 0.2
 #: after a worker was replaced, how long before the spares and the pre-started interpreter are
 #: topped up again
 _REPLENISH_DELAY = 5.0
@@ -204,11 +206,21 @@ class WorkerProcess:
             raise self._died() from exc
 
     def _died(self) -> ExecutorFault:
+        """The fault of a worker found dead (its pipe broke, or its exit was reported), with
+        how it ended: the recovery keeps the KV cache only for deaths it knows to be clean
+        (:func:`~stoic.executor.kv_survives`). A broken pipe can be seen a moment before the
+        reader thread has reaped the process, so it is waited for briefly here (the kernel
+        closes a dying process's sockets just before it becomes a zombie)."""
+        code = self._proc.returncode
+        if code is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._proc.wait(_REAP_WAIT)
+        why = self.exited or (describe_exit(code) if code is not None else "died")
         return ExecutorFault(
-            f"executor process {self.exited or 'died'}",
+            f"executor process {why}",
             "crash",
             pid=self.pid,
-            exitcode=self._proc.returncode,
+            exitcode=code,
         )
 
     async def _receive(self, limit: float | None) -> tuple[Any, ...]:

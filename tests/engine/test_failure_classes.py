@@ -6,6 +6,8 @@ messages torch and its libraries raise; the engine's reaction with faults inject
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,20 @@ def test_the_kv_cache_survives_only_failures_that_cannot_corrupt_it(
     device."""
     fault = ExecutorFault("worker failed", kind, pid=1234, exitcode=exitcode)  # type: ignore[arg-type]
     assert kv_survives(fault, fault.kind) is kept
+
+
+@pytest.mark.asyncio
+async def test_a_worker_found_dead_on_a_broken_pipe_says_how_it_ended() -> None:
+    """A worker killed with SIGKILL and found dead at once (its pipe broken before the reader
+    thread reaped it) still reports its signal, so a kill from outside keeps the KV cache
+    instead of counting as a death of unknown cause."""
+    from stoic.executor._process import WorkerProcess
+
+    worker = WorkerProcess()
+    os.kill(worker.pid, signal.SIGKILL)
+    fault = worker._died()
+    assert fault.exitcode == -signal.SIGKILL and "SIGKILL" in str(fault)
+    assert kv_survives(fault, fault.kind)
 
 
 # the engine's reaction, with the real forms injected into its steps (the tiny model on a CPU)
