@@ -10,8 +10,9 @@ directory only stays in that directory's helpers (``tests/http/http_helpers.py``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +166,21 @@ def greedy_reference(
             ]
             out.append((tokens, logprobs))
     return out
+
+
+@contextlib.asynccontextmanager
+async def http_endpoint(engine: Any) -> AsyncIterator[str]:
+    """stoic's HTTP app over ``engine`` on a free port of 127.0.0.1: its base URL, while open."""
+    from aiohttp import web
+
+    from stoic.http import create_app
+
+    runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()

@@ -104,3 +104,11 @@ def _add_autoscaling_args(g: ArgumentGroup) -> None:
         help="times one request may move to another replica when its replica dies or fails "
         "(default %(default)s)",
     )
+    g.add_argument(
+        "--routing",
+        choices=["least-loaded", "prefix"],
+        default="least-loaded",
+        help="which replica a request goes to: the less loaded of two (least-loaded), or the "
+        "one most likely to hold its prompt's prefix in its prefix cache, bounded by load "
+        "(prefix) (default %(default)s)",
+    )

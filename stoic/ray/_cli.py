@@ -40,6 +40,7 @@ def replica_options(args: argparse.Namespace) -> ReplicaOptions:
         threads=max(1, int(cpus)) if cpus else None,
         num_gpus=args.replica_gpus,
         max_migrations=args.max_migrations,
+        routing=args.routing,
     )
 
 

@@ -17,6 +17,7 @@ from ..engine import EngineStats, load_token_codec
 from ._board import BOARD_NAMESPACE, StatsBoard
 from ._ingress import RayEngine
 from ._replica import EngineReplica, ReplicaInfo
+from ._routing import ROUTER_CLASS, ROUTINGS
 from ._stats import ReplicaView
 
 __all__ = ["ReplicaOptions", "engine_deployment", "front_end", "make_board", "run_replicas"]
@@ -46,6 +47,9 @@ class ReplicaOptions:
     :param health_check_period_s: how often Serve asks a replica's engine if it is failed.
     :param health_check_timeout_s: how long a health check may take before it counts failed.
     :param max_migrations: times one request may move to another replica.
+    :param routing: ``"least-loaded"`` (Serve's power of two choices on load) or ``"prefix"``
+        (the replica most likely to hold the request's prefix, bounded by load:
+        :mod:`stoic.ray._routing`).
     """
 
     replicas: int = 1
@@ -59,10 +63,13 @@ class ReplicaOptions:
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
     max_migrations: int = 3
+    routing: str = "least-loaded"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
         if self.max_replicas is not None and self.max_replicas < max(
             self.replicas, self.min_replicas or 0
         ):
@@ -122,6 +129,11 @@ class ReplicaOptions:
             "graceful_shutdown_wait_loop_s": 1.0,
             "graceful_shutdown_timeout_s": config.drain_timeout + 5.0,
         }
+        if self.routing == "prefix":
+            options["request_router_config"] = {
+                "request_router_class": ROUTER_CLASS,
+                "request_router_kwargs": {"epsilon": 0.25},
+            }
         if self.max_replicas is None:
             options["num_replicas"] = self.replicas
         else:

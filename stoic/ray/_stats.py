@@ -148,6 +148,13 @@ class _ReplicaCollector:
             ("stoic_replica_kv_cache_usage", "Fraction of KV blocks in use.", "kv_cache_usage"),
             ("stoic_replica_executor_restarts", "Executor restarts.", "restarts"),
             ("stoic_replica_generated_tokens", "Tokens generated.", "generated_tokens"),
+            ("stoic_replica_prompt_tokens", "Prompt tokens admitted.", "prompt_tokens"),
+            (
+                "stoic_replica_prefix_cache_hit_tokens",
+                "Prompt tokens found in the replica's prefix cache (over "
+                "stoic_replica_prompt_tokens: its hit rate; --routing prefix raises it).",
+                "prefix_cached_tokens",
+            ),
         )
         for metric, doc, attr in per_replica:
             family = GaugeMetricFamily(metric, doc, labels=["replica"])

@@ -81,6 +81,7 @@ def test_stoic_serve_replicas_serves_the_default_model(
         _status, metrics = _get(f"{url}/metrics")
         assert 'stoic_replicas{state="serving"} 1.0' in metrics
         assert "stoic_replica_generated_tokens{replica=" in metrics
+        assert "stoic_replica_prefix_cache_hit_tokens{replica=" in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         try:

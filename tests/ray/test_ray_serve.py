@@ -21,12 +21,11 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-from aiohttp import web
+from support import http_endpoint
 
 pytest.importorskip("ray")
 
 from stoic import EngineConfig, FaultSpec
-from stoic.http import create_app
 from stoic.ray import MigratingStream, RayEngine, ReplicaOptions, run_replicas
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -85,15 +84,8 @@ async def deployed(tiny_model_dir: Path) -> AsyncIterator[Deployed]:
     ray_init = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
     async with run_replicas(config, options, ray_init=ray_init) as engine:
         engine.retry_delay = 0.2
-        runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        try:
-            yield Deployed(f"http://{host}:{port}", engine)
-        finally:
-            await runner.cleanup()
+        async with http_endpoint(engine) as url:
+            yield Deployed(url, engine)
 
 
 async def wait_for(predicate: Any, within: float, what: str) -> float:

@@ -263,9 +263,18 @@ def test_replica_flags_map_to_options() -> None:
             "5",
             "--ray-address",
             "ray://head:10001",
+            "--routing",
+            "prefix",
         ]
     )
     options = replica_options(args)
+    assert options.routing == "prefix"
+    resolved = dataclasses.replace(options, num_gpus=0)
+    router = resolved.serve_options(EngineConfig())["request_router_config"]
+    assert router["request_router_class"] == "stoic.ray._router:PrefixAffinityRouter"
+    assert "request_router_config" not in ReplicaOptions(num_gpus=0).serve_options(EngineConfig())
+    with pytest.raises(ValueError, match="routing must be one of"):
+        ReplicaOptions(routing="random")
     assert (options.replicas, options.max_replicas, options.num_cpus, options.threads) == (
         2,
         4,
