@@ -40,10 +40,9 @@ class KVCacheManager(Actor[CacheMsg]):
         self.spec = spec
         self._make_cache = make_cache
         self._kv: PagedKVCache | None = None
-        #: the pools are to be (re)created before the next use (at start, after a DropAll)
-        self._stale = True
-        #: no lease given yet (the first is ``dropped``: nothing in the cache is known)
-        self._first = True
+        #: the cache's contents were dropped since the last lease (or none was given yet:
+        #: nothing in the cache is known)
+        self._dropped = True
 
     async def on_start(self) -> None:
         self._recreate()
@@ -62,25 +61,26 @@ class KVCacheManager(Actor[CacheMsg]):
             case DropAll(reply=reply):
                 held = self._kv is not None
                 self._release()
-                self._stale = True
+                self._dropped = True
                 self.context.log.debug("cache.dropped_all", tensors_released=held)
                 reply.send(held)
             case AcquireKV(reply=reply):
-                dropped = self._stale
-                if dropped:
-                    self._recreate()
+                if self._recreate():
                     self.context.log.debug("cache.recreated", blocks=self.spec.num_blocks)
-                reply.send(KVLease(self._kv, dropped or self._first))
-                self._first = False
+                reply.send(KVLease(self._kv, self._dropped))
+                self._dropped = False
             case _:
                 assert_never(message)
 
-    def _recreate(self) -> None:
+    def _recreate(self) -> bool:
+        """Create the tensors if they live here and are not there (at start, after a drop);
+        returns whether it did."""
         # the pools are allocated empty (not zeroed) to keep a restart fast: the scheduler's
         # allocator has every block to be zeroed before its first use (StepBatch.zero_blocks)
-        if self._make_cache is not None:
-            self._kv = self._make_cache(self.spec)
-        self._stale = False
+        if self._make_cache is None or self._kv is not None:
+            return False
+        self._kv = self._make_cache(self.spec)
+        return True
 
     def _release(self) -> None:
         if self._kv is not None:
