@@ -41,7 +41,7 @@ from ..worker import CacheSizing
 from ._failures import ExecutorFault
 from ._procworker import KV_FD_ENV, PROGRESS_FD_ENV, WorkerSpec
 
-__all__ = ["WorkerPool", "WorkerProcess", "describe_exit"]
+__all__ = ["REPLACEMENT_OOM_WAIT", "WorkerPool", "WorkerProcess", "describe_exit"]
 
 _log = get_logger("stoic.executor")
 #: how long a hung worker gets between SIGTERM and SIGKILL
@@ -51,6 +51,12 @@ _REAP_WAIT = 0.2
 #: after a worker was replaced, how long before the spares and the pre-started interpreter are
 #: topped up again
 _REPLENISH_DELAY = 5.0
+#: what a worker process runs (``python -m``; a test may run a wrapper that injects faults
+#: into its start, then calls :func:`~stoic.executor._procworker.worker_main` as this does)
+WORKER_MODULE = "stoic._procmain"
+#: how long a worker after the first waits out out-of-memory errors while it starts: a GPU
+#: driver frees a killed process's memory a little after the process is gone (seconds at most)
+REPLACEMENT_OOM_WAIT = 30.0
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -90,7 +96,7 @@ class WorkerProcess:
             [
                 sys.executable,
                 "-m",
-                "stoic._procmain",
+                WORKER_MODULE,
                 str(theirs.fileno()),
                 str(os.getpid()),
             ],
@@ -408,6 +414,8 @@ class WorkerPool:
         self._spec = dataclasses.replace(
             self._spec,
             budget=dataclasses.replace(self._spec.budget, num_blocks=worker.sizing.num_blocks),
+            # a later worker may start before its predecessor's device memory is free
+            start_oom_wait=REPLACEMENT_OOM_WAIT,
         )
         self._first = worker
         return worker.sizing

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 import pickle
 import signal
@@ -52,8 +53,9 @@ from ..config import FaultSpec, LoadFormat, Quantization, WeightLayouts
 from ..errors import InsufficientMemory
 
 if TYPE_CHECKING:
+    from ..model import StepProgress
     from ..request import GrammarVocab
-    from ..worker import CacheBudget
+    from ..worker import CacheBudget, ModelRunner, ThreadGovernor
 
 __all__ = ["KV_FD_ENV", "PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
 
@@ -97,6 +99,9 @@ class WorkerSpec:
     #: the KV cache's dtype: the server's resolved one (``LoadedModel.kv_dtype``), or on a GPU
     #: ``--kv-cache-dtype`` itself (``auto`` is the worker's to resolve there, as ``dtype``)
     kv_cache_dtype: str | None = None
+    #: seconds a worker's start waits out an out-of-memory error (:mod:`._startoom`): set for
+    #: every worker after the first (a replacement, a spare), 0 for the first
+    start_oom_wait: float = 0.0
 
 
 def _die_with_parent(parent: int) -> None:
@@ -111,8 +116,6 @@ def _quiet_logs() -> None:
     """The worker's warnings and errors go to stderr, one line each, which the server relays as
     ``executor.worker_output`` events (the worker is a process of stoic's own: it may configure
     the root logger)."""
-    import logging
-
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
@@ -134,6 +137,36 @@ def _warm_up(runner: Any, block_size: int) -> None:
     scratch.release()
 
 
+def _load(spec: WorkerSpec, governor: ThreadGovernor, progress: StepProgress | None) -> ModelRunner:
+    """The model of ``spec`` loaded, on its runner."""
+    from ..model import load_model
+    from ..sampling import LLGuidanceBackend
+    from ..worker import ModelRunner
+
+    loaded = load_model(
+        spec.model,
+        device=spec.device,
+        dtype=spec.dtype,
+        cache_root=spec.cache_dir,
+        dense_dtype=spec.dense_dtype,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        deterministic=spec.deterministic,
+        quantization=spec.quantization,  # which matrices stay on the file's blocks
+        load_format=spec.load_format,
+        tokenizer=False,  # the server detokenises; the stop ids come with the spec
+    )
+    loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids, gguf=spec.gguf)
+    return ModelRunner(
+        loaded,
+        LLGuidanceBackend(spec.grammar) if spec.grammar else None,
+        quantization=spec.quantization,
+        deterministic=spec.deterministic,
+        weight_layouts=spec.weight_layouts,
+        progress=progress,
+        threads=governor,
+    )
+
+
 def _send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -152,10 +185,10 @@ def worker_main(conn: Connection, parent: int) -> None:
     import transformers.modeling_utils
     import transformers.models.auto.modeling_auto  # noqa: F401
 
-    from ..model import PagedKVCache, StepProgress, drop_contents, load_model
-    from ..sampling import LLGuidanceBackend
-    from ..worker import ModelRunner, ThreadGovernor, size_kv_cache
+    from ..model import KVCacheSpec, PagedKVCache, StepProgress, drop_contents
+    from ..worker import CacheSizing, ThreadGovernor, size_kv_cache
     from ._failures import classify_failure
+    from ._startoom import ride_out_oom
 
     if not conn.poll(0):  # imports done, nothing to load yet
         set_title("pre-started")
@@ -181,36 +214,30 @@ def worker_main(conn: Connection, parent: int) -> None:
         family=(parent,),  # the server's CPU time is the engine's, not a neighbour's
     )
     governor.before_step()  # the load's own operators run on the budget too
-    loaded = load_model(
-        spec.model,
-        device=spec.device,
-        dtype=spec.dtype,
-        cache_root=spec.cache_dir,
-        dense_dtype=spec.dense_dtype,
-        kv_cache_dtype=spec.kv_cache_dtype,
-        deterministic=spec.deterministic,
-        quantization=spec.quantization,  # which matrices stay on the file's blocks
-        load_format=spec.load_format,
-        tokenizer=False,  # the server detokenises; the stop ids come with the spec
-    )
-    loaded = dataclasses.replace(loaded, eos_token_ids=spec.eos_token_ids, gguf=spec.gguf)
-    runner = ModelRunner(
-        loaded,
-        LLGuidanceBackend(spec.grammar) if spec.grammar else None,
-        quantization=spec.quantization,
-        deterministic=spec.deterministic,
-        weight_layouts=spec.weight_layouts,
-        progress=progress,
-        threads=governor,
-    )
-    try:
+
+    def start() -> tuple[ModelRunner, CacheSizing, KVCacheSpec, PagedKVCache]:
+        """Load, size the cache and map its pools, warm up."""
+        runner = _load(spec, governor, progress)
         sizing = size_kv_cache(runner, spec.budget)
+        kv_spec = runner.kv_spec(sizing.num_blocks, spec.budget.block_size)
+        kv = PagedKVCache(kv_spec, memory_fd=kv_fd)
+        _warm_up(runner, spec.budget.block_size)
+        return runner, sizing, kv_spec, kv
+
+    def release() -> None:  # the allocator's cached blocks of a failed start
+        if spec.device != "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    try:
+        runner, sizing, kv_spec, kv = ride_out_oom(
+            start,
+            within=spec.start_oom_wait,
+            release=release,
+            report=logging.getLogger("stoic.worker").warning,
+        )
     except InsufficientMemory as exc:  # a start-up error of the server's, never retried
         _send(conn, ("unfit", exc.message))
         return
-    kv_spec = runner.kv_spec(sizing.num_blocks, spec.budget.block_size)
-    kv = PagedKVCache(kv_spec, memory_fd=kv_fd)
-    _warm_up(runner, spec.budget.block_size)
     _send(conn, ("ready", os.getpid(), runner.quantized, sizing))
     serving = False  # a warm spare commits no pages until it serves: it may never
     while True:

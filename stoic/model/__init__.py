@@ -28,6 +28,7 @@ from ._paged import (
     PagedKVCache,
     PrefillChunk,
     StepMetadata,
+    decode_gather_keys,
     empty_device_cache,
     group_decodes,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "cache_refusal",
     "check_model_source",
     "cuda_devices",
+    "decode_gather_keys",
     "default_gguf_path",
     "drop_contents",
     "empty_device_cache",

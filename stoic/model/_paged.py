@@ -34,6 +34,7 @@ __all__ = [
     "PagedKVCache",
     "PrefillChunk",
     "StepMetadata",
+    "decode_gather_keys",
     "empty_device_cache",
     "group_decodes",
     "paged_attention",
@@ -247,6 +248,22 @@ def group_decodes(
     for index, b in enumerate(context_blocks):
         groups[bisect.bisect_left(bounds, b)].append(index)
     return groups
+
+
+def decode_gather_keys(
+    cached_blocks: int, longest_blocks: int, block_size: int, overhead: int = GROUP_OVERHEAD_KEYS
+) -> int:
+    """The most key positions a step's decode groups gather in all (each group padded to its
+    longest context) when the decoding sequences hold ``cached_blocks`` blocks together and none
+    more than ``longest_blocks``: what the KV sizing reserves for the decode attention's copy.
+
+    Why it holds: :func:`group_decodes` minimises ``padded keys + overhead x groups``, so its
+    split costs no more than putting each sequence in the group of its power-of-two length class
+    (``[2^k, 2^(k+1))`` blocks: at most ``longest_blocks.bit_length()`` groups), where every
+    sequence is padded to less than twice its own length. Hence ``padded <= 2 x cached keys +
+    overhead x longest_blocks.bit_length()``: one group of mixed lengths can gather up to twice
+    the cache's keys, not once."""
+    return 2 * cached_blocks * block_size + overhead * longest_blocks.bit_length()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ sizes its own cache, after loading the weights (vLLM's procedure):
 3. the cache gets ``total * gpu_memory_utilization - weights - activations`` (the fraction is of
    the device's *total* memory, for everything this instance holds), less what a decode step
    over a full cache holds transiently (its attention copies one layer's blocks out of the
-   pools: ``1 / num_layers`` of the cache), and never more than is free now less the
+   pools, each group of similar context lengths padded to its longest: up to ``2 / num_layers``
+   of the cache and a few MiB, :func:`stoic.model.decode_gather_keys`), and never more than is free now less the
    activations (another process on the device), nor more than an explicit cap
    (``kv_cache_memory_gib``; on a CPU 1 GiB unless given: the machine's RAM is everyone's).
 
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..errors import InsufficientMemory
-from ..model import PagedKVCache
+from ..model import PagedKVCache, decode_gather_keys
 from ..request import SamplingParams, SeqChunk, StepBatch
 from ._cpu import cgroup_chain
 
@@ -283,17 +284,19 @@ def plan_cache(
     weights: int,
     activations: int,
     gather_per_block: int = 0,
+    gather_fixed: int = 0,
     device: str = "the device",
 ) -> CacheSizing:
     """The blocks the measured figures leave room for (the arithmetic of :func:`size_kv_cache`):
     each block costs ``bytes_per_block``, and ``gather_per_block`` more held transiently by a
-    step over a full cache (what the profiling forward, on an empty cache, cannot see).
+    step over a full cache, plus ``gather_fixed`` once (what the profiling forward, on an empty
+    cache, cannot see: the decode attention's copy, :func:`stoic.model.decode_gather_keys`).
 
     :raises InsufficientMemory: fewer than :attr:`CacheBudget.min_blocks` fit; the message names
         the figures.
     """
     allowed = int(total * budget.utilization)
-    room = min(allowed - weights - activations, available - activations)
+    room = min(allowed - weights - activations, available - activations) - gather_fixed
     blocks = max(0, room) // (bytes_per_block + gather_per_block)
     if budget.cap_bytes is not None:
         blocks = min(blocks, budget.cap_bytes // bytes_per_block)
@@ -302,7 +305,7 @@ def plan_cache(
         def gib(n: int) -> str:
             return f"{n / _GIB:.2f} GiB"
 
-        need = budget.min_blocks * (bytes_per_block + gather_per_block)
+        need = budget.min_blocks * (bytes_per_block + gather_per_block) + gather_fixed
         raise InsufficientMemory(
             f"no room for the KV cache on {device}: it has {gib(total)}, "
             f"--gpu-memory-utilization {budget.utilization:g} allows {gib(allowed)}, "
@@ -383,6 +386,8 @@ def size_kv_cache(runner: ModelRunner, budget: CacheBudget) -> CacheSizing:
     activations = 0
     model_len = runner.loaded.max_model_len
     context = min(budget.max_model_len or model_len, model_len)
+    layer_key = per_block // one.num_layers // budget.block_size  # one key and value, one layer
+    longest = math.ceil(context / budget.block_size)
     for batch, blocks in profile_batches(budget, context, continued=device.type != "cpu"):
         kv = PagedKVCache(runner.kv_spec(blocks, budget.block_size))
         try:
@@ -400,8 +405,10 @@ def size_kv_cache(runner: ModelRunner, budget: CacheBudget) -> CacheSizing:
         available=memory.available(),
         weights=weights,
         activations=activations,
-        # a decode step copies one layer's blocks of its sequences out of the pools at a time
-        # (_paged.py, decode attention): over a full cache, a layer's worth of it
-        gather_per_block=per_block // one.num_layers,
+        # a decode step copies one layer's blocks of its sequences out of the pools at a time,
+        # each group of similar lengths padded to its longest (_paged.py, decode attention):
+        # over a full cache, up to twice a layer's worth of it, and a little per length class
+        gather_per_block=decode_gather_keys(1, 0, budget.block_size) * layer_key,
+        gather_fixed=decode_gather_keys(0, longest, budget.block_size) * layer_key,
         device=str(device),
     )

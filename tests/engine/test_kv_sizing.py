@@ -74,8 +74,8 @@ def _config(model_dir: Path, **overrides: Any) -> stoic.EngineConfig:
 
 def test_a_mid_size_model_on_an_80_gb_card_leaves_the_cache_the_remainder() -> None:
     """An 8B model in bfloat16 (16 GB of weights) on an 80 GiB card, a 2048-token step peaking
-    at 2.5 GiB: the cache gets 0.9 of the card less weights, activations and a decode step's
-    copy of one layer's blocks, so everything fits (no OOM), to within one block. Sizing from free memory before the weights loaded (the old
+    at 2.5 GiB: the cache gets 0.9 of the card less weights, activations and the most a decode
+    step's copy of one layer's blocks can take, so everything fits (no OOM), to within one block. Sizing from free memory before the weights loaded (the old
     rule, 0.8 of 80 GiB, with nothing kept for the activations) would have asked for more than
     the card has."""
     llama_8b = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}
@@ -93,11 +93,15 @@ def test_a_mid_size_model_on_an_80_gb_card_leaves_the_cache_the_remainder() -> N
         available=total - weights - GIB,  # the CUDA context and the allocator's slack
         weights=weights,
         activations=activations,
-        gather_per_block=spec.bytes_per_block // 32,  # a decode step's copy of one layer
+        # a decode step's copy of one layer, groups padded: twice the layer's cache at most,
+        # and 1,500 keys per length class (128K tokens of context: 14 classes)
+        gather_per_block=2 * spec.bytes_per_block // 32,
+        gather_fixed=1500 * 14 * (spec.bytes_per_block // 32 // 16),
     )
-    used = weights + activations + sizing.cache_bytes * (1 + 1 / 32)
+    gather = 2 * sizing.cache_bytes / 32 + 1500 * 14 * 4096
+    used = weights + activations + sizing.cache_bytes + gather
     assert used <= 0.9 * total < total
-    assert 0.9 * total - used < spec.bytes_per_block * (1 + 1 / 32)
+    assert 0.9 * total - used < spec.bytes_per_block * (1 + 2 / 32)
     assert sizing.num_blocks > 20_000  # ~52 GiB of cache
     # the old sizing, 0.8 of the free memory before the weights, with no room for activations
     assert weights + 0.8 * total + activations > total
@@ -166,8 +170,11 @@ async def test_the_worker_profiles_the_largest_step_and_the_scheduler_gets_its_b
             per_block = engine._parts.kv_spec.bytes_per_block
             assert shapes[:2] == [(64, 1), (64, 8)]
             assert device.resets == 2
-            layers = engine._parts.kv_spec.num_layers
-            blocks = (200 - 150 - 30) * MIB // (per_block + per_block // layers)
+            spec = engine._parts.kv_spec
+            layer_key = per_block // spec.num_layers // spec.block_size
+            longest = -(-engine.max_model_len // spec.block_size)
+            fixed = 1500 * longest.bit_length() * layer_key  # per length class of decodes
+            blocks = ((200 - 150 - 30) * MIB - fixed) // (per_block + 2 * layer_key * 16)
             assert engine.stats().kv_blocks_total == blocks
             assert engine.kv_sizing.num_blocks == blocks
             assert (await engine.complete("Hello", PARAMS)).text

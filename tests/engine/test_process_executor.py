@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from support import collect, engine_config, wait_idle, wait_replaced
 
 import stoic
@@ -234,3 +235,38 @@ def test_the_worker_dies_with_the_server(tiny_model_dir: Path, tmp_path: Path) -
         server.wait(10)
         if server.stdout is not None:
             server.stdout.close()
+
+
+@pytest.mark.asyncio
+async def test_a_replacement_that_meets_an_oom_at_start_waits_for_the_memory_and_serves(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 of the worker; its replacement's load raises torch's out-of-memory error twice
+    (a GPU whose driver has not yet freed the killed process's memory): the start is tried
+    again after a short wait, each retry is logged, the replacement serves the same greedy text
+    and the recovery counts one crash, no failed start."""
+    from stoic.executor import _process
+
+    counter = tmp_path / "ooms"
+    counter.write_text("2")
+    monkeypatch.setenv("STOIC_TEST_OOM_STARTS", str(counter))
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(_process, "WORKER_MODULE", "oom_start_worker")
+    with structlog.testing.capture_logs() as logs:
+        async with stoic.Engine.start(_config(tiny_model_dir)) as engine:
+            before = (await engine.complete("Hello", PARAMS)).text
+            pid = engine.stats().executor_pid
+            assert pid is not None
+            stream = await engine.submit("Write about the sea.", PARAMS)
+            await stream.__anext__()  # generation is under way
+            os.kill(pid, signal.SIGKILL)
+            await collect(stream)
+            await wait_replaced(engine, pid, restarts=1)
+            assert (await engine.complete("Hello", PARAMS)).text == before
+            assert dict(engine.stats().restarts_by_kind) == {"crash": 1}
+    assert counter.read_text() == "0"
+    retries = [
+        e for e in logs if "out of memory while starting" in str(e.get("line", e.get("output")))
+    ]
+    assert len(retries) == 2, [e for e in logs if e["event"] == "executor.worker_output"]

@@ -112,6 +112,30 @@ def test_decode_groups_partition_the_batch_at_least_cost() -> None:
     assert group_decodes([7] * 32, 16) == [list(range(32))]
 
 
+def test_decode_groups_gather_no_more_than_the_sizing_reserves() -> None:
+    """However the decoding sequences' context lengths mix, the keys the groups gather in all
+    (each group padded to its longest) stay within :func:`decode_gather_keys` of the blocks they
+    hold: the bound the KV sizing reserves memory by; and one group can gather more than the
+    blocks held (the reserve of one layer's cache, once, was too small)."""
+    import random
+
+    from stoic.model import decode_gather_keys, group_decodes
+
+    def gathered(blocks: list[int], overhead: int) -> int:
+        groups = group_decodes(blocks, 16, overhead)
+        return sum(len(g) * max(blocks[i] for i in g) * 16 for g in groups)
+
+    rng = random.Random(1)
+    for _ in range(500):
+        longest = rng.choice([2, 8, 64, 512, 8192])
+        blocks = [rng.randint(1, longest) for _ in range(rng.randint(1, 64))]
+        for overhead in (0, 100, 1500, 10**5):
+            bound = decode_gather_keys(sum(blocks), max(blocks), 16, overhead)
+            assert gathered(blocks, overhead) <= bound
+    # a short and a long context in one group: nearly twice the keys they hold
+    assert gathered([1, 94], 1500) == 2 * 94 * 16 > 1.9 * (1 + 94) * 16
+
+
 def test_decodes_split_into_groups_attend_like_one_group(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
