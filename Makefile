@@ -20,7 +20,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install browser serve test test-fast lint typecheck unit bench clean
+.PHONY: install browser serve test test-fast lint typecheck unit bench gpu-travel gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,21 @@ test-fast: lint typecheck
 
 bench: $(SERVE_STAMP)
 	$(PY) benchmarks/engine_bench.py $(ARGS)
+
+# The device check (docs/operations.md, "GPUs"). gpu-travel, here: the wheels a GPU machine
+# without network lacks, into .whl/. gpu-check, there: no install (torch is the machine's),
+# the carried wheels unpacked into a folder on PYTHONPATH, then benchmarks/gpu_check.py from this
+# tree; where this checkout has a venv (here) its python runs it: one line, exit 1, without CUDA.
+GPU_SITE ?= /tmp/stoic-site
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-travel: $(DEV_STAMP)
+	$(PY) benchmarks/gpu_travel.py $(ARGS)
+
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
+		--no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl || exit 1; fi
+	PYTHONPATH=$(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+		$(GPU_PY) benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,67 +1,93 @@
-"""The GPU check: what stoic must do on an NVIDIA GPU, each part unable to pass by accident.
+"""The device check: what stoic must do on an NVIDIA GPU, in one command of a few minutes, on a
+machine with torch but no network and no weight file (a GPU lent for 15 minutes).
 
-1. **A real CUDA out-of-memory error inside the forward** (the default model, the thread
-   executor, fault injection off, so nothing can be injected): after a warm-up request, the
-   allocator is capped at what is in use plus ``--margin-mib``
-   (``torch.cuda.set_per_process_memory_fraction``), then a prompt that fills one step of
-   ``--prefill-tokens`` needs more than that. Passes only if the request fails with
-   ``ExecutorFailed`` of kind ``oom`` whose message is torch's own ("CUDA out of memory"), not
-   retryable, the step token budget halves, and the next request is served with the warm-up's
-   greedy text.
-2. **A real device-side assert** (the process executor, fault ``device_assert``: an out-of-range
-   index on the GPU): passes only if the request fails with kind ``fatal`` naming the assert, a
-   new worker process serves, and its greedy text is the one before.
-3. **The KV cache's sizing** (every engine above sizes its cache from the memory left, as the
-   default command does: ``--kv-blocks`` fixes it instead): passes only if the engine says it
-   profiled, and the device's used memory that ``nvidia-smi`` reports once it serves is within
-   ``--gpu-memory-utilization`` of the total (plus ``--context-mib`` for CUDA contexts).
-4. **Throughput** at concurrency 1 and 32 (64 greedy tokens a request, the default command's
-   process executor) on the tiny random model and ``--model`` (the default model; a shape with
-   ``--load-format dummy``, e.g. ``--model shapes/llama3.1-8b``, needs no weight file): a table,
-   no verdict.
+It starts ``stoic serve`` as a user would (the default command: the process executor, the KV
+cache sized from the memory left) on ``--model`` (default ``shapes/llama3.1-8b`` with
+``--load-format dummy``: the 8B shape, random weights made on the GPU, no file), then checks in
+turn, each part unable to pass by accident:
 
-Exits 1 with one line when no CUDA device is visible (nothing can be checked), 1 with FAIL when
-a check fails, 0 with PASS. About two minutes on an H200.
+1. **ready**: ``GET /health`` answers 200 (the seconds it took);
+2. **sizing**: ``/v1/models``' ``memory`` says the cache was profiled, and the used memory that
+   ``nvidia-smi`` reports is within ``--gpu-memory-utilization`` of the total (plus
+   ``--context-mib`` for the CUDA contexts);
+3. **served**: a greedy completion of 16 tokens (EOS ignored);
+4. **oom**: another process takes the device's free memory but ``--margin-mib``, and a prompt of
+   ``--oom-tokens`` tokens must fail with torch's own "CUDA out of memory" (HTTP 500, code
+   ``executor_oom``: a real one, fault injection never armed), ``stoic_scheduler_token_budget``
+   must halve, and once the other process ends the same greedy completion is served again;
+5. **kill -9** of the worker process: a new worker (a new pid on ``/health``) serves the same
+   greedy text (the seconds it took);
+6. **device assert**: an injected out-of-range index on the GPU (a real device-side assert,
+   ``POST /admin/faults``) fails its request with code ``executor_fatal`` naming the assert, a
+   new worker replaces the poisoned one and serves the same greedy text;
+7. **throughput** at ``--levels`` clients (default 1, 32, 128; mixed chat prompts, 64 tokens
+   each, streamed): tokens/s and TTFT p50; a level passes when no request failed.
 
-    python benchmarks/gpu_check.py [--margin-mib 32] [--prefill-tokens 8192] [--skip-throughput]
-        [--model shapes/llama3.1-8b --load-format dummy] [--kv-blocks N]
+It prints a table, writes every figure to ``--json`` (default ``gpu_check.json``, or
+``$OUT/gpu_check.json`` where ``OUT`` is set) and exits 0 (PASS) or 1 (FAIL, any miss). Without a
+visible CUDA device it exits 1 with one line (nothing checked). ``--rehearse`` runs it on the
+CPU instead (what the test suite does: parts 2's nvidia-smi, 4 and 6 need CUDA and are reported
+skipped; the rest run for real).
+
+On the device (see ``benchmarks/gpu_travel.py`` for what travels and the exact command)::
+
+    make gpu-check            # = python3 benchmarks/gpu_check.py, wheels in .whl installed first
+    python3 benchmarks/gpu_check.py [--model shapes/qwen2.5-1.5b] [--levels 1 32 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.report import fmt_s, markdown
-from harness.workload import mixed_prompts, quiet_logs, stoic_mixed, tag_prompts, wait_idle
+from harness.load import run_load
+from harness.report import fmt_s, markdown, quantile
+from harness.servers import GREEDY, System, free_port
+from harness.workload import mixed_prompts
 
-import stoic
-from stoic.errors import ExecutorFailed, StoicError
-
-GREEDY = stoic.SamplingParams(max_tokens=16, temperature=0)
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
+#: a process that holds the device's free memory but a margin until its stdin closes
+HOG = """
+import sys, torch
+free, total = torch.cuda.mem_get_info()
+held = torch.empty(max(0, free - int(sys.argv[1]) * 2**20), dtype=torch.uint8, device="cuda")
+print(f"held {held.numel() / 2**20:.0f} MiB of {free / 2**20:.0f} MiB free", flush=True)
+sys.stdin.read()
+"""
 
 
-async def served(engine: stoic.Engine) -> str:
-    """The greedy answer to :data:`PROMPT`, or what failed it (a check then fails, not the run)."""
-    try:
-        return (await engine.complete(PROMPT, GREEDY)).text
-    except StoicError as exc:
-        return f"<{type(exc).__name__}: {exc}>"
+@dataclass
+class Check:
+    name: str
+    #: True / False; None: skipped (it needs CUDA)
+    passed: bool | None
+    detail: str
+    seconds: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
 def cuda_missing() -> str | None:
     """Why no CUDA device can be checked, or None when one is visible."""
-    import torch
-
+    try:
+        import torch
+    except ImportError as exc:
+        return f"gpu_check: torch cannot be imported ({exc}): nothing checked"
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return None
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -70,63 +96,6 @@ def cuda_missing() -> str | None:
         f"gpu_check: no CUDA device visible (torch {torch.__version__}, {build}, "
         f"CUDA_VISIBLE_DEVICES={'unset' if hidden is None else repr(hidden)}): nothing checked"
     )
-
-
-async def check_oom(args: argparse.Namespace) -> tuple[bool, str]:
-    """Part 1; ``(passed, what happened)``."""
-    import torch
-
-    config = stoic.EngineConfig(
-        model=args.model,
-        load_format=args.load_format,
-        device="cuda",
-        executor="thread",  # the allocator capped here is the forward's own
-        recovery="fail",
-        num_kv_blocks=args.kv_blocks,
-        max_num_batched_tokens=args.prefill_tokens,
-    )
-    async with stoic.Engine.start(config) as engine:
-        before = (await engine.complete(PROMPT, GREEDY)).text
-        budget = engine.stats().token_budget
-        device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # what is cached, not in use, must not count as room
-        in_use = torch.cuda.memory_allocated(device)
-        limit = in_use + args.margin_mib * 2**20
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(limit / total, device)
-        print(f"allocator capped at {limit / 2**20:.0f} MiB ({in_use / 2**20:.0f} MiB in use)")
-        tokens = min(args.prefill_tokens, engine.max_model_len - 1)
-        long_prompt = [100 + i % 20000 for i in range(tokens)]
-        try:
-            try:
-                await engine.complete(long_prompt, stoic.SamplingParams(max_tokens=1))
-                return False, f"a {tokens}-token prefill under the cap raised nothing"
-            except ExecutorFailed as exc:
-                error = exc
-            for _ in range(1200):  # the recovery (the budget's halving) within 60 s
-                if engine.stats().restarts >= 1:
-                    break
-                await asyncio.sleep(0.05)
-            after_budget = engine.stats().token_budget
-            text = await served(engine)
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
-        stats = await wait_idle(engine)
-        real = "out of memory" in error.message and "injected" not in error.message
-        passed = (
-            error.kind == "oom"
-            and real
-            and not error.retryable
-            and after_budget == budget // 2
-            and text == before
-            and stats.faults_injected == 0
-        )
-        first_line = error.message.splitlines()[0][:100]
-        return passed, (
-            f"kind={error.kind} retryable={error.retryable} budget {budget} -> {after_budget} "
-            f"served again={text == before} ({first_line})"
-        )
 
 
 def nvidia_smi_used() -> tuple[float, float]:
@@ -142,118 +111,296 @@ def nvidia_smi_used() -> tuple[float, float]:
     return used, total
 
 
-def check_sizing(engine: stoic.Engine, args: argparse.Namespace) -> tuple[bool, str]:
-    """Part 3 on a serving engine; ``(passed, what happened)``."""
-    sizing = engine.kv_sizing
+class Server:
+    """``stoic serve`` from this source tree (``python -m stoic``: the device has no install),
+    and the requests the checks make."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        port = free_port()
+        flags = ["--model", args.model, "--load-format", args.load_format]
+        flags += ["--device", "cpu" if args.rehearse else "cuda", "--enable-fault-injection"]
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.system = System(
+            "stoic",
+            [sys.executable, "-m", "stoic", "serve", "--port", str(port), *flags],
+            port,
+            "default",
+            dict(GREEDY),
+            work / "stoic.log",
+            env={**os.environ, "PYTHONPATH": path},
+        )
+        self.url = self.system.url
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+
+    async def get(self, path: str) -> Any:
+        async with self.session.get(self.url + path) as resp:
+            return json.loads(await resp.text()) if path != "/metrics" else await resp.text()
+
+    async def complete(self, prompt: str | list[int], max_tokens: int = 16) -> tuple[int, Any]:
+        body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens}
+        body |= {"temperature": 0, "ignore_eos": True}
+        async with self.session.post(self.url + "/v1/completions", json=body) as resp:
+            return resp.status, json.loads(await resp.text())
+
+    async def greedy(self) -> str:
+        """The greedy completion of :data:`PROMPT`, or what failed it (a check then fails)."""
+        status, body = await self.complete(PROMPT)
+        if status != 200 or body["usage"]["completion_tokens"] != 16:
+            return f"<HTTP {status}: {json.dumps(body)[:300]}>"
+        return str(body["choices"][0]["text"])
+
+    async def worker_pid(self) -> int | None:
+        return (await self.get("/health")).get("executor", {}).get("pid")
+
+    async def budget(self) -> float | None:
+        for line in (await self.get("/metrics")).splitlines():
+            if line.startswith("stoic_scheduler_token_budget "):
+                return float(line.split()[1])
+        return None
+
+    async def replaced(self, old_pid: int | None, limit: float = 180.0) -> int | None:
+        """The new worker's pid once ``/health`` is ok with one other than ``old_pid``."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, json.JSONDecodeError):
+                health = await self.get("/health")
+                pid = health.get("executor", {}).get("pid")
+                if health.get("status") == "ok" and pid not in (None, old_pid):
+                    return int(pid)
+            await asyncio.sleep(0.25)
+        return None
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.system.log.read_text(errors="replace") if self.system.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+async def check_sizing(server: Server, args: argparse.Namespace) -> Check:
+    memory = (await server.get("/v1/models"))["data"][0]["memory"]
+    figures = {"memory": memory}
+    if args.rehearse:
+        return Check(
+            "sizing",
+            bool(memory["profiled"] and memory["kv_blocks"] > 0),
+            f"profiled={memory['profiled']} kv_blocks={memory['kv_blocks']} "
+            "(no nvidia-smi on a CPU)",
+            figures=figures,
+        )
     used, total = nvidia_smi_used()
-    limit = total * engine.config.gpu_memory_utilization + args.context_mib
-    passed = (sizing.profiled or args.kv_blocks is not None) and used <= limit
-    return passed, (
-        f"profiled={sizing.profiled} kv_blocks={sizing.num_blocks} "
-        f"nvidia-smi used {used:.0f} of {total:.0f} MiB (limit {limit:.0f})"
+    limit = total * args.gpu_memory_utilization + args.context_mib
+    figures |= {"nvidia_smi_used_mib": used, "nvidia_smi_total_mib": total, "limit_mib": limit}
+    return Check(
+        "sizing",
+        bool(memory["profiled"]) and used <= limit,
+        f"profiled={memory['profiled']} kv_blocks={memory['kv_blocks']} "
+        f"({memory['kv_cache_mib']:.0f} MiB) weights {memory.get('weights_mib')} MiB; "
+        f"nvidia-smi used {used:.0f} of {total:.0f} MiB (limit {limit:.0f})",
+        figures=figures,
     )
 
 
-async def check_device_assert(args: argparse.Namespace) -> tuple[bool, str, tuple[bool, str]]:
-    """Part 2, and part 3 on its engine (the default command's process executor);
-    ``(passed, what happened, sizing)``."""
-    config = stoic.EngineConfig(
-        model=args.model,
-        load_format=args.load_format,
-        device="cuda",
-        executor="process",
-        enable_fault_injection=True,
-        num_kv_blocks=args.kv_blocks,
+async def check_oom(server: Server, args: argparse.Namespace, reference: str) -> Check:
+    if args.rehearse:
+        return Check("oom", None, "skipped: needs CUDA")
+    before = await server.budget()
+    hog = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        HOG,
+        str(args.margin_mib),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
     )
-    async with stoic.Engine.start(config) as engine:
-        before = (await engine.complete(PROMPT, GREEDY)).text
-        sizing = check_sizing(engine, args)
-        pid = engine.stats().executor_pid
-        await engine.inject_fault(stoic.FaultSpec(kind="device_assert", after_steps=1))
-        try:
-            await engine.complete("Hello", GREEDY)
-            return False, "the out-of-range index raised nothing", sizing
-        except ExecutorFailed as exc:
-            error = exc
-        started = time.perf_counter()
-        text = await served(engine)
-        seconds = time.perf_counter() - started
-        new_pid = engine.stats().executor_pid
-        passed = (
-            error.kind == "fatal"
-            and "device-side assert" in error.message
-            and new_pid not in (None, pid)
-            and text == before
+    try:
+        assert hog.stdout is not None
+        held = (await hog.stdout.readline()).decode().strip()
+        status, body = await server.complete([100 + i % 20000 for i in range(args.oom_tokens)], 1)
+        after = None
+        for _ in range(120):  # the recovery halves the budget within a few seconds
+            after = await server.budget()
+            if after is not None and before is not None and after < before:
+                break
+            await asyncio.sleep(0.25)
+    finally:
+        assert hog.stdin is not None
+        hog.stdin.close()
+        await asyncio.wait_for(hog.wait(), 60)
+    error = body.get("error", {}) if isinstance(body, dict) else {}
+    message = str(error.get("message", ""))
+    text = await server.greedy()
+    real = "out of memory" in message.lower() and "injected" not in message
+    passed = (
+        status == 500
+        and error.get("code") == "executor_oom"
+        and real
+        and before is not None
+        and after == before // 2
+        and text == reference
+    )
+    return Check(
+        "oom",
+        passed,
+        f"{held}; HTTP {status} {error.get('code')} budget {before} -> {after}, served again="
+        f"{text == reference} ({message.splitlines()[0][:100] if message else body})",
+        figures={"status": status, "code": error.get("code"), "budget": [before, after]},
+    )
+
+
+async def check_kill(server: Server, reference: str) -> Check:
+    pid = await server.worker_pid()
+    if pid is None:
+        return Check("kill -9", False, "no worker pid on /health")
+    started = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    new = await server.replaced(pid)
+    seconds = time.perf_counter() - started
+    text = await server.greedy()
+    return Check(
+        "kill -9",
+        new is not None and text == reference,
+        f"worker {pid} killed; new worker {new} serving after {seconds:.1f} s, same text="
+        f"{text == reference}",
+        seconds,
+    )
+
+
+async def check_device_assert(server: Server, args: argparse.Namespace, reference: str) -> Check:
+    if args.rehearse:
+        return Check("device assert", None, "skipped: needs CUDA")
+    pid = await server.worker_pid()
+    fault = {"kind": "device_assert", "after_steps": 1}
+    async with server.session.post(server.url + "/admin/faults", json=fault) as resp:
+        armed = resp.status
+    started = time.perf_counter()
+    status, body = await server.complete("Hello")
+    error = body.get("error", {}) if isinstance(body, dict) else {}
+    new = await server.replaced(pid)
+    seconds = time.perf_counter() - started
+    text = await server.greedy()
+    passed = (
+        armed == 200
+        and status == 500
+        and error.get("code") == "executor_fatal"
+        and "device-side assert" in str(error.get("message"))
+        and new is not None
+        and text == reference
+    )
+    return Check(
+        "device assert",
+        passed,
+        f"armed {armed}; HTTP {status} {error.get('code')}; new worker {new} after "
+        f"{seconds:.1f} s, same text={text == reference}",
+        seconds,
+    )
+
+
+async def throughput(server: Server, args: argparse.Namespace) -> list[Check]:
+    rows = []
+    for level in args.levels:
+        prompts = mixed_prompts(max(8, 2 * level), seed=level)
+        bodies = [server.system.body(p, args.tokens) for p in prompts]
+        records, seconds = await run_load(
+            server.url + "/v1/chat/completions", bodies, level, budget=args.level_budget
         )
-        return (
-            passed,
-            f"kind={error.kind} new worker={new_pid != pid} served again={text == before} "
-            f"after {seconds:.1f} s",
-            sizing,
+        ok = [r for r in records if r.ok]
+        tokens = sum(r.output_tokens for r in ok)
+        ttft = quantile([r.ttft for r in ok if r.ttft is not None], 0.5)
+        failed = [r.error for r in records if not r.ok]
+        rows.append(
+            Check(
+                f"throughput x{level}",
+                bool(ok) and not failed,
+                f"{tokens / seconds:.1f} tokens/s, TTFT p50 {fmt_s(ttft)} s, "
+                f"{len(ok)}/{len(records)} ok" + (f" ({failed[0]})" if failed else ""),
+                seconds,
+                {
+                    "clients": level,
+                    "tokens_per_s": tokens / seconds,
+                    "ttft_p50_s": ttft,
+                    "requests": len(records),
+                    "failed": len(failed),
+                },
+            )
         )
-
-
-async def throughput(
-    model: str, name: str, kv_blocks: int | None, load_format: str = "auto"
-) -> list[tuple[str, ...]]:
-    """Rows at concurrency 1 (8 requests) and 32 (64 requests), 64 tokens each."""
-    rows: list[tuple[str, ...]] = []
-    config = stoic.EngineConfig(
-        model=model,
-        load_format=load_format,  # type: ignore[arg-type]
-        device="cuda",
-        executor="process",
-        num_kv_blocks=kv_blocks,
-    )
-    async with stoic.Engine.start(config) as engine:
-        await engine.complete(PROMPT, GREEDY)  # warm-up
-        for concurrency, requests in ((1, 8), (32, 64)):
-            prompts = tag_prompts(mixed_prompts(requests, seed=concurrency), f"[{name}] ")
-            row = await stoic_mixed(engine, prompts, concurrency, 64)
-            rows.append((name, str(concurrency), f"{row.tokens_per_s:.0f}", fmt_s(row.ttft_p50)))
     return rows
 
 
-async def run(args: argparse.Namespace) -> int:
-    quiet_logs()
-    import torch
-
-    checks = [("real CUDA OOM in the forward", await check_oom(args))]
-    torch.cuda.empty_cache()  # this process's engine is gone: its memory is the workers' now
-    passed, outcome, sizing = await check_device_assert(args)
-    checks += [("device-side assert", (passed, outcome)), ("KV cache sizing", sizing)]
-    print(markdown(("check", "pass", "outcome"), [(n, str(p), o) for n, (p, o) in checks]))
-    if not args.skip_throughput:
-        from stoic.model.testing import build_tiny_model
-
-        tiny = build_tiny_model(Path(tempfile.mkdtemp(prefix="stoic-gpu-check-")) / "tiny")
-        rows = await throughput(str(tiny), "tiny", args.kv_blocks)
-        rows += await throughput(args.model, args.model, args.kv_blocks, args.load_format)
-        print(markdown(("model", "concurrency", "tokens/s", "TTFT p50 (s)"), rows, align="lrrr"))
-    passed = all(p for _n, (p, _o) in checks)
-    print("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+async def run(args: argparse.Namespace) -> list[Check]:
+    work = Path(tempfile.mkdtemp(prefix="stoic-gpu-check-"))
+    server = Server(args, work)
+    checks: list[Check] = []
+    started = time.perf_counter()
+    try:
+        await server.system.start(args.ready_limit)
+    except RuntimeError as exc:
+        return [Check("ready", False, str(exc).splitlines()[0], time.perf_counter() - started)]
+    try:
+        checks.append(Check("ready", True, "GET /health 200", time.perf_counter() - started))
+        checks.append(await check_sizing(server, args))
+        reference = await server.greedy()
+        served = not reference.startswith("<HTTP")
+        checks.append(Check("served", served, f"16 greedy tokens: {reference[:60]!r}"))
+        checks.append(await check_oom(server, args, reference))
+        checks.append(await check_kill(server, reference))
+        checks.append(await check_device_assert(server, args, reference))
+        checks += await throughput(server, args)
+    except Exception as exc:  # a broken check fails the run with what it was doing
+        checks.append(Check("unexpected error", False, f"{type(exc).__name__}: {exc}"))
+    finally:
+        if any(c.passed is False for c in checks):
+            checks[-1].figures["server_log_tail"] = server.log_tail()
+        await server.session.close()
+        server.system.stop()
+    return checks
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--margin-mib", type=int, default=32, help="the cap above what is in use")
-    parser.add_argument("--prefill-tokens", type=int, default=8192, help="the step budget")
-    parser.add_argument(
-        "--kv-blocks", type=int, default=None, help="KV blocks of each engine (default: sized)"
-    )
-    parser.add_argument("--model", default="default", help="the model (default %(default)s)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    parser.add_argument(
-        "--context-mib", type=float, default=1024.0, help="room for the CUDA contexts"
-    )
-    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--model", default=str(ROOT / "shapes" / "llama3.1-8b"))
+    parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens a request")
+    parser.add_argument("--level-budget", type=float, default=60.0, help="seconds a level")
+    parser.add_argument("--ready-limit", type=float, default=300.0)
+    parser.add_argument("--margin-mib", type=int, default=32, help="what the hog leaves free")
+    parser.add_argument("--oom-tokens", type=int, default=4096, help="the OOM prompt's tokens")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--context-mib", type=float, default=1024.0, help="CUDA contexts' room")
+    parser.add_argument("--json", type=Path, default=None, help="where the results go")
+    parser.add_argument("--rehearse", action="store_true", help="on the CPU (no CUDA parts)")
     args = parser.parse_args()
-    missing = cuda_missing()
-    if missing is not None:
+    if not args.rehearse and (missing := cuda_missing()) is not None:
         print(missing, file=sys.stderr)
         return 1
-    return asyncio.run(run(args))
+    began = time.perf_counter()
+    checks = asyncio.run(run(args))
+    passed = all(c.passed is not False for c in checks)
+    print(
+        markdown(
+            ("check", "pass", "outcome"),
+            [
+                (c.name, {True: "yes", False: "NO", None: "skipped"}[c.passed], c.detail)
+                for c in checks
+            ],
+        )
+    )
+    out = args.json or Path(os.environ.get("OUT", ".")) / "gpu_check.json"
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results = {
+        "passed": passed,
+        "seconds": round(time.perf_counter() - began, 1),
+        "device": device,
+        "torch": torch.__version__,
+        "model": args.model,
+        "load_format": args.load_format,
+        "rehearse": args.rehearse,
+        "checks": [asdict(c) for c in checks],
+    }
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"{'PASS' if passed else 'FAIL'} ({results['seconds']} s; results in {out})")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

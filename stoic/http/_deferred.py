@@ -9,6 +9,7 @@ from typing import Any
 from ..config import EngineConfig, FaultSpec
 from ..engine import EngineStats, Health, Request
 from ..errors import EngineFailed, EngineStarting
+from ..worker import CacheSizing
 from ._engine import EngineLike, RequestStreamLike
 
 __all__ = ["DeferredEngine"]
@@ -64,6 +65,10 @@ class DeferredEngine:
     @property
     def chat_template(self) -> str | dict[str, str] | None:
         return self._loaded().chat_template
+
+    @property
+    def kv_sizing(self) -> CacheSizing | None:
+        return self._loaded().kv_sizing
 
     @property
     def config(self) -> EngineConfig:

@@ -14,6 +14,7 @@ from typing import Protocol
 from ..config import EngineConfig, FaultSpec
 from ..engine import Delta, EngineStats, Health, Request
 from ..errors import EngineFailed
+from ..worker import CacheSizing
 
 __all__ = ["EngineLike", "RequestStreamLike"]
 
@@ -47,6 +48,14 @@ class EngineLike(Protocol):
 
     @property
     def config(self) -> EngineConfig: ...
+
+    @property
+    def kv_sizing(self) -> CacheSizing | None:
+        """How the KV cache was sized (None where no one process sized it: replicas on Ray).
+
+        :raises ~stoic.errors.EngineStarting: while the model loads.
+        """
+        ...
 
     @property
     def chat_template(self) -> str | dict[str, str] | None:

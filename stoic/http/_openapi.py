@@ -112,6 +112,7 @@ _MODEL = {
         "owned_by": {"type": "string"},
         "max_model_len": {"type": "integer", "minimum": 1},
         "compute": {"type": ["object", "null"]},
+        "memory": {"type": ["object", "null"]},
     },
 }
 _TOKENIZED = {

@@ -199,6 +199,9 @@ def _model_card(state: AppState) -> dict[str, Any]:
         # how the model runs (architecture, decoder path, GGUF matrix types, kernels: see
         # docs/models.md); null until an executor was ready
         "compute": compute.card() if compute is not None else None,
+        # how the KV cache was sized, in MiB (the engine.kv_sizing event's figures): what a
+        # check of the device's memory compares against (docs/operations.md, "Memory")
+        "memory": sizing.describe() if (sizing := engine.kv_sizing) is not None else None,
     }
 
 

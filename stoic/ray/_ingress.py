@@ -102,6 +102,11 @@ class RayEngine:
         return self._config
 
     @property
+    def kv_sizing(self) -> None:
+        """Each replica sized its own cache: /metrics has their blocks."""
+        return None
+
+    @property
     def codec(self) -> TokenCodec:
         return self._codec
 

@@ -80,6 +80,7 @@ class FakeEngine:
     model_name: str = "fake-model"
     max_model_len: int = 128
     chat_template: str | None = None
+    kv_sizing: None = None  # as behind Ray: no one process sized a cache
     #: the text pieces every stream yields (instead of ``tokens`` letters)
     script: tuple[str, ...] | None = None
     #: how a script ends ("length": as if max_tokens cut it)

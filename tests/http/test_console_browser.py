@@ -190,8 +190,9 @@ def test_numbers_appear_and_move_while_requests_run(server: str, browser: WebDri
 def test_kill_9_of_the_worker_shows_recovering_then_the_new_pid(
     server: str, browser: WebDriver
 ) -> None:
-    """SIGKILL of the worker while a request runs: the page says RECOVERING, then SERVING
-    with another pid and one more restart (of kind crash), and an incident row for it."""
+    """SIGKILL of the worker while a request runs: the page says RECOVERING (if the recovery
+    outlasts its one-second sampling), then SERVING with another pid and one more restart (of
+    kind crash), and an incident row for it."""
     _open(browser, server, ADMIN)
     _wait(browser, lambda: _text(browser, "state") == "SERVING", 30, "serving")
     pid = _wait(browser, lambda: _number(browser, "pid"), 10, "a pid")
@@ -199,7 +200,17 @@ def test_kill_9_of_the_worker_shows_recovering_then_the_new_pid(
     _in_background(lambda: _complete(server, 480))
     _wait(browser, lambda: "running" in _text(browser, "sequences"), 30, "a running request")
     os.kill(pid, signal.SIGKILL)
-    _wait(browser, lambda: _text(browser, "state") == "RECOVERING", 20, "recovering shown")
+    # RECOVERING is on the page for as long as the recovery lasts, sampled once a second: with
+    # the KV cache kept and a pre-started interpreter a tiny model's can end between two
+    # samples, so the page may go straight to one more restart (the incident row says it all)
+    _wait(
+        browser,
+        lambda: (
+            _text(browser, "state") == "RECOVERING" or _number(browser, "restarts") == restarts + 1
+        ),
+        20,
+        "recovering shown, or the restart counted",
+    )
     _wait(browser, lambda: _text(browser, "state") == "SERVING", 120, "serving again")
     new_pid = _wait(browser, lambda: _number(browser, "pid"), 10, "the new pid")
     assert new_pid != pid

@@ -18,7 +18,8 @@ MESSAGES = [{"role": "user", "content": "Write a sentence about the sea."}]
 
 
 async def test_models_list_and_retrieve(client: openai.AsyncOpenAI, engine: stoic.Engine) -> None:
-    """/v1/models lists the served model with its max_model_len and how it computes; it can be
+    """/v1/models lists the served model with its max_model_len, how it computes and how its KV
+    cache was sized; it can be
     retrieved by name and as "default"; an unknown name is a 404 NotFoundError."""
     models = await client.models.list()
     assert [m.id for m in models.data] == [engine.model_name]
@@ -26,6 +27,9 @@ async def test_models_list_and_retrieve(client: openai.AsyncOpenAI, engine: stoi
     compute = models.data[0].model_extra["compute"]  # how it runs (docs/models.md)
     assert compute == engine.stats().compute.card()
     assert (compute["architecture"], compute["decoder"]) == ("LlamaForCausalLM", "fused")
+    memory = models.data[0].model_extra["memory"]  # how the KV cache was sized
+    assert memory == engine.kv_sizing.describe()
+    assert memory["kv_blocks"] == engine.stats().kv_blocks_total > 0
     assert (await client.models.retrieve(engine.model_name)).id == engine.model_name
     assert (await client.models.retrieve("default")).id == engine.model_name
     with pytest.raises(openai.NotFoundError):
