@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
 from ..errors import ContextLengthExceeded, InvalidRequest, Overloaded, StoicError
-from ..request import GrammarBackend, Request, TokenCodec
+from ..request import Constraint, GrammarBackend, Request, TokenCodec
 from ..runtime import Actor, ActorRef, Reply
 from ..scheduler import SchedulerCore
 from ._health import EngineHealth
@@ -76,7 +77,9 @@ class Intake(Actor[IntakeMsg]):
                                 "structured outputs are not available", param=constraint.param
                             )
                         # compiled off the event loop (cached: a known constraint is instant)
-                        await asyncio.to_thread(self._grammar.compile, constraint)
+                        await asyncio.to_thread(
+                            _check_grammar, self._grammar, constraint, add.request.generated
+                        )
                 except StoicError as exc:
                     reply.fail(exc)
                     return
@@ -166,7 +169,8 @@ class Intake(Actor[IntakeMsg]):
         :raises ~stoic.errors.InvalidRequest: a token outside the vocabulary, as many tokens
             as ``max_tokens`` or more (nothing would be left to generate), a token that would
             have ended the output (a stop or EOS token past ``min_tokens``: the engine never
-            generates past one), or a constraint.
+            generates past one). A constrained request's tokens are checked against its grammar
+            where it is compiled (:func:`_check_grammar`).
         """
         generated = request.generated
         vocab = self._codec.vocab_size
@@ -190,10 +194,6 @@ class Intake(Actor[IntakeMsg]):
                 f"generated token {end} (id {generated[end - 1]}) is a stop token: the output "
                 "ended there, and nothing follows an end",
                 param="generated",
-            )
-        if params.constraint is not None:
-            raise InvalidRequest(
-                "a request with generated tokens cannot be constrained", param="generated"
             )
 
     def _check_wait(self, request: Request, prompt_len: int) -> None:
@@ -227,6 +227,30 @@ class Intake(Actor[IntakeMsg]):
             self._by_tenant[tenant] -= 1
             if self._by_tenant[tenant] <= 0:
                 del self._by_tenant[tenant]
+
+
+def _check_grammar(
+    grammar: GrammarBackend, constraint: Constraint, generated: Sequence[int]
+) -> None:
+    """Compile ``constraint`` (cached) and, for a continued request, walk its ``generated``
+    tokens through a matcher: the executor's matcher replays them on the sequence's first step
+    (a constrained stream that moved off a lost replica resumes in the grammar's state), so a
+    token the grammar refuses is the request's error here, not a failed step there.
+
+    :raises ~stoic.errors.InvalidRequest: the constraint does not compile, or the grammar
+        refuses one of the tokens (``param="generated"``).
+    """
+    compiled = grammar.compile(constraint)
+    if not generated:
+        return
+    matcher = compiled.matcher()
+    for position, token in enumerate(generated, 1):
+        if not matcher.accept(token):
+            raise InvalidRequest(
+                f"generated token {position} (id {token}) is not allowed by the request's "
+                f"{constraint.param}: a continuation must be the constrained output's beginning",
+                param="generated",
+            )
 
 
 def _gone(reply: Reply[ResultStream]) -> bool:

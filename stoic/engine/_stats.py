@@ -113,6 +113,12 @@ class EngineStats:
         """Fraction of the KV blocks in use (0 to 1)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of the prompt tokens admitted whose keys and values came from the prefix
+        cache (0 to 1; 0 before any prompt)."""
+        return self.prefix_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
 
 def collect_stats(core: SchedulerCore, health: _Health, faults: FaultInjector) -> EngineStats:
     sched, now = core.stats(), health.snapshot()

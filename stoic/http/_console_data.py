@@ -157,6 +157,9 @@ def _replicas(engine: EngineLike) -> list[dict[str, Any]] | None:
                 "incarnation": stats.incarnation,
                 "restarts": stats.restarts,
                 "generated_tokens": stats.generated_tokens,
+                "prompt_tokens": stats.prompt_tokens,
+                "prefix_cached_tokens": stats.prefix_cached_tokens,
+                "prefix_hit_rate": round(stats.prefix_hit_rate, 4),
             }
         )
     return rows
@@ -217,6 +220,8 @@ def snapshot(
         "series": list(points),
         "incidents": _incidents(activity),
         "replicas": _replicas(engine),
+        # how requests are spread over the replicas (--routing), with replicas
+        "routing": getattr(engine, "routing", None),
         "tenants": [{"tenant": name, **asdict(t)} for name, t in stats.tenants],
         "faults": {"kinds": _fault_kinds(engine, admin), "injected": stats.faults_injected},
     }

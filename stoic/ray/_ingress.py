@@ -102,6 +102,11 @@ class RayEngine:
         return self._config
 
     @property
+    def routing(self) -> str:
+        """How Serve picks a replica for a request (``--routing``)."""
+        return self.view.routing
+
+    @property
     def kv_sizing(self) -> None:
         """Each replica sized its own cache: /metrics has their blocks."""
         return None
@@ -191,7 +196,9 @@ class MigratingStream:
     so far (sent as its ``generated``: they count toward ``max_tokens`` and ``min_tokens``, the
     penalties see them, a ``seed``'s random stream goes on at their count). Its output is then
     the uninterrupted one wherever the replicas compute the same logits: in float32, or with
-    ``deterministic`` (greedy and seeded alike). A constrained request is not migrated.
+    ``deterministic`` (greedy and seeded alike). A constrained request (``response_format``,
+    tools with a grammar) moves too: the new replica's grammar matcher replays the tokens
+    generated so far before its first step, so it goes on in the grammar's state.
     The client's usage is the ingress's own count: the first admission's prompt tokens, every
     token generated once. :meth:`aclose` cancels the call on the replica, which aborts the
     request there and frees its KV blocks.
@@ -269,12 +276,12 @@ class MigratingStream:
         """Continue on another replica from the tokens generated so far.
 
         :raises ~stoic.errors.EngineFailed: the request moved ``max_migrations`` times already,
-            or is constrained (a grammar's state does not travel), carrying its partial output.
+            carrying its partial output.
         """
         with contextlib.suppress(Exception):
             self._call.cancel()
         self._call = None
-        if self.migrations >= self._engine.max_migrations or self._request.params.constraint:
+        if self.migrations >= self._engine.max_migrations:
             raise EngineFailed(
                 f"the request's replica was lost ({why}) and it cannot move again "
                 f"(moved {self.migrations} times)",

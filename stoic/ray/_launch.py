@@ -170,12 +170,23 @@ def cluster_gpus() -> float:
 
 
 def make_board(name: str) -> Any:
-    """The named :class:`~stoic.ray._board.StatsBoard` actor (created, or found)."""
+    """The named :class:`~stoic.ray._board.StatsBoard` actor (created, or found), on this
+    process's node: the ingress reads it, and a node lost with the board on it would blind the
+    ingress to the replicas that survive (the ingress's own node lost ends everything anyway).
+    """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     return (
         ray.remote(StatsBoard)
-        .options(name=name, namespace=BOARD_NAMESPACE, num_cpus=0, get_if_exists=True)
+        .options(
+            name=name,
+            namespace=BOARD_NAMESPACE,
+            num_cpus=0,
+            get_if_exists=True,
+            scheduling_strategy=here,
+        )
         .remote()
     )
 
@@ -193,7 +204,7 @@ async def front_end(
     info: ReplicaInfo = await handle.info.remote()
     # what /metrics shows before any replica has reported
     idle = EngineStats.idle("starting", token_budget=config.max_num_batched_tokens or 0)
-    view = ReplicaView(board, idle)
+    view = ReplicaView(board, idle, routing=options.routing)
     with contextlib.suppress(Exception):
         await view.refresh()
     view_task = asyncio.create_task(view.run())

@@ -82,10 +82,14 @@ class ReplicaView:
     """The latest postings of the replicas' board, read every ``period`` seconds by
     :meth:`run`; ``migrated`` counts the requests the ingress moved between replicas."""
 
-    def __init__(self, board: Any, idle: EngineStats, period: float = 1.0) -> None:
+    def __init__(
+        self, board: Any, idle: EngineStats, period: float = 1.0, routing: str = "least-loaded"
+    ) -> None:
         self._board = board
         self._idle = idle
         self._period = period
+        #: how the ingress picks a replica (``--routing``)
+        self.routing = routing
         self.postings: list[Posting] = []
         self.migrated = 0
 
@@ -136,6 +140,13 @@ class _ReplicaCollector:
             "Requests moved to another replica after theirs died or failed (one per move).",
             value=self._view.migrated,
         )
+        routing = GaugeMetricFamily(
+            "stoic_routing_info",
+            "How the ingress picks a replica (--routing): 1.",
+            labels=["routing"],
+        )
+        routing.add_metric([self._view.routing], 1.0)
+        yield routing
         state = GaugeMetricFamily(
             "stoic_replicas", "Engine replicas reporting, by engine state.", labels=["state"]
         )
@@ -154,6 +165,11 @@ class _ReplicaCollector:
                 "Prompt tokens found in the replica's prefix cache (over "
                 "stoic_replica_prompt_tokens: its hit rate; --routing prefix raises it).",
                 "prefix_cached_tokens",
+            ),
+            (
+                "stoic_replica_prefix_cache_hit_rate",
+                "stoic_replica_prefix_cache_hit_tokens over stoic_replica_prompt_tokens.",
+                "prefix_hit_rate",
             ),
         )
         for metric, doc, attr in per_replica:

@@ -58,8 +58,8 @@ class Request:
     #: after them exactly as after its own ``--recovery resume``. They are output for every
     #: rule (they count toward ``max_tokens`` and ``min_tokens``, penalties see them, a
     #: ``seed``'s random stream continues at their count) but are not streamed again: the
-    #: stream, its ``completion_tokens`` and a partial output carry the new tokens only.
-    #: Not with a ``constraint``.
+    #: stream, its ``completion_tokens`` and a partial output carry the new tokens only. With
+    #: a ``constraint`` they must be its output's beginning: the grammar goes on from them.
     generated: Sequence[int] = ()
     #: who the request is for (an API key's or a header's tenant: see docs/operations.md
     #: "Overload and tenants"); the scheduler shares step tokens fairly between tenants. ``""``

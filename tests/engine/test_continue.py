@@ -1,5 +1,6 @@
 """``Request.generated``: a request that continues after tokens it generated before (a Ray
-migration's) gives exactly the rest of the uninterrupted output, greedy, seeded and penalised;
+migration's) gives exactly the rest of the uninterrupted output, greedy, seeded, penalised and
+constrained;
 its stream carries only the new tokens; bad ``generated`` tokens are refused at admission.
 
 The tiny model in float32: a continuation must equal the uninterrupted output token for token.
@@ -35,6 +36,13 @@ PARAMS = {
         presence_penalty=0.6,
         frequency_penalty=0.9,
         logprobs=True,
+    ),
+    # the grammar's matcher replays the generated tokens before the first step
+    "constrained": stoic.SamplingParams(
+        max_tokens=TOKENS,
+        temperature=0,
+        ignore_eos=True,
+        constraint=Constraint(kind="regex", text="[a-z ]+"),
     ),
 }
 #: where the continuations start (tokens already generated)
@@ -103,8 +111,9 @@ async def test_bad_generated_tokens_are_refused_and_the_engine_still_serves(
     tiny_model_dir: Path,
 ) -> None:
     """Ids outside the vocabulary, as many tokens as ``max_tokens`` (or the context leaves),
-    or a constraint: InvalidRequest naming ``generated``, before any output; the engine serves
-    the next request as before."""
+    or tokens the request's grammar refuses (a special token, a digit after letters where
+    letters and spaces are allowed): InvalidRequest naming ``generated``, before any output;
+    the engine serves the next request as before."""
     params = PARAMS["greedy"]
     async with stoic.Engine.start(engine_config(tiny_model_dir, executor="thread")) as engine:
         expected = (await engine.complete(PROMPT, params)).token_ids
@@ -112,6 +121,7 @@ async def test_bad_generated_tokens_are_refused_and_the_engine_still_serves(
             max_tokens=8, constraint=Constraint(kind="regex", text="[a-z ]+")
         )
         unbounded = stoic.SamplingParams(max_tokens=None)
+        digit = engine.tokenize("7", add_special_tokens=False)
         left = engine.max_model_len - len(engine.tokenize(PROMPT))
         bad = [
             (params, (1, 2, 10**9)),
@@ -120,6 +130,7 @@ async def test_bad_generated_tokens_are_refused_and_the_engine_still_serves(
             (params, (*expected, 5)),
             (unbounded, (5,) * left),
             (constrained, (5,)),
+            (constrained, (*engine.tokenize(" abc", add_special_tokens=False), *digit)),
         ]
         for p, generated in bad:
             with pytest.raises(InvalidRequest) as raised:

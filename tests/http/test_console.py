@@ -161,7 +161,8 @@ async def test_the_stream_sends_a_snapshot_a_second_and_ends_when_the_server_dra
 
 async def test_a_ray_front_end_shows_one_row_per_replica_from_its_board() -> None:
     """``stoic serve --replicas``: the front end's replica view (what the replicas posted to
-    their board) becomes the console's replica rows, in replica order."""
+    their board) becomes the console's replica rows, in replica order, with each replica's
+    prefix-cache hit rate, and the routing in force."""
     from stoic.ray import RayEngine
     from stoic.ray._board import Posting
     from stoic.ray._stats import ReplicaView
@@ -170,8 +171,14 @@ async def test_a_ray_front_end_shows_one_row_per_replica_from_its_board() -> Non
         def options(self, **_: Any) -> Handle:
             return self
 
-    view = ReplicaView(board=None, idle=EngineStats.idle())
-    serving = dataclasses.replace(EngineStats.idle("serving"), running=3, executor_pid=41)
+    view = ReplicaView(board=None, idle=EngineStats.idle(), routing="prefix")
+    serving = dataclasses.replace(
+        EngineStats.idle("serving"),
+        running=3,
+        executor_pid=41,
+        prompt_tokens=400,
+        prefix_cached_tokens=300,
+    )
     failed = EngineStats.idle("failed")
     view.postings = [
         Posting("a", 41, serving, Health("serving"), 0.0),
@@ -189,6 +196,8 @@ async def test_a_ray_front_end_shows_one_row_per_replica_from_its_board() -> Non
         _, snap = await _first_event(server.url)
     rows = [(r["replica"], r["state"], r["pid"], r["running"]) for r in snap["replicas"]]
     assert rows == [("a", "serving", 41, 3), ("b", "failed", 42, 0)]
+    assert [r["prefix_hit_rate"] for r in snap["replicas"]] == [0.75, 0.0]
+    assert snap["routing"] == "prefix"
     assert snap["executor"]["state"] == "serving" and snap["incidents"] is None
 
 

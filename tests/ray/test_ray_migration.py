@@ -195,19 +195,22 @@ async def test_a_stream_moves_at_most_max_migrations_times(
     assert [len(r.generated) for r in handle.requests] == [0, 2, 4]
 
 
-async def test_a_constrained_request_does_not_move(
+async def test_a_constrained_request_moves_with_its_constraint_and_tokens(
     codec: TokenCodec, output_ids: list[int]
 ) -> None:
-    """A grammar's state does not travel: a constrained request whose replica dies ends with
-    EngineFailed and its partial output."""
-    handle = FakeHandle([dies_after(codec, output_ids[:3])])
-    params = SamplingParams(constraint=Constraint(kind="regex", text="[a-z ]+"))
+    """A constrained request whose replica dies moves like any other: the next replica gets the
+    constraint and the tokens so far as ``generated`` (its grammar matcher replays them: see
+    tests/engine/test_continue.py), and the client gets the uninterrupted output."""
+    n = len(output_ids)
+    handle = FakeHandle([dies_after(codec, output_ids[:3]), finishes(codec, output_ids[3:])])
+    params = SamplingParams(max_tokens=n, constraint=Constraint(kind="regex", text=".+"))
     stream = await engine(codec, handle).submit(Request(PROMPT, params))
-    with pytest.raises(EngineFailed) as raised:
-        await read(stream)
-    assert raised.value.partial is not None
-    assert raised.value.partial.token_ids == tuple(output_ids[:3])
-    assert len(handle.requests) == 1
+    text, ids, _ = await read(stream)
+    assert (text, ids) == (OUTPUT, output_ids)
+    moved = handle.requests[1]
+    assert moved.generated == tuple(output_ids[:3])
+    assert moved.params.constraint == params.constraint
+    assert stream.migrations == 1
 
 
 async def test_admission_tries_again_past_failed_replicas_but_not_past_a_refusal(

@@ -98,6 +98,19 @@ async def wait_for(predicate: Any, within: float, what: str) -> float:
     return time.monotonic() - started
 
 
+def recording(deployed: Deployed, streams: list[MigratingStream]) -> Any:
+    """The engine's ``submit``, also appending each stream it returns to ``streams`` (to find
+    the replica that holds the most)."""
+    submit = deployed.engine.submit
+
+    async def recording_submit(request: Any) -> MigratingStream:
+        stream = await submit(request)
+        streams.append(stream)
+        return stream
+
+    return recording_submit
+
+
 async def two_serving(deployed: Deployed, gone: str) -> bool:
     """Two replicas serve, and ``gone`` is not one of them."""
     replicas = await deployed.replicas()
@@ -218,13 +231,7 @@ async def test_kill_of_a_replica_mid_stream_migrates_every_stream(
     """kill -9 of a replica's process while streams run on it: every stream completes with its
     fault-free text (greedy float32), the client sees no error, and Serve starts a replacement."""
     streams: list[MigratingStream] = []
-    submit = deployed.engine.submit
-
-    async def recording_submit(request: Any) -> MigratingStream:
-        stream = await submit(request)
-        streams.append(stream)
-        return stream
-
+    recording_submit = recording(deployed, streams)
     async with deployed.client() as client:
         expected = await reference(client)
         started = [asyncio.Event() for _ in PROMPTS]
@@ -251,6 +258,90 @@ async def test_kill_of_a_replica_mid_stream_migrates_every_stream(
         f"replica back {time.monotonic() - killed_at:.1f} s after the kill ({back:.1f} s after the streams ended)"
     )
     assert victim not in await deployed.replicas()
+
+
+#: one request of each kind that migrates (the extra fields of a completion): sampled with a
+#: seed, constrained by a regex, with logprobs, two choices
+KINDS: dict[str, dict[str, Any]] = {
+    "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 7},
+    "constrained": {"temperature": 0, "extra_body": {"guided_regex": "[a-z ]+"}},
+    "logprobs": {"temperature": 0, "logprobs": 2},
+    "n=2": {"temperature": 0.8, "seed": 3, "n": 2},
+}
+
+
+def _choices(choices: Any) -> list[tuple[str, Any]]:
+    """(text, logprobs' tokens and values) of each choice, in index order."""
+    out = []
+    for choice in sorted(choices, key=lambda c: c.index):
+        lp = choice.logprobs
+        out.append((choice.text, (lp.tokens, lp.token_logprobs) if lp is not None else None))
+    return out
+
+
+async def test_kill_of_a_replica_migrates_every_kind_of_request_exactly(
+    deployed: Deployed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 of the replica holding most streams while a seeded, a constrained (regex), a
+    logprobs and an n=2 request stream, each twice: every one completes with exactly its
+    fault-free choices (text, tokens' logprobs to rounding), the constrained ones within their
+    grammar."""
+    streams: list[MigratingStream] = []
+    recording_submit = recording(deployed, streams)
+    prompts = [(kind, f"{PROMPTS[i % len(PROMPTS)]} ({kind})") for i, kind in enumerate(KINDS)] * 2
+
+    async def run(kind: str, prompt: str, started: asyncio.Event | None) -> list[Any]:
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, stream=True, **KINDS[kind]
+        )
+        got: dict[int, list[Any]] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                got.setdefault(choice.index, []).append(choice)
+                if started is not None and choice.text:
+                    started.set()
+        out = []
+        for index in sorted(got):
+            parts = got[index]
+            text = "".join(c.text for c in parts)
+            lps = [c.logprobs for c in parts if c.logprobs is not None]
+            tokens = [t for lp in lps for t in lp.tokens] if lps else None
+            values = [v for lp in lps for v in lp.token_logprobs] if lps else None
+            out.append((text, (tokens, values) if lps else None))
+        return out
+
+    async with deployed.client() as client:
+        expected = []
+        for kind, prompt in prompts:
+            whole = await client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, **KINDS[kind]
+            )
+            expected.append(_choices(whole.choices))
+        started = [asyncio.Event() for _ in prompts]
+        monkeypatch.setattr(deployed.engine, "submit", recording_submit)
+        tasks = [
+            asyncio.create_task(run(kind, prompt, event))
+            for (kind, prompt), event in zip(prompts, started, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        held = Counter(s.replicas[-1] for s in streams)
+        victim = held.most_common(1)[0][0]
+        migrated = deployed.engine.view.migrated
+        os.kill(await deployed.pid_of(victim), signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+    assert deployed.engine.view.migrated > migrated
+    # the victim held the most streams (n=2 is two): at least half of them moved
+    moved = [s for s in streams if s.migrations]
+    assert len(moved) >= len(streams) / 2, (len(moved), len(streams))
+    for (kind, _prompt), got, want in zip(prompts, results, expected, strict=True):
+        assert [text for text, _ in got] == [text for text, _ in want], kind
+        for (_, lp_got), (_, lp_want) in zip(got, want, strict=True):
+            if lp_want is not None:
+                assert lp_got is not None and lp_got[0] == lp_want[0], kind
+                assert lp_got[1] == pytest.approx(lp_want[1], abs=1e-4), kind
+        if kind == "constrained":
+            assert all(set(text) <= set("abcdefghijklmnopqrstuvwxyz ") for text, _ in got)
+    await wait_for(lambda: two_serving(deployed, victim), 90, "a replacement replica")
 
 
 async def test_failed_engine_replica_is_replaced_and_its_streams_migrate(

@@ -210,6 +210,28 @@ def test_replica_stats_sum_counts_and_keep_the_best_state() -> None:
     assert sum_stats([b]).state == "failed"
 
 
+def test_the_ingress_metrics_say_the_routing_and_each_replicas_hit_rate() -> None:
+    """``stoic_routing_info`` names ``--routing``; ``stoic_replica_prefix_cache_hit_rate`` is
+    each replica's prefix-cache hits over its prompt tokens (0 before any prompt)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from stoic.engine import Health
+    from stoic.ray._board import Posting
+    from stoic.ray._stats import ReplicaView
+
+    view = ReplicaView(board=None, idle=EngineStats.idle(), routing="prefix")
+    view.postings = [
+        Posting("a", 1, _stats(prompt_tokens=800, prefix_cached_tokens=600), Health("serving"), 0),
+        Posting("b", 2, _stats(), Health("serving"), 0),
+    ]
+    registry = CollectorRegistry()
+    registry.register(view.collector())
+    text = generate_latest(registry).decode()
+    assert 'stoic_routing_info{routing="prefix"} 1.0' in text
+    assert 'stoic_replica_prefix_cache_hit_rate{replica="a"} 0.75' in text
+    assert 'stoic_replica_prefix_cache_hit_rate{replica="b"} 0.0' in text
+
+
 def test_replica_options_size_serve_for_continuous_batching() -> None:
     """Each replica holds a full batch (max_ongoing_requests = max_num_seqs) and Serve queues
     up to --max-waiting more; Serve's graceful shutdown outlasts the engine's drain;

@@ -182,9 +182,10 @@ function render(s) {
 
   $("replicas-section").hidden = s.replicas === null;
   if (s.replicas !== null) {
+    $("routing").textContent = s.routing || "—";
     fill(
       $("replicas").tBodies[0],
-      s.replicas.map((r) => [r.replica, badge(r.state), r.pid, r.running, r.waiting, percent(r.kv_cache_usage), r.restarts, r.generated_tokens]),
+      s.replicas.map((r) => [r.replica, badge(r.state), r.pid, r.running, r.waiting, percent(r.kv_cache_usage), r.restarts, r.generated_tokens, percent(r.prefix_hit_rate)]),
       "no replica has reported yet"
     );
   }
