@@ -184,6 +184,12 @@ class EngineConfig:
     #: decode-only step's measured duration: a shorter inter-token tail for a longer prefill.
     #: ``None``: prompt chunks up to the token budget
     decode_stretch: float | None = None
+    #: speculative decoding by prompt lookup: a decoding sequence verifies up to
+    #: ``num_speculative_tokens`` tokens proposed from its own prompt and output in the same
+    #: step (``"ngram"``: whenever a draft is found; ``"auto"``: only while few sequences run,
+    #: where a step is bandwidth-bound; ``"off"``). See docs/operations.md, "Speculative decoding"
+    speculative: Literal["auto", "ngram", "off"] = "off"
+    num_speculative_tokens: int = 4
     #: context length override (defaults to the model's)
     max_model_len: int | None = None
     #: restart intensity: more than ``max_restarts`` executor failures within ``restart_window``
@@ -256,6 +262,10 @@ class EngineConfig:
             raise ValueError("threads must be >= 1")
         if self.max_resumes < 0:
             raise ValueError("max_resumes must be >= 0")
+        if self.speculative not in ("auto", "ngram", "off"):
+            raise ValueError(f"speculative must be auto, ngram or off, not {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be between 1 and 16")
         if self.decode_stretch is not None and not self.decode_stretch > 1:
             raise ValueError("decode_stretch must be > 1 (or None: the token budget only)")
         if self.max_queue_wait is not None and not self.max_queue_wait > 0:

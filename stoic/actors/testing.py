@@ -173,8 +173,16 @@ class SchedulerHarness:
     def output_for(
         self, batch: StepBatch, sample: Callable[[SeqChunk], int] = next_letter
     ) -> StepOutput:
-        """A fabricated output: ``sample(chunk)`` for each chunk that samples."""
-        return StepOutput({c.seq_id: SampledToken(sample(c)) for c in batch.chunks if c.sample})
+        """A fabricated output: ``sample(chunk)`` for each chunk that samples (each row of a
+        chunk with drafts, the drafts kept as the engine keeps them)."""
+        sampled, accepted = {}, {}
+        for chunk in batch.chunks:
+            if chunk.sample:
+                rows = [SampledToken(sample(row)) for row in chunk.draft_rows()]
+                sampled[chunk.seq_id] = rows[0]
+                if chunk.drafts:
+                    accepted[chunk.seq_id] = chunk.kept(rows)
+        return StepOutput(sampled, accepted=accepted)
 
     def finish_step(self, sample: Callable[[SeqChunk], int] = next_letter) -> bool:
         """Complete the step in flight with fabricated samples and emit; False if none was."""
@@ -270,6 +278,8 @@ def create_scheduler(
     max_resumes: int = 3,
     tenants: TenantPolicy | None = None,
     clock: Callable[[], float] = time.monotonic,
+    speculative: Literal["auto", "ngram", "off"] = "off",
+    num_speculative_tokens: int = 4,
 ) -> SchedulerHarness:
     """A :class:`SchedulerHarness` over a fresh core with the byte tokenizer (``clock``: the
     core's, for deadlines and step durations)."""
@@ -285,6 +295,8 @@ def create_scheduler(
             recovery=recovery,
             max_resumes=max_resumes,
             tenants=tenants or TenantPolicy(),
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         ),
         tokenizer,
         clock,

@@ -42,6 +42,21 @@ def _add_batching_args(g: ArgumentGroup) -> None:
         help="tokens per step (default: 256 on a CPU, 2048 on a GPU, at least --max-num-seqs)",
     )
     g.add_argument(
+        "--speculative",
+        choices=("auto", "ngram", "off"),
+        default=d.speculative,
+        help="speculative decoding by prompt lookup: a decoding sequence verifies tokens "
+        "proposed from its own prompt and output in the same step; ngram: whenever one is "
+        "found, auto: only while at most 4 sequences run (default %(default)s)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=d.num_speculative_tokens,
+        help="the most proposed tokens a sequence verifies in one step, 1 to 16 "
+        "(default %(default)s)",
+    )
+    g.add_argument(
         "--max-waiting",
         type=positive_int,
         default=d.max_waiting,
@@ -128,6 +143,8 @@ def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_waiting": args.max_waiting,
+        "speculative": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens,
         "enable_prefix_caching": args.enable_prefix_caching,
         "block_size": args.block_size,
         "kv_cache_dtype": args.kv_cache_dtype,

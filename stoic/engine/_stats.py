@@ -89,6 +89,9 @@ class EngineStats:
     resume_reused_tokens: int = 0
     #: resumed requests' tokens computed before a failure and prefilled again after it
     resume_recomputed_tokens: int = 0
+    #: speculative decoding (``--speculative``): drafts verified, and those kept
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def idle(cls, state: State = "starting", *, token_budget: int = 0) -> EngineStats:
@@ -153,4 +156,6 @@ def collect_stats(core: SchedulerCore, health: _Health, faults: FaultInjector) -
         tenants=tuple(sorted(core.tenant_stats().items())),
         resume_reused_tokens=sched.resume_reused_tokens,
         resume_recomputed_tokens=sched.resume_recomputed_tokens,
+        spec_draft_tokens=sched.spec_draft_tokens,
+        spec_accepted_tokens=sched.spec_accepted_tokens,
     )

@@ -131,6 +131,8 @@ async def wire(
                 max_queued=config.tenant_max_queued,
             ),
             decode_stretch=config.decode_stretch,
+            speculative=config.speculative,
+            num_speculative_tokens=config.num_speculative_tokens,
         ),
         loaded.tokenizer.backend_tokenizer,
     )

@@ -197,6 +197,9 @@ def snapshot(
             else None
         ),
         "generated_tokens": stats.generated_tokens,
+        # speculative decoding: drafts verified and kept (--speculative)
+        "spec_draft_tokens": stats.spec_draft_tokens,
+        "spec_accepted_tokens": stats.spec_accepted_tokens,
         "steps": stats.steps,
         "failed_sequences": stats.failed_sequences,
     }

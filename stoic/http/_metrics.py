@@ -145,6 +145,17 @@ class _EngineCollector:
             stats.resume_recomputed_tokens,
         )
         yield counter(
+            "stoic_spec_draft_tokens",
+            "Speculative decoding: proposed tokens verified (--speculative).",
+            stats.spec_draft_tokens,
+        )
+        yield counter(
+            "stoic_spec_accepted_tokens",
+            "Speculative decoding: proposed tokens the model agreed with (each a token gained; "
+            "over stoic_spec_draft_tokens: the acceptance rate).",
+            stats.spec_accepted_tokens,
+        )
+        yield counter(
             "stoic_requests_resume_exhausted",
             "Requests that failed because their resumes were spent (--max-resumes).",
             stats.resumes_exhausted,

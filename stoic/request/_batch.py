@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._params import SamplingParams
@@ -30,6 +32,48 @@ class SeqChunk:
     output_ids: tuple[int, ...] = ()
     #: the prompt's tokens, given only with ``repetition_penalty`` on, else empty
     prompt_ids: tuple[int, ...] = ()
+    #: the last ``drafts`` of ``token_ids`` are proposed tokens to verify (speculative
+    #: decoding): a token is sampled after each of the last ``drafts + 1`` positions, and the
+    #: drafts the model's own tokens agree with are accepted (:attr:`StepOutput.accepted`)
+    drafts: int = 0
+
+    def draft_rows(self) -> tuple[SeqChunk, ...]:
+        """What samples after each of the last ``drafts + 1`` positions of a chunk with drafts:
+        row ``i`` is the chunk up to draft ``i`` (its ``token_ids`` end there, no drafts), as if
+        drafts ``1..i`` had been sampled (``num_generated`` and ``output_ids`` count them: the
+        seed's position, ``min_tokens``, the penalties). A chunk without drafts: itself."""
+        if not self.drafts:
+            return (self,)
+        own = len(self.token_ids) - self.drafts
+        proposed = self.token_ids[own:]
+        return tuple(
+            dataclasses.replace(
+                self,
+                token_ids=self.token_ids[: own + i],
+                drafts=0,
+                num_generated=self.num_generated + i,
+                output_ids=(self.output_ids + proposed[:i] if self.params.counts_output else ()),
+            )
+            for i in range(self.drafts + 1)
+        )
+
+    def kept(self, rows: Sequence[SampledToken]) -> tuple[SampledToken, ...]:
+        """The tokens after the first of ``rows`` (sampled by :meth:`draft_rows`, in order) that
+        the output keeps: row ``i + 1`` is kept while row ``i``'s token equals draft ``i + 1``
+        (the context it was sampled after is then the true one).
+
+        Sampling every row with its own position's randomness and keeping the agreeing prefix
+        is the rejection rule for a draft that proposes one token with certainty: draft ``d``
+        is kept with probability ``p(d)``, and where it is not, the row's token is drawn from
+        ``p`` without ``d``. So kept tokens follow the model's distribution, and a seeded
+        request draws exactly the tokens it would draw one step at a time."""
+        proposed = self.token_ids[len(self.token_ids) - self.drafts :]
+        kept: list[SampledToken] = []
+        for draft, token, following in zip(proposed, rows, rows[1:], strict=False):
+            if token.token_id != draft:
+                break
+            kept.append(following)
+        return tuple(kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +109,6 @@ class StepOutput:
     sampled: dict[int, SampledToken]
     #: the compute threads the step ran on (:class:`~stoic.worker.ThreadGovernor`; 0: unknown)
     threads: int = 0
+    #: for a chunk with drafts: the tokens after :attr:`sampled`'s, in order (the drafts the
+    #: model agreed with, then its own token where it first disagreed, or after the last)
+    accepted: dict[int, tuple[SampledToken, ...]] = dataclasses.field(default_factory=dict)

@@ -50,6 +50,7 @@ from ._queues import SeqQueues
 from ._records import Recovered, SchedulerConfig, SchedulerStats
 from ._recovery import Recovery
 from ._sequence import Seq, SeqSink, SeqStatus
+from ._speculate import DraftPolicy
 from ._tenants import TenantShares, TenantStats
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "SchedulerStats", "Step"]
@@ -100,6 +101,8 @@ class SchedulerCore:
         self.shares = TenantShares(config.tenants)
         #: recent steps' durations and sequences' ends: the admission estimate's rates
         self.meter = LoadMeter()
+        #: who gets drafts (``--speculative``), and the counters of those verified and kept
+        self.drafting = DraftPolicy(config.speculative, config.num_speculative_tokens)
         #: ``(deadline, seq_id, seq)`` of the sequences with a deadline (a heap; ended ones
         #: are skipped when they come up)
         self._deadlines: list[tuple[float, int, Seq]] = []
@@ -199,6 +202,8 @@ class SchedulerCore:
             timed_out=self.shares.timed_out(),
             resume_reused_tokens=self.recovery.reused_tokens,
             resume_recomputed_tokens=self.recovery.recomputed_tokens,
+            spec_draft_tokens=self.drafting.proposed,
+            spec_accepted_tokens=self.drafting.accepted,
         )
 
     def tenant_stats(self) -> dict[str, TenantStats]:
@@ -325,6 +330,7 @@ class SchedulerCore:
             prefix_hashes=self.queues.prefix_hashes if cfg.prefix_caching else None,
             shares=self.shares,
             prompt_budget=self._prompt_budget if cfg.decode_stretch else None,
+            draft=self._draft if cfg.speculative != "off" else None,
         )
         if not plan.planned:
             return None
@@ -344,6 +350,9 @@ class SchedulerCore:
         batch = StepBatch(chunks_of(plan.planned), fresh)
         return Step(self._next_step_id, incarnation, batch)
 
+    def _draft(self, seq: Seq, budget: int) -> tuple[int, ...]:
+        return self.drafting.drafts(seq, len(self.queues.running), budget)
+
     def _prompt_budget(self, decodes: int) -> int | None:
         return prompt_budget(self.meter, decodes, self.cfg.decode_stretch, self.cfg.block_size)
 
@@ -362,7 +371,8 @@ class SchedulerCore:
         self._inflight = None
         self._steps += 1
         now = self.clock()
-        decodes = sum(1 for p in inflight.planned if p.n_tokens == 1)  # (a 1-token prompt too)
+        # (a 1-token prompt too; a decode's drafts count as prompt tokens: rows of a chunk)
+        decodes = sum(1 for p in inflight.planned if p.n_tokens - len(p.drafts) == 1)
         prompt = sum(p.n_tokens for p in inflight.planned) - decodes
         self.meter.step(decodes, prompt, now - inflight.started)
         touched: list[Seq] = []
@@ -370,15 +380,28 @@ class SchedulerCore:
             seq = p.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted, preempted or stopped while the step ran
-            seq.num_computed += p.n_tokens
+            token = output.sampled.get(seq.seq_id)
+            computed = p.n_tokens - len(p.drafts)
             seq.strikes = seq.solo_failures = 0  # a clean step: not a suspect
+            if p.sample and token is not None:
+                kept = output.accepted.get(seq.seq_id, ()) if p.drafts else ()
+                appended = 0
+                for sampled in (token, *kept):
+                    seq.append(sampled, self.cfg.eos_token_ids)
+                    appended += 1
+                    if seq.finish_reason is not None:
+                        break
+                self._generated += appended
+                # each token appended after the first confirmed a draft: its keys and values
+                # are the sequence's; the refused drafts' lie past num_computed, overwritten by
+                # the next step
+                computed += appended - 1
+                if p.drafts:
+                    self.drafting.settle(seq, len(p.drafts), len(kept))
+                touched.append(seq)
+            seq.num_computed += computed
             if self.cfg.prefix_caching:
                 self.queues.commit_full_blocks(seq)
-            token = output.sampled.get(seq.seq_id)
-            if p.sample and token is not None:
-                seq.append(token, self.cfg.eos_token_ids)
-                self._generated += 1
-                touched.append(seq)
         for seq in touched:
             if seq.finish_reason is not None:
                 # out of the running queue and its blocks back now, so the next plan can use them;
@@ -462,7 +485,8 @@ class SchedulerCore:
         final = final or (final_if_charged if charged else None)
         if final is not None:
             return Recovered(self.fail_engine(final), 0, 0, 0, charged, freed)
-        step_tokens = {p.seq.seq_id: p.n_tokens for p in planned}
+        # the sequences' own tokens: drafts were proposals, never part of one's computed work
+        step_tokens = {p.seq.seq_id: p.n_tokens - len(p.drafts) for p in planned}
         self._incarnation = None
         self._inflight = None
         if kind == "oom":

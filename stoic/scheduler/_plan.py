@@ -39,6 +39,8 @@ class Planned:
     n_tokens: int
     #: sample a token after the chunk (it reaches the end of what the sequence has)
     sample: bool
+    #: proposed tokens after the sequence's own (counted in ``n_tokens``), to verify
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ def plan_step(
     prefix_hashes: Callable[[Seq], tuple[bytes, ...]] | None,
     shares: TenantShares,
     prompt_budget: Callable[[int], int | None] | None = None,
+    draft: Callable[[Seq, int], tuple[int, ...]] | None = None,
 ) -> StepPlan:
     """Choose the next step's chunks and allocate their blocks.
 
@@ -95,6 +98,10 @@ def plan_step(
        With ``prompt_budget`` (the decodes planned -> prompt tokens, or None), a step that
        decodes carries at most that many prompt tokens (a bound on how long the decodes wait).
 
+    With ``draft`` (a running sequence and the budget left -> proposed tokens), a decode carries
+    its drafts after its own token, to verify in the same step (speculative decoding); they
+    count against the budget and get their blocks like any token.
+
     When the free blocks run out for a running sequence's chunk, ``preempt`` takes back the
     blocks of the worst-priority, youngest running sequence not yet in the plan (the sequence
     itself when that is it): it moves from ``running`` to the front of ``waiting``. With
@@ -114,14 +121,14 @@ def plan_step(
         fresh.extend(allocator.grow(seq.seq_id, blocks_for(tokens, block_size)))
         seq.block_table = allocator.table(seq.seq_id)
 
-    def add(seq: Seq, n: int) -> None:
+    def add(seq: Seq, n: int, drafts: tuple[int, ...] = ()) -> None:
         nonlocal budget
         budget -= n
         in_plan.add(seq.seq_id)
-        planned.append(Planned(seq, n, sample=n == seq.remaining))
+        planned.append(Planned(seq, n, n - len(drafts) == seq.remaining, drafts))
         shares.charge(seq.tenant, n)
 
-    def place(seq: Seq, n: int) -> bool:
+    def place(seq: Seq, n: int, drafts: tuple[int, ...] = ()) -> bool:
         """Plan ``n`` tokens of running ``seq``, preempting for its blocks; False if it was
         preempted itself."""
         need = blocks_for(seq.num_computed + n, block_size) - len(seq.block_table)
@@ -135,7 +142,7 @@ def plan_step(
             if victim is seq:
                 return False
         grow(seq, seq.num_computed + n)
-        add(seq, n)
+        add(seq, n, drafts)
         return True
 
     _room_for_priorities(running, waiting, budget, allocator, block_size, preempt)
@@ -144,7 +151,12 @@ def plan_step(
         if budget <= 0:
             break
         if seq.status is SeqStatus.RUNNING:  # not preempted for an earlier one
-            decodes += place(seq, 1)
+            drafts = draft(seq, budget) if draft is not None else ()
+            if drafts:  # only into blocks no decode of this step may need: never a preemption
+                spare = allocator.free_blocks - len(running)
+                held = len(seq.block_table) + max(0, spare)
+                drafts = drafts[: max(0, held * block_size - seq.num_computed - 1)]
+            decodes += place(seq, 1 + len(drafts), drafts)
     cap = prompt_budget(decodes) if prompt_budget is not None and decodes else None
     if cap is not None:
         budget = min(budget, cap)
@@ -256,7 +268,10 @@ def _chunk(p: Planned) -> SeqChunk:
     counts = p.sample and (params.counts_output or params.constraint is not None)
     return SeqChunk(
         seq_id=seq.seq_id,
-        token_ids=tuple(seq.all_ids[seq.num_computed : seq.num_computed + p.n_tokens]),
+        token_ids=(
+            *seq.all_ids[seq.num_computed : seq.num_computed + p.n_tokens - len(p.drafts)],
+            *p.drafts,
+        ),
         start_pos=seq.num_computed,
         block_table=seq.block_table,
         sample=p.sample,
@@ -264,4 +279,5 @@ def _chunk(p: Planned) -> SeqChunk:
         num_generated=seq.num_generated,
         output_ids=tuple(seq.all_ids[seq.prompt_len :]) if counts else (),
         prompt_ids=tuple(seq.all_ids[: seq.prompt_len]) if counts and params.counts_prompt else (),
+        drafts=len(p.drafts),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from ._speculate import Speculative
 from ._tenants import TenantPolicy
 
 __all__ = ["Recovered", "SchedulerConfig", "SchedulerStats"]
@@ -28,6 +29,10 @@ class SchedulerConfig:
     #: while sequences decode, a step carries prompt chunks only up to this many times a
     #: decode-only step's measured duration (None: up to the token budget)
     decode_stretch: float | None = None
+    #: speculative decoding (:mod:`stoic.scheduler._speculate`): ``"off"``, ``"ngram"`` or
+    #: ``"auto"``, and the most drafts a sequence verifies in one step
+    speculative: Speculative = "off"
+    num_speculative_tokens: int = 4
 
 
 class SchedulerStats(NamedTuple):
@@ -82,6 +87,9 @@ class SchedulerStats(NamedTuple):
     #: resumed sequences' tokens computed (or being computed) before the failure and prefilled
     #: again after it
     resume_recomputed_tokens: int = 0
+    #: speculative decoding: tokens proposed (drafts verified) and those the model agreed with
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Recovered(NamedTuple):

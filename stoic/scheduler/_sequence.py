@@ -7,10 +7,13 @@ import enum
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..errors import PartialOutput, StoicError
 from ..request import Detokenizer, SampledToken, SamplingParams
+
+if TYPE_CHECKING:
+    from ._speculate import SeqDrafts
 
 __all__ = ["FinishReason", "Seq", "SeqSink", "SeqStatus", "TokenLogprob", "block_hashes"]
 
@@ -100,6 +103,7 @@ class Seq:
         "committed_blocks",
         "continued",
         "deadline",
+        "drafts",
         "finish_reason",
         "hashes",
         "max_tokens",
@@ -180,6 +184,9 @@ class Seq:
         #: at its readmission what the prefix cache still holds of them counts as reused, the
         #: rest as recomputed (:meth:`~stoic.scheduler._recovery.Recovery.readmitted`)
         self.resume_debt = 0
+        #: speculative decoding's state (:class:`~stoic.scheduler._speculate.SeqDrafts`), made
+        #: at its first draft
+        self.drafts: SeqDrafts | None = None
 
     @property
     def num_generated(self) -> int:

@@ -30,7 +30,8 @@ class StepInputs:
     positions: torch.Tensor
     #: ``[S]``: the packed rows whose logits are sampled, aligned with :attr:`sampled`
     rows: torch.Tensor
-    #: the chunks that sample a token, in batch order
+    #: the chunks that sample a token, in batch order; a chunk with drafts once per sampled row
+    #: (:meth:`SeqChunk.draft_rows`: the same ``seq_id`` on consecutive rows)
     sampled: tuple[SeqChunk, ...]
     #: the pool rows of the batch's fresh blocks, to zero before the forward (None: none)
     zero_rows: torch.Tensor | None
@@ -84,8 +85,10 @@ def build_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) ->
             pos.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
         if chunk.sample:
-            sample_rows.append(start + n - 1)
-            sampled.append(chunk)
+            # a chunk with drafts samples after each of its last drafts + 1 positions
+            per_row = chunk.draft_rows()
+            sample_rows.extend(range(start + n - len(per_row), start + n))
+            sampled.extend(per_row)
         if n == 1:
             dec_q.append(start)
             dec_tables.append(table)

@@ -44,7 +44,14 @@ from ..model import (
     register_attention,
     tick,
 )
-from ..request import GrammarBackend, SamplingParams, SeqChunk, StepBatch, StepOutput
+from ..request import (
+    GrammarBackend,
+    SampledToken,
+    SamplingParams,
+    SeqChunk,
+    StepBatch,
+    StepOutput,
+)
 from ..sampling import GrammarStates, apply_bitmask, finite_logprobs, sample
 from ._inputs import build_inputs
 from ._memory import device_memory, release_free_memory
@@ -349,8 +356,15 @@ class ModelRunner:
                     tokens[i] = finite_logprobs(tokens[i])
                     if complete:
                         tokens[i] = dataclasses.replace(tokens[i], grammar_complete=True)
-            for chunk, token in zip(chunks, tokens, strict=True):
-                sampled[chunk.seq_id] = token
+            accepted: dict[int, tuple[SampledToken, ...]] = {}
+            row = 0  # a chunk with drafts has drafts + 1 rows (build_inputs, draft_rows)
+            for chunk in batch.chunks:
+                if chunk.sample:
+                    sampled[chunk.seq_id] = tokens[row]
+                    if chunk.drafts:
+                        accepted[chunk.seq_id] = chunk.kept(tokens[row : row + chunk.drafts + 1])
+                    row += chunk.drafts + 1
+            return StepOutput(sampled, torch.get_num_threads(), accepted)
         return StepOutput(sampled, torch.get_num_threads())
 
 

@@ -39,6 +39,8 @@ def test_cli_arguments_map_to_config() -> None:
             "--deterministic",
             "--kv-cache-dtype", "float32",
             "--no-kv-outlives-worker",
+            "--speculative", "ngram",
+            "--num-speculative-tokens", "6",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -52,6 +54,7 @@ def test_cli_arguments_map_to_config() -> None:
     assert config.weight_layouts == "compact"
     assert config.kv_cache_dtype == "float32" and config.kv_outlives_worker is False
     assert (config.threads, config.adapt_threads) == (3, False)
+    assert (config.speculative, config.num_speculative_tokens) == ("ngram", 6)
     assert config.faults == (
         FaultSpec(kind="error", after_steps=2),
         FaultSpec(kind="oom", probability=0.5, seed=1),
@@ -84,6 +87,8 @@ def test_cli_arguments_map_to_config() -> None:
         ["serve", "--tenant-weight", "=2"],
         ["serve", "--tenant-max-running", "0"],
         ["serve", "--tenant-max-queued", "0"],
+        ["serve", "--speculative", "always"],
+        ["serve", "--num-speculative-tokens", "0"],
     ],
 )
 def test_cli_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

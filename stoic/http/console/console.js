@@ -149,6 +149,12 @@ function render(s) {
   );
   text("prefix", percent(w.prefix_hit_rate));
   text("generated", w.generated_tokens);
+  text(
+    "drafts",
+    w.spec_draft_tokens
+      ? w.spec_accepted_tokens + " of " + w.spec_draft_tokens + " (" + percent(w.spec_accepted_tokens / w.spec_draft_tokens) + ")"
+      : "none (--speculative)"
+  );
   text("steps", w.steps);
   const seqs = w.running === null ? null : [...w.running, ...w.waiting];
   fill(
@@ -247,7 +253,7 @@ function percentiles(name) {
 }
 
 function clearData() {
-  for (const id of ["model", "pid", "incarnation", "restarts", "restarts-by-kind", "mode", "spares", "running-count", "waiting-count", "kv", "budget", "prefix", "generated", "steps", "now-tps", "now-ttft", "now-itl", "faults-injected"]) {
+  for (const id of ["model", "pid", "incarnation", "restarts", "restarts-by-kind", "mode", "spares", "running-count", "waiting-count", "kv", "budget", "prefix", "generated", "drafts", "steps", "now-tps", "now-ttft", "now-itl", "faults-injected"]) {
     text(id, null);
   }
   stateWord($("state"), "unknown");
