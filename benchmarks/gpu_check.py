@@ -132,9 +132,12 @@ class Server:
         self.url = self.system.url
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
 
-    async def get(self, path: str) -> Any:
+    async def text(self, path: str) -> str:
         async with self.session.get(self.url + path) as resp:
-            return json.loads(await resp.text()) if path != "/metrics" else await resp.text()
+            return await resp.text()
+
+    async def get(self, path: str) -> Any:
+        return json.loads(await self.text(path))
 
     async def complete(self, prompt: str | list[int], max_tokens: int = 16) -> tuple[int, Any]:
         body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens}
@@ -153,7 +156,7 @@ class Server:
         return (await self.get("/health")).get("executor", {}).get("pid")
 
     async def budget(self) -> float | None:
-        for line in (await self.get("/metrics")).splitlines():
+        for line in (await self.text("/metrics")).splitlines():
             if line.startswith("stoic_scheduler_token_budget "):
                 return float(line.split()[1])
         return None

@@ -108,6 +108,10 @@ LOAD_FORMATS = ("auto", "dummy")
 #: ``--kv-cache-dtype``'s choices (``EngineConfig.kv_cache_dtype``; ``auto``:
 #: :mod:`stoic.model._precision`)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``--speculative``: draft by prompt lookup whenever one is found, only while few sequences
+#: run, or never (stoic/scheduler/_speculate.py)
+Speculative = Literal["auto", "ngram", "off"]
+SPECULATIVE_MODES: tuple[Speculative, ...] = get_args(Speculative)
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,7 @@ class EngineConfig:
     #: ``num_speculative_tokens`` tokens proposed from its own prompt and output in the same
     #: step (``"ngram"``: whenever a draft is found; ``"auto"``: only while few sequences run,
     #: where a step is bandwidth-bound; ``"off"``). See docs/operations.md, "Speculative decoding"
-    speculative: Literal["auto", "ngram", "off"] = "off"
+    speculative: Speculative = "off"
     num_speculative_tokens: int = 4
     #: context length override (defaults to the model's)
     max_model_len: int | None = None
@@ -262,8 +266,11 @@ class EngineConfig:
             raise ValueError("threads must be >= 1")
         if self.max_resumes < 0:
             raise ValueError("max_resumes must be >= 0")
-        if self.speculative not in ("auto", "ngram", "off"):
-            raise ValueError(f"speculative must be auto, ngram or off, not {self.speculative!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+                f"not {self.speculative!r}"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be between 1 and 16")
         if self.decode_stretch is not None and not self.decode_stretch > 1:

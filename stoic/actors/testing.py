@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from ..config import Speculative
 from ..errors import StoicError
 from ..request import SampledToken, SamplingParams, SeqChunk, StepBatch, StepOutput
 from ..scheduler import (
@@ -278,7 +279,7 @@ def create_scheduler(
     max_resumes: int = 3,
     tenants: TenantPolicy | None = None,
     clock: Callable[[], float] = time.monotonic,
-    speculative: Literal["auto", "ngram", "off"] = "off",
+    speculative: Speculative = "off",
     num_speculative_tokens: int = 4,
 ) -> SchedulerHarness:
     """A :class:`SchedulerHarness` over a fresh core with the byte tokenizer (``clock``: the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import KV_CACHE_DTYPES, EngineConfig
+from ..config import KV_CACHE_DTYPES, SPECULATIVE_MODES, EngineConfig
 from ._argtypes import ArgumentGroup, non_negative_float, positive_float, positive_int
 
 __all__ = ["add_engine_args", "engine_fields"]
@@ -43,7 +43,7 @@ def _add_batching_args(g: ArgumentGroup) -> None:
     )
     g.add_argument(
         "--speculative",
-        choices=("auto", "ngram", "off"),
+        choices=SPECULATIVE_MODES,
         default=d.speculative,
         help="speculative decoding by prompt lookup: a decoding sequence verifies tokens "
         "proposed from its own prompt and output in the same step; ngram: whenever one is "

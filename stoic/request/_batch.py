@@ -52,7 +52,9 @@ class SeqChunk:
                 token_ids=self.token_ids[: own + i],
                 drafts=0,
                 num_generated=self.num_generated + i,
-                output_ids=(self.output_ids + proposed[:i] if self.params.counts_output else ()),
+                output_ids=(
+                    self.output_ids + proposed[:i] if self.params.counts_output else self.output_ids
+                ),
             )
             for i in range(self.drafts + 1)
         )

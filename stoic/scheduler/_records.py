@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from ._speculate import Speculative
+from ..config import Speculative
 from ._tenants import TenantPolicy
 
 __all__ = ["Recovered", "SchedulerConfig", "SchedulerStats"]

@@ -19,16 +19,16 @@ sequence's :class:`~stoic.scheduler._ngram.NgramIndex`) where that pays:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+from ..config import Speculative
 from ._ngram import NgramIndex
 
 if TYPE_CHECKING:
     from ._sequence import Seq
 
-__all__ = ["AUTO_MAX_BATCH", "MAX_PAUSE", "DraftPolicy", "SeqDrafts", "Speculative"]
+__all__ = ["AUTO_MAX_BATCH", "MAX_PAUSE", "DraftPolicy", "SeqDrafts"]
 
-Speculative = Literal["auto", "ngram", "off"]
 #: ``auto`` drafts while at most this many sequences run
 AUTO_MAX_BATCH = 4
 #: the longest pause, in its own decode steps, of a sequence whose drafts keep being refused
@@ -72,11 +72,10 @@ class DraftPolicy:
         if state.pause:
             state.pause -= 1
             return ()
-        index, tokens = state.index, seq.all_ids
-        if len(index) > len(tokens):  # cut back (never happens today): index again
-            index = state.index = NgramIndex()
-        index.extend(tokens[len(index) :])
-        return index.propose(room)
+        # a sequence's tokens only grow; a stale proposal would cost a refused draft, never a
+        # wrong token (drafts are verified)
+        state.index.extend(seq.all_ids[len(state.index) :])
+        return state.index.propose(room)
 
     def settle(self, seq: Seq, proposed: int, kept: int) -> None:
         """Count a verified step's ``proposed`` drafts and the ``kept`` ones; pause a sequence
