@@ -66,7 +66,7 @@ class QuantizedMatrix:
         int8_rows: bool = False,
     ) -> Product:
         """The product by these blocks (and a float32 ``bias``), repacked once; ``fixed``: in
-        the fixed order, ``int8_rows``: products of one or two rows on int8 activations where
+        the fixed order, ``int8_rows``: products of up to eight rows on int8 activations where
         the kernels have them (:class:`stoic.kernels._qkernels.Product`)."""
         return kernels.bind(self.kind, self.blocks, bias, fixed=fixed, int8_rows=int8_rows)
 

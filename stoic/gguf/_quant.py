@@ -74,7 +74,7 @@ class QLinear:
 
     ``fixed``: the blocks' product sums each row in one order whatever the number of rows
     (``--deterministic``, with ``max_rows`` :data:`EVERY_ROW`; in bfloat16 where the kernels
-    can: :meth:`stoic.kernels._qkernels.Kernels.bind`). ``int8_rows``: a step of one or two rows multiplies the
+    can: :meth:`stoic.kernels._qkernels.Kernels.bind`). ``int8_rows``: a step of up to eight rows multiplies the
     blocks by its activations quantised to int8 where the kernels can (not the same numbers:
     the default mode with a fast dtype only; :class:`stoic.kernels._qkernels.Product`), and so do products of
     more than ``max_rows`` rows where every part's type has the batched layout

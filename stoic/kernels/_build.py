@@ -67,7 +67,7 @@ AVX512_FLAGS = ("-mavx512f",)
 #: with AVX-512F and AVX512_BF16 too, ``--deterministic``'s products are bfloat16 dot products
 #: (``_bf16fixed.c``); without, they stay FIXED_ORDER's float32 tiles
 BF16_FLAGS = ("-mavx512bf16",)
-#: with AVX-512F and AVX512_VNNI (and BW, VL), products of one or two rows of a model in a
+#: with AVX-512F and AVX512_VNNI (and BW, VL), products of up to eight rows of a model in a
 #: fast dtype take int8 activations (``_int8rows.c``), and batched ones too (``_gemm8.c``)
 VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
 VNNI_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512_vnni")

@@ -183,7 +183,7 @@ STOIC_HIDDEN int kquants_mm(int layout, const float *x, int64_t M, int64_t K, co
 STOIC_HIDDEN int kquants_dequantize(int type, const uint8_t *w, int64_t N, int64_t K,
                                     float *out);
 
-/* _int8rows.c: a product of one or two rows with int8 activations: 0, or 1 where the build or
+/* _int8rows.c: a product of up to eight rows with int8 activations: 0, or 1 where the build or
  * the layout has none (the float path then runs) */
 STOIC_HIDDEN int int8rows_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w,
                              int64_t N, const float *bias, float *y, int64_t ldy, int threads);

@@ -88,7 +88,7 @@ class Layouts(NamedTuple):
     #: or'ed with a layout: the product sums every row in one order whatever the number of rows
     #: (``FIXED_ORDER``; ``--deterministic``)
     fixed_order: int
-    #: or'ed with a layout: products of one or two rows quantise the activations to int8 per
+    #: or'ed with a layout: products of up to eight rows quantise the activations to int8 per
     #: block of 32 and multiply with integer dot products (``INT8_ROWS``; ``_int8rows.c``)
     int8_rows: int
 

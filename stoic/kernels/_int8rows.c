@@ -30,7 +30,7 @@
  * ``--dtype float32`` nor in the fixed order (--deterministic), which keep their float paths.
  * The flag (INT8_ROWS, or'ed with a layout) reaches here like FIXED_ORDER: qmm_into sets
  * `int8_rows` for the calling thread; qmm_dispatch hands a product of one row of a layout this
- * file knows (S8, U4, Z4, Z5, K4, K6), or of two rows (S8, U4, Z4, Z5), to int8rows_mm; the others
+ * file knows (S8, U4, Z4, Z5, K4, K6), or of 2-8 rows (S8, U4, Z4, Z5), to int8rows_mm; the others
  * (U5/Q5_1, K5/Q5_K; more rows) keep their float paths. Measured (docs/benchmarks.md, "int8
  * activations"): 0.40-0.76x the float rows' time per matrix of the default model's Q4_1 and
  * Q4_K_M files on one thread, two rows 0.51-0.81x; K4/K6 ~1.0x (bound by their bytes there).
@@ -254,76 +254,101 @@ DEFINE_ROW_INT8(int8_s8, S8, 8 * S8_BYTES)
 DEFINE_KROW_INT8(int8_k4, row_int8_k4, K4_BYTES)
 DEFINE_KROW_INT8(int8_k6, row_int8_k6, K6_BYTES)
 
-/* `rows` rows of x (up to INT8_TILE_ROWS) by one row of weights: each block's weights made
- * ready once (nibbles split; S8: |w|), then every row's block exactly as row_int8 takes it (the
- * same instructions, accumulators and order), so a row's result is bitwise its one-row result.
- * Used at two rows only: over the default model's matrices (one thread) two rows took 0.59-0.87x
- * the float 16-lane tiles' time, four 1.15-1.29x (those tiles de-quantise a block once for all
- * the rows, and per row and block this loop's scaling costs more than their two products;
- * docs/benchmarks.md). */
-#define INT8_TILE_ROWS 2
-static inline void tile_int8(int layout, int rows, const int8_t *xq, const float *dx,
-                             const float *sx, int64_t nb, const uint8_t *wr, float *out,
-                             int64_t stride, float add) {
-    __m256 acc[2][INT8_TILE_ROWS];
-    float off[2][INT8_TILE_ROWS];
-    for (int t = 0; t < rows; t++) {
-        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-        off[0][t] = off[1][t] = 0.0f;
+/* ROWS rows of x (2 to INT8_TILE_ROWS) by one row of weights: each block's weights made ready
+ * once (nibbles split; S8: |w|), then every row's block exactly as row_int8 takes it (the same
+ * instructions, accumulators and order), so a row's result is bitwise its one-row result: a
+ * product of up to 8 rows (a few sequences decoding, a sequence's draft tokens to verify) gives
+ * each row what it would alone. Per row and block: the load of its x, vpdpbusd, the conversion,
+ * the scale d dx (d broadcast once a block, dx from memory) and one multiply-add; the offsets m
+ * sx of all the rows in one 8-lane multiply and add a block (sxt: sx transposed, [nb][8]: lane
+ * t is row t's scalar m sx sum, the same roundings in the same order). Measured over the default
+ * model's matrices (Q4_1, one thread, ms a layer): 1 row 0.15, 2: 0.30 (the float tiles: 0.30),
+ * 3: 0.45 (0.83), 5: 0.63 (0.80), 8: 0.95 (0.90-1.18) before the offsets were vectorised; after,
+ * 2: 0.28, 3: 0.39, 4: 0.43, 5: 0.49, 6: 0.57, 7: 0.66; 8 as two tiles of 4 (one of 8: 1.14). */
+#define INT8_TILE_ROWS 8
+#define DEFINE_TILE_INT8(NAME, ROWS)                                                           \
+    static inline void NAME(int layout, const int8_t *xq, const float *dx, const float *sxt,  \
+                            int64_t nb, const uint8_t *wr, float *out, int64_t stride,        \
+                            float add) {                                                      \
+        __m256 acc[2][ROWS], off[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};             \
+        for (int t = 0; t < ROWS; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();           \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            const int k = (int)(b & 1);                                                       \
+            float d, m = 0.0f;                                                                \
+            __m256i q, sgn = _mm256_setzero_si256();                                          \
+            if (layout == U4) {                                                               \
+                const uint8_t *blk = wr + b * U4_BYTES;                                       \
+                memcpy(&d, blk, 4);                                                           \
+                memcpy(&m, blk + 4, 4);                                                       \
+                q = nibbles32(blk + 8);                                                       \
+            } else if (layout == Z4) {                                                        \
+                const uint8_t *blk = wr + b * Z4_BYTES;                                       \
+                memcpy(&d, blk, 4);                                                           \
+                m = -8.0f * d;                                                                \
+                q = nibbles32(blk + 4);                                                       \
+            } else if (layout == Z5) {                                                        \
+                const uint8_t *blk = wr + b * Z5_BYTES;                                       \
+                uint32_t clear;                                                               \
+                memcpy(&d, blk, 4);                                                           \
+                memcpy(&clear, blk + 4, 4);                                                   \
+                m = -16.0f * d;                                                               \
+                const __m256i lo = nibbles32(blk + 8);                                        \
+                q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));    \
+            } else {                                                                          \
+                const uint8_t *blk = wr + b * S8_BYTES;                                       \
+                memcpy(&d, blk, 4);                                                           \
+                sgn = _mm256_loadu_si256((const __m256i *)(blk + 4));                         \
+                q = _mm256_abs_epi8(sgn);                                                     \
+            }                                                                                 \
+            const __m256 dv = _mm256_set1_ps(d);                                              \
+            for (int t = 0; t < ROWS; t++) {                                                  \
+                const int64_t at = t * nb;                                                    \
+                __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + (at + b) * QK));       \
+                if (layout == S8) x8 = _mm256_sign_epi8(x8, sgn);                             \
+                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);         \
+                acc[k][t] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(dx[at + b])),    \
+                                            _mm256_cvtepi32_ps(p), acc[k][t]);                \
+            }                                                                                 \
+            off[k] = _mm256_add_ps(off[k], _mm256_mul_ps(_mm256_set1_ps(m),                   \
+                                                         _mm256_loadu_ps(sxt + 8 * b)));      \
+        }                                                                                     \
+        float o0[8], o1[8];                                                                   \
+        _mm256_storeu_ps(o0, off[0]);                                                         \
+        _mm256_storeu_ps(o1, off[1]);                                                         \
+        for (int t = 0; t < ROWS; t++)                                                        \
+            out[t * stride] = hsum(_mm256_add_ps(acc[0][t], acc[1][t])) + (o0[t] + o1[t]) + add; \
     }
-    for (int64_t b = 0; b < nb; b++) {
-        const int k = (int)(b & 1);
-        float d, m = 0.0f;
-        __m256i q, sgn = _mm256_setzero_si256();
-        if (layout == U4) {
-            const uint8_t *blk = wr + b * U4_BYTES;
-            memcpy(&d, blk, 4);
-            memcpy(&m, blk + 4, 4);
-            q = nibbles32(blk + 8);
-        } else if (layout == Z4) {
-            const uint8_t *blk = wr + b * Z4_BYTES;
-            memcpy(&d, blk, 4);
-            m = -8.0f * d;
-            q = nibbles32(blk + 4);
-        } else if (layout == Z5) {
-            const uint8_t *blk = wr + b * Z5_BYTES;
-            uint32_t clear;
-            memcpy(&d, blk, 4);
-            memcpy(&clear, blk + 4, 4);
-            m = -16.0f * d;
-            const __m256i lo = nibbles32(blk + 8);
-            q = _mm256_mask_add_epi8(lo, (__mmask32)~clear, lo, _mm256_set1_epi8(16));
-        } else {
-            const uint8_t *blk = wr + b * S8_BYTES;
-            memcpy(&d, blk, 4);
-            sgn = _mm256_loadu_si256((const __m256i *)(blk + 4));
-            q = _mm256_abs_epi8(sgn);
-        }
-        for (int t = 0; t < rows; t++) {
-            const int64_t at = t * nb;
-            __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + (at + b) * QK));
-            if (layout == S8) x8 = _mm256_sign_epi8(x8, sgn);
-            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x8);
-            acc[k][t] =
-                _mm256_fmadd_ps(_mm256_set1_ps(d * dx[at + b]), _mm256_cvtepi32_ps(p), acc[k][t]);
-            off[k][t] += m * sx[at + b];
-        }
-    }
-    for (int t = 0; t < rows; t++)
-        out[t * stride] = hsum(_mm256_add_ps(acc[0][t], acc[1][t])) + (off[0][t] + off[1][t]) + add;
-}
+
+DEFINE_TILE_INT8(tile_int8_2, 2)
+DEFINE_TILE_INT8(tile_int8_3, 3)
+DEFINE_TILE_INT8(tile_int8_4, 4)
+DEFINE_TILE_INT8(tile_int8_5, 5)
+DEFINE_TILE_INT8(tile_int8_6, 6)
+DEFINE_TILE_INT8(tile_int8_7, 7)
 
 #define DEFINE_TILES_INT8(NAME, LAYOUT, BYTES_256)                                             \
-    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+    static void NAME(const int8_t *xq, const float *dx, const float *sxt, int64_t nb,         \
                      int64_t M, const uint8_t *w, int64_t N, const float *bias, float *y,     \
                      int64_t ldy, int threads) {                                              \
         const int64_t row_bytes = nb * (BYTES_256) / 8;                                       \
-        (void)M; /* INT8_TILE_ROWS */                                                         \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
         for (int64_t n = 0; n < N; n++) {                                                     \
             const float add = bias ? bias[n] : 0.0f;                                          \
             const uint8_t *wr = w + n * row_bytes;                                            \
-            tile_int8(LAYOUT, INT8_TILE_ROWS, xq, dx, sx, nb, wr, y + n, ldy, add);           \
+            float *o = y + n;                                                                 \
+            switch (M) { /* a constant each: the row loops unrolled, accumulators in registers */ \
+            case 2: tile_int8_2(LAYOUT, xq, dx, sxt, nb, wr, o, ldy, add); break;             \
+            case 3: tile_int8_3(LAYOUT, xq, dx, sxt, nb, wr, o, ldy, add); break;             \
+            case 4: tile_int8_4(LAYOUT, xq, dx, sxt, nb, wr, o, ldy, add); break;             \
+            case 5: tile_int8_5(LAYOUT, xq, dx, sxt, nb, wr, o, ldy, add); break;             \
+            case 6: tile_int8_6(LAYOUT, xq, dx, sxt, nb, wr, o, ldy, add); break;             \
+            case 7: tile_int8_7(LAYOUT, xq, dx, sxt, nb, wr, o, ldy, add); break;             \
+            default: /* two tiles of 4: the 8-row tile measured slower (its registers spill) */ \
+                tile_int8_4(LAYOUT, xq, dx, sxt, nb, wr, o, ldy, add);                        \
+                tile_int8_4(LAYOUT, xq + 4 * nb * QK, dx + 4 * nb, sxt + 4, nb, wr,           \
+                            o + 4 * ldy, ldy, add);                                           \
+                break;                                                                        \
+            }                                                                                 \
         }                                                                                     \
     }
 
@@ -342,18 +367,28 @@ int int8rows_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t 
         !(super || layout == U4 || layout == Z4 || layout == Z5 || layout == S8))
         return 1;
     if (M > 1) {
-        if (super || M != INT8_TILE_ROWS) return 1;
+        if (super || M > INT8_TILE_ROWS) return 1;
         int8_t *xq;
         float *scales;
         if (int8rows_quantize(x, 0, M, K, layout == U4 || layout == Z4, 1, &xq, &scales) != 0)
             return -2;
         float *dx = scales, *sx = scales + M * nb;
-        switch (layout) {
-        case U4: tiles_u4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
-        case Z4: tiles_z4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
-        case Z5: tiles_z5(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
-        default: tiles_s8(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads); break;
+        /* [nb][8], rows past M 0; 8 more: the second 4-row tile of 8 rows reads from lane 4 */
+        float *sxt = calloc((size_t)(8 * nb + 8), sizeof(float));
+        if (!sxt) {
+            free(xq);
+            free(scales);
+            return -2;
         }
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t b = 0; b < nb; b++) sxt[8 * b + r] = sx[r * nb + b];
+        switch (layout) {
+        case U4: tiles_u4(xq, dx, sxt, nb, M, w, N, bias, y, ldy, threads); break;
+        case Z4: tiles_z4(xq, dx, sxt, nb, M, w, N, bias, y, ldy, threads); break;
+        case Z5: tiles_z5(xq, dx, sxt, nb, M, w, N, bias, y, ldy, threads); break;
+        default: tiles_s8(xq, dx, sxt, nb, M, w, N, bias, y, ldy, threads); break;
+        }
+        free(sxt);
         free(xq);
         free(scales);
         return 0;
@@ -381,7 +416,7 @@ int int8rows_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t 
 #endif
 
 /* Whether this build has the int8 products (AVX-512 VNNI): 1 or 0. A layout or'ed with
- * INT8_ROWS runs its products of one or two rows here where it has, on the float path
+ * INT8_ROWS runs its products of up to eight rows here where it has, on the float path
  * elsewhere. */
 int stoic_int8_rows(void) {
 #ifdef HAVE_INT8_ROWS

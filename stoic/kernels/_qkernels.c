@@ -16,7 +16,7 @@
  * m * sum(x): 14-15% faster), multiplying by the exact q * d + m, which the float copy holds
  * rounded to float32; factoring measured up to 25% slower at 8-64 rows.
  * Outside the fixed order, a layout or'ed with INT8_ROWS (the default mode with a fast dtype)
- * takes one or two rows of x quantised to int8 instead where the build has AVX-512 VNNI
+ * takes up to eight rows of x quantised to int8 instead where the build has AVX-512 VNNI
  * (_int8rows.c: not the float product; its numerics are stated there).
  * The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) and Q5_0/Q5_1 are in _kquants.c, on
  * the same loops (_blocks.h: DEFINE_MM, DEFINE_MM16); a matrix stacked from parts of different
@@ -76,10 +76,10 @@ static inline void dequant_z4(const uint8_t *wr, int64_t i, __m256 w[4]) {
  * the products (and _kquants.c's) through `qkernels_fixed_order`, set by qmm_into for the
  * calling thread and read by each product before its parallel region. */
 _Thread_local int qkernels_fixed_order;
-/* int8 activations for products of one or two rows (the default mode's fast dtype;
+/* int8 activations for products of up to eight rows (the default mode's fast dtype;
  * _int8rows.c): a layout or'ed with INT8_ROWS sets `int8_rows` for the calling thread as
  * FIXED_ORDER sets qkernels_fixed_order; the fixed order wins where both are set */
-#define INT8_MAX_ROWS 2 /* steps of up to this many rows (_int8rows.c: one, or a tile of two) */
+#define INT8_MAX_ROWS 8 /* steps of up to this many rows (_int8rows.c: one, or tiles of 2-8) */
 static _Thread_local int int8_rows;
 
 /* the one-row loops' readers (DEFINE_ROW, _blocks.h) */
@@ -200,7 +200,7 @@ static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const ui
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads);
 
 /* the product, in the fixed order for this thread while a FIXED_ORDER layout runs (with int8
- * activations for one or two rows while an INT8_ROWS one does) */
+ * activations for up to eight rows while an INT8_ROWS one does) */
 static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                     const float *bias, float *y, int64_t ldy, int threads) {
     const int before = qkernels_fixed_order, before8 = int8_rows;

@@ -20,7 +20,7 @@ then bfloat16 dot products (``_bf16fixed.c``; :meth:`Kernels.bind` with ``fixed`
 float32 fixed order's time at 16-64 rows.
 
 With AVX512_VNNI (and BW, VL) it adds ``-mavx512bw -mavx512vl -mavx512vnni``: a product bound
-with ``int8_rows`` (a model in a fast dtype: :class:`Product`) then multiplies one or two rows
+with ``int8_rows`` (a model in a fast dtype: :class:`Product`) then multiplies up to eight rows
 of activations quantised to int8 per block of 32 by integer dot products (``_int8rows.c``:
 0.40-0.76x the float32 rows' time per matrix; not the float32 product).
 
@@ -89,11 +89,11 @@ class Product:
     int64 descriptor the kernels read (layout ``BF16FIXED``) and the bfloat16 copy of the
     weights (None: every step de-quantises in registers); ``packed`` the repacked blocks.
 
-    ``int8_rows``: a product of one or two rows quantises them to int8 per block of 32 (a scale
+    ``int8_rows``: a product of up to eight rows quantises them to int8 per block of 32 (a scale
     each) and multiplies by integer dot products where the kernels have them
     (:attr:`Kernels.int8_rows`; ``_int8rows.c`` states the numerics): not the float32 product,
     so only for a model in a fast dtype; ignored by layouts without an int8 product (Q5_1, Q5_K;
-    Q4_K and Q6_K at two rows).
+    Q4_K and Q6_K at two rows and more).
 
     ``g8``: a fixed-order product on int8 activations over the G8 layout (``_gemm8.c``; what
     :meth:`Kernels.bind` makes of ``fixed`` with ``int8_rows``): every row, whatever their
@@ -272,7 +272,7 @@ class Kernels:
         #: whether fixed-order products compute in bfloat16 here (``_bf16fixed.c``: a CPU with
         #: AVX512_BF16); else in float32 on the blocks (FIXED_ORDER's tiles)
         self.bf16 = bool(lib.stoic_bf16_fixed())
-        #: whether products of one or two rows can take int8 activations here (``_int8rows.c``:
+        #: whether products of up to eight rows can take int8 activations here (``_int8rows.c``:
         #: a CPU with AVX-512 VNNI; False for a library built before them)
         probe = getattr(lib, "stoic_int8_rows", None)
         if probe is not None:
@@ -327,7 +327,7 @@ class Kernels:
         in the fixed order (:class:`Product`): in bfloat16 where :attr:`bf16`, with
         (``bf16_copy``) a bfloat16 copy of the weights (2 bytes a weight) that steps of several
         rows read; without it they de-quantise in registers, bitwise the same results, slower.
-        ``int8_rows``: products of one or two rows with int8 activations where :attr:`int8_rows`
+        ``int8_rows``: products of up to eight rows with int8 activations where :attr:`int8_rows`
         (:class:`Product`); with ``fixed``, every product on int8 activations over the G8 layout
         where :attr:`int8_rows` and ``kind`` is one of :data:`G8_TYPES` (batch-invariant,
         1.125-1.5 bytes a weight, no bfloat16 copy), the bfloat16 or float32 fixed order otherwise.

@@ -45,7 +45,7 @@
 #define G8_SYMMETRIC 2
 /* or'ed with a layout: every row of y in one order whatever M is (--deterministic) */
 #define FIXED_ORDER 0x10000
-/* or'ed with a layout: one or two rows of x quantised to int8 (_int8rows.c) */
+/* or'ed with a layout: up to eight rows of x quantised to int8 (_int8rows.c) */
 #define INT8_ROWS 0x20000
 
 /* The GGML block types the kernels compute on: X(name, GGML type id, bytes a block, weights a

@@ -11,8 +11,10 @@ residual). With :attr:`CDecoder.every_step` (``--deterministic``) a step's prefi
 through ``stoic_prefill_attention`` instead: a chunk's rows together, each row bitwise as the
 decode kernel computes it alone.
 
-It serves decode-only steps of at most :data:`stoic.gguf._quant.MAX_KERNEL_ROWS` tokens (fewer where the
-dense products are bfloat16: :data:`stoic.gguf._quant.DENSE_KERNEL_ROWS`), in float32, for
+It serves steps of at most :data:`stoic.gguf._quant.MAX_KERNEL_ROWS` tokens (fewer where the
+dense products are bfloat16: :data:`stoic.gguf._quant.DENSE_KERNEL_ROWS`): decodes, and prefill
+chunks this small (a short prompt, a chunk of draft tokens to verify: ``stoic_prefill_attention``
+over float32 pools, a row of the decode attention each over bfloat16 ones), in float32, for
 models whose every projection runs on quantised blocks, without attention sliding windows; the
 torch path serves everything else. Its results differ from the torch path's by float32 rounding
 (``tests/model/test_cdecode.py``); greedy outputs equal transformers' ``generate``
@@ -94,14 +96,17 @@ class CDecoder:
         )
 
     def accepts(self, step: StepMetadata, tokens: int) -> bool:
-        """Whether this step is one :meth:`forward` runs (decode only, few tokens; any with
-        :attr:`every_step`) over a cache the kernels read (float32 or bfloat16 pools: a
-        float16 cache keeps torch's layers)."""
+        """Whether this step is one :meth:`forward` runs (few tokens, decodes and prefill
+        chunks alike; any with :attr:`every_step`) over a cache the kernels read (float32 or
+        bfloat16 pools: a float16 cache keeps torch's layers)."""
         if step.cache.spec.dtype not in C_POOL_DTYPES:
             return False
         if self.every_step:
             return tokens > 0
-        return not step.prefills and bool(step.decodes) and 0 < tokens <= self.max_rows
+        # prefill chunks of a step this small (a short prompt, a chunk of draft tokens to
+        # verify) attend through the rows kernel: the torch path's ~40 operators a layer cost
+        # more than the step's arithmetic (a 5-row draft chunk: 36 ms against 9 ms a token)
+        return 0 < tokens <= self.max_rows
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepMetadata
@@ -120,11 +125,15 @@ class CDecoder:
         k = torch.empty(m, kvh, dim)
         v = torch.empty(m, kvh, dim)
         out = torch.empty(m, h, dim)
-        tables, lens = block_tables(step, m, prefills=self.every_step)
-        # prefill chunks in runs of rows (their tokens share the chunk's first one's tables)
-        runs = attention_runs(step, m) if self.every_step and self.prefill_rows else None
-        write = step.write_index.contiguous()
+        tables, lens = block_tables(step, m, prefills=True)
         cache = step.cache
+        pool_bf16 = int(cache.spec.dtype == torch.bfloat16)  # the pools' type, as C takes it
+        # prefill chunks in runs of rows (their tokens share the chunk's first one's tables);
+        # over bfloat16 pools (which the rows kernel lacks) each chunk token is a row of the
+        # decode kernel, over its first position + 1 keys: it writes every token's key and
+        # value before any attends, so a chunk's rows see each other's
+        runs = attention_runs(step, m) if self.prefill_rows and not pool_bf16 else None
+        write = step.write_index.contiguous()
         threads = torch.get_num_threads()
         eps = self._eps
         pre, post = self._k.layer_pre, self._k.layer_post
@@ -135,7 +144,6 @@ class CDecoder:
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         tp, lp, wp = tables.data_ptr(), lens.data_ptr(), write.data_ptr()
         block = cache.spec.block_size
-        pool_bf16 = int(cache.spec.dtype == torch.bfloat16)  # the pools' type, as C takes it
         max_blocks = tables.shape[2]
         if torch._C._autograd._profiler_enabled():  # each kernel named in torch.profiler's table
             pre, attend, post = (

@@ -79,18 +79,59 @@ def test_c_layers_equal_the_torch_path(runner: ModelRunner) -> None:
     _assert_same(_run(runner, steps, True), _run(runner, steps, False), len(steps))
 
 
-def test_prefill_and_mixed_steps_stay_on_the_torch_path(runner: ModelRunner) -> None:
-    """A step with a prefill chunk, or more tokens than the kernels take, is not the C path's."""
+def test_steps_of_few_tokens_take_the_c_path_and_bigger_ones_torch(runner: ModelRunner) -> None:
+    """Any step of at most the kernels' rows takes the C layers (a short prompt, a decode, a
+    chunk of draft tokens to verify); a step of more tokens takes the torch path."""
     fused = runner._fused
     assert fused is not None and fused.c_decoder is not None
+    rows = fused.c_decoder.max_rows
     with mock.patch.object(fused.c_decoder, "forward", wraps=fused.c_decoder.forward) as calls:
-        table = (0, 1, 2, 3, 4, 5, 6, 7)
-        cache = PagedKVCache(runner.kv_spec(num_blocks=8, block_size=4))
-        cache.zero_blocks(tuple(range(8)))
-        runner.execute(StepBatch((SeqChunk(0, tuple(range(9)), 0, table, True, GREEDY),)), cache)
+        table = tuple(range(16))
+        cache = PagedKVCache(runner.kv_spec(num_blocks=16, block_size=4))
+        cache.zero_blocks(table)
+        prompt = tuple(range(rows + 1))
+        runner.execute(StepBatch((SeqChunk(0, prompt, 0, table, True, GREEDY),)), cache)
         assert calls.call_count == 0
-        runner.execute(StepBatch((SeqChunk(0, (5,), 9, table, True, GREEDY),)), cache)
+        runner.execute(StepBatch((SeqChunk(0, (5,), len(prompt), table, True, GREEDY),)), cache)
         assert calls.call_count == 1
+        chunk = SeqChunk(0, (6, 7, 8), len(prompt) + 1, table, True, GREEDY)
+        runner.execute(StepBatch((chunk,)), cache)
+        assert calls.call_count == 2
+
+
+def test_c_layers_equal_the_torch_path_on_small_prefill_and_mixed_steps(
+    runner: ModelRunner,
+) -> None:
+    """Steps with prefill chunks of few tokens (whole short prompts, a continued chunk after
+    cached tokens, and such chunks next to decodes: what a draft chunk to verify is) run
+    through the C layers' rows attention with the hidden states and cached keys/values of the
+    torch path, within float32 rounding."""
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(4)]
+    prompts = [tuple(range(100, 105)), tuple(range(300, 307)), tuple(range(700, 703))]
+    steps = [
+        StepBatch(tuple(SeqChunk(i, p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)))
+    ]
+    decodes = [
+        SeqChunk(i, (50 + i,), len(p), tables[i], True, GREEDY) for i, p in enumerate(prompts)
+    ]
+    steps.append(StepBatch(tuple(decodes)))
+    verify = SeqChunk(0, (60, 61, 62, 63, 64), len(prompts[0]) + 1, tables[0], True, GREEDY)
+    others = [
+        SeqChunk(i, (60 + i,), len(p) + 1, tables[i], True, GREEDY)
+        for i, p in enumerate(prompts)
+        if i
+    ]
+    steps.append(
+        StepBatch((verify, *others, SeqChunk(3, (900, 901, 902), 0, tables[3], False, GREEDY)))
+    )
+    steps.append(StepBatch((SeqChunk(3, (903, 904), 3, tables[3], True, GREEDY),)))
+    fused = runner._fused
+    assert fused is not None and fused.c_decoder is not None
+    assert all(b.num_tokens <= fused.c_decoder.max_rows for b in steps)
+    with mock.patch.object(fused.c_decoder, "forward", wraps=fused.c_decoder.forward) as calls:
+        got = _run(runner, steps, True)
+    assert calls.call_count == len(steps)
+    _assert_same(got, _run(runner, steps, False), len(steps))
 
 
 def _run_torch_path(runner: ModelRunner, steps: list[StepBatch], c_attention: bool) -> Any:

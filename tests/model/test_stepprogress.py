@@ -155,10 +155,11 @@ def test_a_step_ticks_at_its_start_at_each_decoder_layer_and_at_its_end(
 
 
 def test_a_decode_step_in_the_c_layers_ticks_at_each_layer(kernels: Kernels) -> None:
-    """The default model (30 layers) on its quantised blocks: its decode step runs the C layers
-    (:class:`CDecoder`), and ticks 32 times like the torch path's prefill."""
+    """The default model (30 layers) on its quantised blocks: a step of few tokens (the
+    5-token prefill, the decode after it) runs the C layers (:class:`CDecoder`) and ticks 32
+    times, like the torch path's bigger steps (``test_a_step_ticks...``)."""
     runner = ModelRunner(load_model("default", dtype="float32", device="cpu"), quantization="gguf")
     assert runner.quantized["c_layers"]
     with mock.patch.object(CDecoder, "forward", autospec=True, side_effect=CDecoder.forward) as c:
         assert _ticks_per_step(runner) == [32, 32]
-    assert c.call_count == 1  # the decode step, not the prefill
+    assert c.call_count == 2  # the prefill and the decode step
