@@ -357,6 +357,118 @@ DEFINE_TILES_INT8(tiles_z4, Z4, 8 * Z4_BYTES)
 DEFINE_TILES_INT8(tiles_z5, Z5, 8 * Z5_BYTES)
 DEFINE_TILES_INT8(tiles_s8, S8, 8 * S8_BYTES)
 
+/* The K layouts' tiles: ROWS rows of x by one K4 (Q4_K) or K6 (Q6_K) row, each row's super-blocks
+ * exactly as row_int8_k4 / row_int8_k6 take them (so bitwise its one-row result), the weights'
+ * nibbles (K4) or |w| and scale pairs (K6) made ready once for all the rows. Tiles of up to 4
+ * rows (three accumulators a row); 5-8 rows run as a tile of 4 and one of the rest. */
+#define DEFINE_TILE_INT8_K4(NAME, ROWS)                                                        \
+    static inline void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,   \
+                            const uint8_t *wr, float *out, int64_t stride, float add) {       \
+        __m256 acc0[ROWS], acc1[ROWS], offset[ROWS];                                          \
+        for (int t = 0; t < ROWS; t++)                                                        \
+            acc0[t] = acc1[t] = offset[t] = _mm256_setzero_ps();                              \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                           \
+        for (int64_t sb = 0; sb < nb / 8; sb++) {                                             \
+            const uint8_t *b = wr + sb * K4_BYTES;                                            \
+            const __m256 scales = _mm256_loadu_ps((const float *)b);                          \
+            const __m256 mins = _mm256_loadu_ps((const float *)(b + 32));                     \
+            float s[ROWS][8];                                                                 \
+            for (int t = 0; t < ROWS; t++) {                                                  \
+                _mm256_storeu_ps(s[t], _mm256_mul_ps(scales, _mm256_loadu_ps(dx + t * nb + 8 * sb))); \
+                offset[t] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sx + t * nb + 8 * sb), offset[t]); \
+            }                                                                                 \
+            for (int c = 0; c < 4; c++) {                                                     \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 + 32 * c));     \
+                const __m256i lo = _mm256_and_si256(v, low);                                  \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);            \
+                for (int t = 0; t < ROWS; t++) {                                              \
+                    const int8_t *xs = xq + t * nb * QK + sb * QK_K + 64 * c;                 \
+                    const __m256i p0 = _mm256_dpbusd_epi32(                                   \
+                        _mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xs)); \
+                    const __m256i p1 = _mm256_dpbusd_epi32(                                   \
+                        _mm256_setzero_si256(), hi,                                           \
+                        _mm256_loadu_si256((const __m256i *)(xs + 32)));                      \
+                    acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(s[t][2 * c]),                    \
+                                              _mm256_cvtepi32_ps(p0), acc0[t]);               \
+                    acc1[t] = _mm256_fmadd_ps(_mm256_set1_ps(s[t][2 * c + 1]),                \
+                                              _mm256_cvtepi32_ps(p1), acc1[t]);               \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < ROWS; t++)                                                        \
+            out[t * stride] =                                                                 \
+                hsum(_mm256_add_ps(acc0[t], acc1[t])) + hsum(offset[t]) + add;                \
+    }
+
+#define DEFINE_TILE_INT8_K6(NAME, ROWS)                                                        \
+    static inline void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,   \
+                            const uint8_t *wr, float *out, int64_t stride, float add) {       \
+        (void)sx;                                                                             \
+        __m256 acc0[ROWS], acc1[ROWS];                                                        \
+        for (int t = 0; t < ROWS; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();               \
+        const __m256i pairs = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                      \
+        for (int64_t sb = 0; sb < nb / 8; sb++) {                                             \
+            const uint8_t *b = wr + sb * K6_BYTES;                                            \
+            for (int k = 0; k < 8; k++) {                                                     \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 64 + 32 * k));     \
+                const __m256i aw = _mm256_abs_epi8(w);                                        \
+                const __m256 s2 = _mm256_castps128_ps256(                                     \
+                    _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(b + 8 * k))));         \
+                const __m256 pair = _mm256_permutevar8x32_ps(s2, pairs);                      \
+                for (int t = 0; t < ROWS; t++) {                                              \
+                    const __m256i x8 = _mm256_loadu_si256(                                    \
+                        (const __m256i *)(xq + t * nb * QK + sb * QK_K + 32 * k));            \
+                    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw,         \
+                                                          _mm256_sign_epi8(x8, w));           \
+                    const __m256 scale =                                                      \
+                        _mm256_mul_ps(pair, _mm256_set1_ps(dx[t * nb + 8 * sb + k]));         \
+                    if (k & 1) acc1[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc1[t]); \
+                    else acc0[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc0[t]);     \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < ROWS; t++)                                                        \
+            out[t * stride] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + add;                    \
+    }
+
+DEFINE_TILE_INT8_K4(tile_k4_1, 1)
+DEFINE_TILE_INT8_K4(tile_k4_2, 2)
+DEFINE_TILE_INT8_K4(tile_k4_3, 3)
+DEFINE_TILE_INT8_K4(tile_k4_4, 4)
+DEFINE_TILE_INT8_K6(tile_k6_1, 1)
+DEFINE_TILE_INT8_K6(tile_k6_2, 2)
+DEFINE_TILE_INT8_K6(tile_k6_3, 3)
+DEFINE_TILE_INT8_K6(tile_k6_4, 4)
+
+/* up to 4 rows from row r0 of a K tile's inputs: xq, dx and sx [M][...] row-major */
+#define K_TILE(PREFIX, ROWS, r0)                                                               \
+    PREFIX##_##ROWS(xq + (r0) * nb * QK, dx + (r0) * nb, sx + (r0) * nb, nb, wr,              \
+                    y + (r0) * ldy + n, ldy, add)
+
+#define DEFINE_KTILES_INT8(NAME, PREFIX, BYTES)                                                \
+    static void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t nb,          \
+                     int64_t M, const uint8_t *w, int64_t N, const float *bias, float *y,     \
+                     int64_t ldy, int threads) {                                              \
+        const int64_t row_bytes = nb / 8 * (BYTES);                                           \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int64_t n = 0; n < N; n++) {                                                     \
+            const float add = bias ? bias[n] : 0.0f;                                          \
+            const uint8_t *wr = w + n * row_bytes;                                            \
+            int64_t r = 0;                                                                    \
+            if (M >= 4) { K_TILE(PREFIX, 4, 0); r = 4; }                                       \
+            switch (M - r) {                                                                  \
+            case 1: K_TILE(PREFIX, 1, r); break;                                              \
+            case 2: K_TILE(PREFIX, 2, r); break;                                              \
+            case 3: K_TILE(PREFIX, 3, r); break;                                              \
+            case 4: K_TILE(PREFIX, 4, r); break;                                              \
+            default: break;                                                                   \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+DEFINE_KTILES_INT8(ktiles_k4, tile_k4, K4_BYTES)
+DEFINE_KTILES_INT8(ktiles_k6, tile_k6, K6_BYTES)
+
 /* y[M, N] (row stride ldy) with int8 activations: 0, or 1 where this layout, width or M has
  * none here (the float path then runs) */
 int int8rows_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
@@ -367,12 +479,19 @@ int int8rows_mm(int layout, const float *x, int64_t M, int64_t K, const uint8_t 
         !(super || layout == U4 || layout == Z4 || layout == Z5 || layout == S8))
         return 1;
     if (M > 1) {
-        if (super || M > INT8_TILE_ROWS) return 1;
+        if (M > INT8_TILE_ROWS) return 1;
         int8_t *xq;
         float *scales;
         if (int8rows_quantize(x, 0, M, K, layout == U4 || layout == Z4, 1, &xq, &scales) != 0)
             return -2;
         float *dx = scales, *sx = scales + M * nb;
+        if (super) {
+            if (layout == K4) ktiles_k4(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads);
+            else ktiles_k6(xq, dx, sx, nb, M, w, N, bias, y, ldy, threads);
+            free(xq);
+            free(scales);
+            return 0;
+        }
         /* [nb][8], rows past M 0; 8 more: the second 4-row tile of 8 rows reads from lane 4 */
         float *sxt = calloc((size_t)(8 * nb + 8), sizeof(float));
         if (!sxt) {

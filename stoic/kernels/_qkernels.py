@@ -93,7 +93,7 @@ class Product:
     each) and multiplies by integer dot products where the kernels have them
     (:attr:`Kernels.int8_rows`; ``_int8rows.c`` states the numerics): not the float32 product,
     so only for a model in a fast dtype; ignored by layouts without an int8 product (Q5_1, Q5_K;
-    Q4_K and Q6_K at two rows and more).
+    ``_int8rows.c`` lists them).
 
     ``g8``: a fixed-order product on int8 activations over the G8 layout (``_gemm8.c``; what
     :meth:`Kernels.bind` makes of ``fixed`` with ``int8_rows``): every row, whatever their
