@@ -12,6 +12,11 @@ For each ``--shape`` (``smollm2-135m``, ``qwen2.5-0.5b``, ``qwen2.5-1.5b``, ``ll
 2. ``llama-quantize <f16> <out> --type`` (Q4_K_M by default), then the F16 file is deleted
    (``--keep-float`` keeps it, and a kept one is reused the next time).
 
+``--random-blocks`` skips both: the Q4_K_M file is written directly, each matrix as random
+blocks of the type llama-quantize's Q4_K_M gives it (Q6_K for the head and some ``attn_v`` /
+``ffn_down``, Q4_K elsewhere), scaled like the float files' weights; no llama.cpp build (which
+takes over 15 minutes on 2 cores), seconds to write, ``<shape>-random-blocks.Q4_K_M.gguf``.
+
 The files are ``<shape>-random.<type>.gguf``, e.g. ``qwen2.5-1.5b-random.Q4_K_M.gguf``::
 
     python benchmarks/make_gguf_files.py --shape qwen2.5-1.5b --shape llama3.1-8b \\
@@ -191,21 +196,26 @@ def _tokenizer(writer: gguf.GGUFWriter, src: gguf.GGUFReader, vocab: int) -> Non
         writer.add_key_value(key, value, vtype, sub_type=sub)
 
 
-def write_float_file(
-    path: Path, shape: Shape, tokenizer_from: Path, *, vocab: int, seed: int, std: float = 0.02
-) -> Path:
-    """The F16 GGUF file of ``shape`` with random weights and the tokenizer of the GGUF file
-    ``tokenizer_from`` (padded to ``vocab``), written one tensor at a time."""
+def _writer(
+    path: Path,
+    shape: Shape,
+    tokenizer_from: Path,
+    *,
+    vocab: int,
+    weights: str,
+    file_type: gguf.LlamaFileType,
+) -> gguf.GGUFWriter:
+    """A writer of ``shape``'s file with its metadata and the tokenizer of the GGUF file
+    ``tokenizer_from`` (padded to ``vocab``) added; ``weights`` says what they are."""
     src = gguf.GGUFReader(str(tokenizer_from))
     writer = gguf.GGUFWriter(str(path), shape.arch)
     writer.add_name(f"{shape.name}-random")
     padded = vocab > len(src.fields["tokenizer.ggml.tokens"].data)
     writer.add_description(
-        f"random weights (normal, std {std}, seed {seed}) in the shape of {shape.model}; "
-        f"the tokenizer of {tokenizer_from.name}"
+        f"{weights} in the shape of {shape.model}; the tokenizer of {tokenizer_from.name}"
         + (f", padded to {vocab} tokens" if padded else "")
     )
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_vocab_size(vocab)
     writer.add_context_length(shape.context)
@@ -218,7 +228,19 @@ def write_float_file(
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     _tokenizer(writer, src, vocab)
-    del src
+    return writer
+
+
+def write_float_file(
+    path: Path, shape: Shape, tokenizer_from: Path, *, vocab: int, seed: int, std: float = 0.02
+) -> Path:
+    """The F16 GGUF file of ``shape`` with random weights and the tokenizer of the GGUF file
+    ``tokenizer_from`` (padded to ``vocab``), written one tensor at a time."""
+    writer = _writer(
+        path, shape, tokenizer_from, vocab=vocab,
+        weights=f"random weights (normal, std {std}, seed {seed})",
+        file_type=gguf.LlamaFileType.MOSTLY_F16,
+    )  # fmt: skip
     plan = list(tensors(shape, vocab))
     for name, dims in plan:
         dtype = np.dtype(_dtype(dims))
@@ -232,6 +254,93 @@ def write_float_file(
     for name, dims in plan:
         if len(dims) > 1:
             tensor = _random_matrix(gen, dims, std)
+        elif name.endswith("norm.weight"):
+            tensor = np.ones(dims, dtype=np.float32)
+        else:
+            tensor = np.zeros(dims, dtype=np.float32)
+        writer.write_tensor_data(tensor)
+        done += tensor.nbytes
+        if name.endswith("ffn_down.weight") or (len(dims) > 1 and dims[0] == vocab):
+            print(
+                f"  {path.name}: {name} {done / 1e9:.2f}/{total / 1e9:.2f} GB, "
+                f"{time.monotonic() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        del tensor
+    writer.close()
+    return path
+
+
+#: ``--random-blocks``: each block's scale(s), so that the weights' root mean square is about
+#: 0.02 (the float files' std): Q4_K's ``d * sc * q`` (sc 0..63, q 0..15: rms 321 d), its
+#: ``dmin`` the same; Q6_K's ``d * s * (q - 32)`` (s int8, q 0..63: rms 1,369 d)
+_BLOCK_SCALE = {"Q4_K": 0.02 / 321, "Q6_K": 0.02 / 1369}
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The block type llama-quantize's Q4_K_M gives tensor ``name`` of a model of ``layers``
+    layers: Q6_K for the head (the tied embedding when there is no ``output``) and for
+    ``attn_v`` and ``ffn_down`` in the first and last eighth of the layers and every third one
+    between (llama.cpp's ``use_more_bits``), Q4_K for every other matrix."""
+    if name.startswith("output.") or name.startswith("token_embd."):
+        return "Q6_K"
+    if ".attn_v." in name or ".ffn_down." in name:
+        i = int(name.split(".")[1])
+        more = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        return "Q6_K" if more else "Q4_K"
+    return "Q4_K"
+
+
+def _random_block_rows(gen: np.random.Generator, kind: str, rows: int, cols: int) -> np.ndarray:
+    """``rows`` rows of ``cols`` weights as random ``kind`` blocks (bytes ``[rows, row bytes]``):
+    every bit of the values and sub-block scales random, the float16 block scales
+    :data:`_BLOCK_SCALE` (positive)."""
+    weights, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    blocks = cols // weights
+    raw = gen.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    halves = 2 if kind == "Q4_K" else 1  # Q4_K: d, dmin first; Q6_K: d last
+    scale = np.full((rows, blocks, halves), _BLOCK_SCALE[kind], dtype=np.float16)
+    at = slice(size - 2, None) if kind == "Q6_K" else slice(0, 4)
+    raw[:, :, at] = scale.view(np.uint8).reshape(rows, blocks, 2 * halves)
+    return raw.reshape(rows, blocks * size)
+
+
+def write_random_blocks_file(
+    path: Path, shape: Shape, tokenizer_from: Path, *, vocab: int, seed: int
+) -> Path:
+    """The Q4_K_M GGUF file of ``shape`` written directly as random blocks of the types
+    llama-quantize would give each matrix (:func:`q4_k_m_type`): no float file, no llama.cpp.
+    The weights are not a quantised normal matrix but have its scale; speed and memory, which
+    do not depend on the values, are a real Q4_K_M file's. One matrix in memory at a time."""
+    writer = _writer(
+        path, shape, tokenizer_from, vocab=vocab,
+        weights=f"random Q4_K_M blocks (seed {seed})",
+        file_type=gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    )  # fmt: skip
+    plan = list(tensors(shape, vocab))
+    sizes = []
+    for name, dims in plan:
+        if len(dims) == 1:
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
+            sizes.append(dims[0] * 4)
+            continue
+        kind = q4_k_m_type(name, shape.layers)
+        weights, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        nbytes = dims[0] * dims[1] // weights * size
+        writer.add_tensor_info(
+            name, (dims[0], dims[1] // weights * size), np.dtype(np.uint8), nbytes,
+            raw_dtype=gguf.GGMLQuantizationType[kind],
+        )  # fmt: skip
+        sizes.append(nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    total, done, start = sum(sizes), 0, time.monotonic()
+    gen = np.random.default_rng(seed)
+    for name, dims in plan:
+        if len(dims) > 1:
+            tensor = _random_block_rows(gen, q4_k_m_type(name, shape.layers), dims[0], dims[1])
         elif name.endswith("norm.weight"):
             tensor = np.ones(dims, dtype=np.float32)
         else:
@@ -279,16 +388,33 @@ def make(
     seed: int,
     force: bool,
     keep_float: bool,
+    random_blocks: bool = False,
 ) -> Path:
     """The ``kind`` file of ``shape`` in ``out`` (made unless present, or ``force``), quantised
-    with the llama-quantize ``quantizer`` (None for ``kind`` F16, the float file itself)."""
+    with the llama-quantize ``quantizer`` (None for ``kind`` F16, the float file itself); with
+    ``random_blocks`` (``kind`` Q4_K_M) written as random blocks instead
+    (:func:`write_random_blocks_file`: ``<shape>-random-blocks.Q4_K_M.gguf``)."""
     tokens = len(gguf.GGUFReader(str(tokenizer_from)).fields["tokenizer.ggml.tokens"].data)
     vocab = tokens if tokenizer_vocab else shape.vocab
-    stem = f"{shape.name}-random" + (f"-vocab{vocab}" if vocab != shape.vocab else "")
+    stem = (
+        f"{shape.name}-random"
+        + ("-blocks" if random_blocks else "")
+        + (f"-vocab{vocab}" if vocab != shape.vocab else "")
+    )
     target = out / f"{stem}.{kind}.gguf"
     floating = out / f"{stem}.F16.gguf"
     if target.exists() and not force:
         print(f"{target} is there (--force makes it again)", file=sys.stderr)
+        return target
+    if random_blocks:
+        start = time.monotonic()
+        part = target.with_name(target.name + ".part")
+        try:
+            write_random_blocks_file(part, shape, tokenizer_from, vocab=vocab, seed=seed)
+            os.replace(part, target)
+        finally:
+            part.unlink(missing_ok=True)
+        print(f"{shape.name}: done in {time.monotonic() - start:.0f} s", file=sys.stderr)
         return target
     size = float_bytes(shape, vocab)
     reuse = floating.exists() and not force and target != floating
@@ -350,6 +476,12 @@ def main() -> None:
     parser.add_argument("--keep-float", action="store_true", help="keep the F16 file")
     parser.add_argument("--seed", type=int, default=0, help="the weights' random seed (0)")
     parser.add_argument(
+        "--random-blocks",
+        action="store_true",
+        help="write the Q4_K_M file directly as random blocks of each matrix's type "
+        "(no llama-quantize, no float file; the weights are noise of the float files' scale)",
+    )
+    parser.add_argument(
         "--tokenizer-vocab",
         action="store_true",
         help="the tokenizer's 49152 rows for every shape instead of its own vocabulary",
@@ -359,7 +491,11 @@ def main() -> None:
     from stoic.model import default_gguf_path
 
     kind = args.type.upper()
-    quantizer = None if kind == "F16" else find_llama_quantize(args.llama_quantize)
+    if args.random_blocks and kind != "Q4_K_M":
+        parser.error("--random-blocks writes Q4_K_M files only")
+    quantizer = (
+        None if kind == "F16" or args.random_blocks else find_llama_quantize(args.llama_quantize)
+    )
     names = list(SHAPES) if "all" in args.shape else list(dict.fromkeys(args.shape))
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -373,6 +509,7 @@ def main() -> None:
             seed=args.seed,
             force=args.force,
             keep_float=args.keep_float,
+            random_blocks=args.random_blocks,
         )
         print(
             f"{path.name}: {path.stat().st_size / 1e9:.2f} GB, {tensor_types(path)}",

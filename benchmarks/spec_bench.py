@@ -9,8 +9,9 @@ Workloads (chat requests, greedy, ``--tokens`` tokens, EOS ignored only with ``-
 
 For each ``--clients`` level and workload, engines with each mode run the same requests in turn
 (``--rounds`` rounds alternating the order, so that neither always runs second); reported:
-tokens/s of each, their ratio, the drafts' acceptance rate, and whether every text was equal
-(greedy: it must be, up to float rounding in a fast dtype).
+tokens/s of each (whole requests, and the decode phase: from each request's first token to its
+last), their ratios (geometric means of the rounds' ratios), the drafts' acceptance rate, and
+whether every text was equal (greedy: it must be).
 
     python benchmarks/spec_bench.py                                  # default model, 1 client
     python benchmarks/spec_bench.py --clients 1 32 --mode auto
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,10 +73,23 @@ OPEN = [
 ]
 
 
-async def run_mode(
-    args: argparse.Namespace, mode: str, prompts: list[str], clients: int
-) -> tuple[float, list[str], int, int]:
-    """(tokens/s, texts, drafts proposed, drafts kept) of ``prompts`` at ``clients``."""
+@dataclass
+class Run:
+    """One mode's run of the prompts."""
+
+    #: output tokens over the run's wall time (prefills included)
+    tokens_per_s: float
+    #: tokens after each request's first over the time from its first token to its last,
+    #: summed over requests: the decode phase, which drafts speed up (a long grounded prompt's
+    #: prefill is a large, unchanged part of a short answer's time)
+    decode_per_s: float
+    texts: list[str]
+    proposed: int
+    kept: int
+
+
+async def run_mode(args: argparse.Namespace, mode: str, prompts: list[str], clients: int) -> Run:
+    """``prompts`` at ``clients`` in ``mode``."""
     config = stoic.EngineConfig(
         model=args.model,
         load_format=args.load_format,
@@ -88,20 +104,27 @@ async def run_mode(
         await engine.complete("Hello", stoic.SamplingParams(max_tokens=4))  # warm-up
         before = engine.stats()
 
-        async def one(prompt: str) -> tuple[str, int]:
+        async def one(prompt: str) -> tuple[str, int, float]:
+            """(text, tokens, seconds from the first token to the last)."""
             async with semaphore:
                 messages = [{"role": "user", "content": prompt}]
-                result = await engine.complete(None, params, messages=messages)
-                return result.text, len(result.token_ids)
+                text, tokens, first = [], 0, 0.0
+                async for delta in engine.chat(messages, params):
+                    if not tokens and delta.token_ids:
+                        first = time.perf_counter()
+                    text.append(delta.text)
+                    tokens += len(delta.token_ids)
+                return "".join(text), tokens, time.perf_counter() - first
 
         started = time.perf_counter()
         done = await asyncio.gather(*(one(p) for p in prompts))
         seconds = time.perf_counter() - started
         after = engine.stats()
-    tokens = sum(n for _, n in done)
-    return (
-        tokens / seconds,
-        [t for t, _ in done],
+    decoded = sum(max(0, n - 1) for _, n, _ in done)
+    return Run(
+        sum(n for _, n, _ in done) / seconds,
+        decoded / max(1e-9, sum(s for _, _, s in done)),
+        [t for t, _, _ in done],
         after.spec_draft_tokens - before.spec_draft_tokens,
         after.spec_accepted_tokens - before.spec_accepted_tokens,
     )
@@ -113,27 +136,26 @@ async def main(args: argparse.Namespace) -> None:
     for clients in args.clients:
         for name, base in (("grounded", GROUNDED), ("open", OPEN)):
             prompts = (base * max(1, -(-clients * 2 // len(base))))[: max(len(base), clients * 2)]
-            speed: dict[str, list[float]] = {args.mode: [], "off": []}
-            texts: dict[str, list[str]] = {}
-            proposed = kept = 0
+            runs: dict[str, list[Run]] = {args.mode: [], "off": []}
             for r in range(args.rounds):
                 order = (args.mode, "off") if r % 2 == 0 else ("off", args.mode)
                 for mode in order:
-                    tps, out, p, k = await run_mode(args, mode, prompts, clients)
-                    speed[mode].append(tps)
-                    texts[mode] = out
-                    if mode != "off":
-                        proposed, kept = proposed + p, kept + k
-            on = sum(speed[args.mode]) / len(speed[args.mode])
-            off = sum(speed["off"]) / len(speed["off"])
-            equal = sum(a == b for a, b in zip(texts[args.mode], texts["off"], strict=True))
+                    runs[mode].append(await run_mode(args, mode, prompts, clients))
+            on, off = runs[args.mode], runs["off"]
+            whole = [a.tokens_per_s / b.tokens_per_s for a, b in zip(on, off, strict=True)]
+            decode = [a.decode_per_s / b.decode_per_s for a, b in zip(on, off, strict=True)]
+            proposed, kept = sum(x.proposed for x in on), sum(x.kept for x in on)
+            equal = sum(a == b for a, b in zip(on[-1].texts, off[-1].texts, strict=True))
             rows.append(
                 (
                     name,
                     str(clients),
-                    f"{off:.1f}",
-                    f"{on:.1f}",
-                    f"{on / off:.2f}x",
+                    f"{statistics.mean(x.tokens_per_s for x in off):.1f}",
+                    f"{statistics.mean(x.tokens_per_s for x in on):.1f}",
+                    f"{statistics.geometric_mean(whole):.2f}x",
+                    f"{statistics.mean(x.decode_per_s for x in off):.1f}",
+                    f"{statistics.mean(x.decode_per_s for x in on):.1f}",
+                    f"{statistics.geometric_mean(decode):.2f}x",
                     f"{kept / proposed:.0%}" if proposed else "-",
                     f"{equal}/{len(prompts)}",
                 )
@@ -149,10 +171,13 @@ async def main(args: argparse.Namespace) -> None:
         "off tok/s",
         f"{args.mode} tok/s",
         "ratio",
+        "off decode tok/s",
+        f"{args.mode} decode tok/s",
+        "decode ratio",
         "accepted",
         "same text",
     )
-    print(markdown(head, rows, align="lrrrrrr"))
+    print(markdown(head, rows, align="lrrrrrrrrr"))
 
 
 def cli() -> argparse.Namespace:

@@ -11,13 +11,14 @@ from stoic.scheduler._ngram import NgramIndex
 
 
 def _scan(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
-    """The reference: for the longest suffix first, the latest earlier occurrence's followers."""
+    """The reference: for the longest suffix first, the latest earlier occurrence's followers,
+    the tokens from it to the end repeated as often as ``k`` needs."""
     size = len(tokens)
     for n in range(min(max_n, size), min_n - 1, -1):
         suffix = tokens[size - n :]
         for end in range(size - 1, n - 1, -1):
             if tokens[end - n : end] == suffix:
-                return tuple(tokens[end : end + k])
+                return tuple((tokens + tokens[end:] * k)[end : end + k])
     return ()
 
 
@@ -46,7 +47,9 @@ def test_a_quoted_passage_is_proposed_and_the_longest_match_wins() -> None:
     index = NgramIndex([5, 6, 7, 5, 6, 8, 5, 6], min_n=2, max_n=2)
     assert index.propose(2) == (8, 5)  # the latest earlier "5 6" is followed by 8
     assert NgramIndex([1, 2, 3], min_n=2).propose(4) == ()  # "2 3" never occurred before
-    assert NgramIndex([7, 7, 7], min_n=1, max_n=2).propose(5) == (7,)  # up to the end
+    # past the end the copy goes on over itself: the sequence repeating with the match's period
+    assert NgramIndex([7, 7, 7], min_n=1, max_n=2).propose(5) == (7,) * 5
+    assert NgramIndex([1, 2, 3, 1, 2, 3, 1], min_n=1, max_n=3).propose(5) == (2, 3, 1, 2, 3)
     assert NgramIndex([1, 1], min_n=1).propose(0) == ()
 
 
