@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import KV_CACHE_DTYPES, SPECULATIVE_MODES, EngineConfig
+from ..config import KV_CACHE_DTYPES, SPECULATIVE_AUTO_BATCH, SPECULATIVE_MODES, EngineConfig
 from ._argtypes import ArgumentGroup, non_negative_float, positive_float, positive_int
 
 __all__ = ["add_engine_args", "engine_fields"]
@@ -47,7 +47,8 @@ def _add_batching_args(g: ArgumentGroup) -> None:
         default=d.speculative,
         help="speculative decoding by prompt lookup: a decoding sequence verifies tokens "
         "proposed from its own prompt and output in the same step; ngram: whenever one is "
-        "found, auto: only while at most 4 sequences run (default %(default)s)",
+        f"found, auto: only while at most {SPECULATIVE_AUTO_BATCH} sequences run "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--num-speculative-tokens",

@@ -77,11 +77,15 @@ class GrammarStates:
         team competing with the forward's for the same cores (on a small machine, a step
         several times slower).
         """
-        matchers = [self.matcher(c) for c in chunks]
         words = -(-self.backend.n_vocab // 32)
-        buf = np.zeros((len(chunks), words), dtype=np.int32)
+        buf = np.zeros((sum(c.drafts + 1 for c in chunks), words), dtype=np.int32)
         out = torch.from_numpy(buf)  # shares the memory; no operator runs
-        self.backend.fill_masks(matchers, out)
+        if not any(c.drafts for c in chunks):
+            self.backend.fill_masks([self.matcher(c) for c in chunks], out)
+        else:
+            row = 0
+            for c in chunks:
+                row = self._draft_masks(c, out, row)
         empty = ~buf.any(axis=1)
         if empty.any():  # a matcher in an error state: only the end is left
             bits = buf.view(np.uint32)
@@ -89,17 +93,51 @@ class GrammarStates:
                 bits[empty, t // 32] |= np.uint32(1 << (t % 32))
         return out
 
-    def advance(self, chunks: Sequence[SeqChunk], token_ids: Sequence[int]) -> list[bool]:
-        """Accept each chunk's sampled token; True where the sequence's grammar is now complete
-        (nothing but the end may follow: the sequence ends, even with ``ignore_eos``)."""
-        done = []
-        for chunk, t in zip(chunks, token_ids, strict=True):
+    def _draft_masks(self, chunk: SeqChunk, out: torch.Tensor, row: int) -> int:
+        """Fill ``chunk``'s ``drafts + 1`` rows of ``out`` from ``row`` on: the mask after its
+        output, then after each of its drafts in turn; return the row after them. A draft the
+        grammar does not allow (its bit clear in the row before) leaves the rows after it that
+        row's mask: they are never kept (the token sampled under that mask is never the refused
+        draft, so :meth:`SeqChunk.kept` stops there). The matcher ends where it began."""
+        m = self.matcher(chunk)
+        bits = out.numpy()  # the same memory (no torch operator in the grammar thread)
+        proposed = chunk.token_ids[len(chunk.token_ids) - chunk.drafts :]
+        taken = 0
+        for i in range(chunk.drafts + 1):
+            if taken < i:  # an earlier draft was refused: any mask will do
+                bits[row + i] = bits[row + i - 1]
+                continue
+            self.backend.fill_masks([m], out[row + i : row + i + 1])
+            if i < chunk.drafts:
+                d = proposed[i]
+                allowed = (int(bits[row + i, d // 32]) >> (d % 32)) & 1
+                if allowed and m.accept(d):
+                    taken += 1
+                elif allowed:  # accepted by the mask, refused by the matcher: undo it
+                    m.rollback(1)
+        m.rollback(taken)
+        return row + chunk.drafts + 1
+
+    def advance(
+        self, chunks: Sequence[SeqChunk], token_ids: Sequence[Sequence[int]]
+    ) -> list[int | None]:
+        """Accept each chunk's tokens of this step (the sampled one, then those kept after it:
+        ``StepOutput.accepted``); per chunk the index of the token that completes the grammar
+        (nothing but the end may follow: the sequence ends there, even with ``ignore_eos``), or
+        None. Tokens after that one are not accepted (the sequence keeps none of them)."""
+        done: list[int | None] = []
+        for chunk, tokens in zip(chunks, token_ids, strict=True):
             m = self._matchers.get(chunk.seq_id)
             if m is None or len(m.tokens) != len(chunk.output_ids):
-                done.append(False)  # evicted meanwhile: the next step replays
+                done.append(None)  # evicted meanwhile: the next step replays
                 continue
-            m.accept(t)
-            done.append(m.is_finished)
+            complete = None
+            for i, t in enumerate(tokens):
+                m.accept(t)
+                if m.is_finished:
+                    complete = i
+                    break
+            done.append(complete)
         return done
 
     def drop(self, seq_id: int) -> None:

@@ -385,10 +385,17 @@ class SchedulerCore:
             seq.strikes = seq.solo_failures = 0  # a clean step: not a suspect
             if p.sample and token is not None:
                 kept = output.accepted.get(seq.seq_id, ()) if p.drafts else ()
+                # with stop strings, kept drafts are detokenised one token at a time, as the
+                # steps they stand for would emit them: the token completing a stop string ends
+                # the sequence and the drafts after it are dropped (token ids and usage as
+                # without drafts)
+                one_by_one = bool(kept) and bool(seq.params.stop)
                 appended = 0
                 for sampled in (token, *kept):
                     seq.append(sampled, self.cfg.eos_token_ids)
                     appended += 1
+                    if one_by_one:
+                        seq.detokenize()
                     if seq.finish_reason is not None:
                         break
                 self._generated += appended

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..request import SeqChunk
 from ._allocator import BlockAllocator
 from ._sequence import Seq, SeqStatus
+from ._speculate import MAX_STEP_ROWS
 from ._tenants import TenantShares
 
 __all__ = [
@@ -100,7 +101,8 @@ def plan_step(
 
     With ``draft`` (a running sequence and the budget left -> proposed tokens), a decode carries
     its drafts after its own token, to verify in the same step (speculative decoding); they
-    count against the budget and get their blocks like any token.
+    count against the budget and get their blocks like any token, and the step's decodes and
+    drafts stay within :data:`~stoic.scheduler._speculate.MAX_STEP_ROWS` tokens.
 
     When the free blocks run out for a running sequence's chunk, ``preempt`` takes back the
     blocks of the worst-priority, youngest running sequence not yet in the plan (the sequence
@@ -147,15 +149,18 @@ def plan_step(
 
     _room_for_priorities(running, waiting, budget, allocator, block_size, preempt)
     decodes = 0
-    for seq in [s for s in running if s.remaining == 1]:
+    decoding = [s for s in running if s.remaining == 1]
+    draft_rows = MAX_STEP_ROWS - len(decoding)  # drafts left to this step's decodes
+    for seq in decoding:
         if budget <= 0:
             break
         if seq.status is SeqStatus.RUNNING:  # not preempted for an earlier one
-            drafts = draft(seq, budget) if draft is not None else ()
+            drafts = draft(seq, min(budget, 1 + draft_rows)) if draft is not None else ()
             if drafts:  # only into blocks no decode of this step may need: never a preemption
                 spare = allocator.free_blocks - len(running)
                 held = len(seq.block_table) + max(0, spare)
                 drafts = drafts[: max(0, held * block_size - seq.num_computed - 1)]
+                draft_rows -= len(drafts)
             decodes += place(seq, 1 + len(drafts), drafts)
     cap = prompt_budget(decodes) if prompt_budget is not None and decodes else None
     if cap is not None:

@@ -11,9 +11,12 @@ sequence's :class:`~stoic.scheduler._ngram.NgramIndex`) where that pays:
   rows cost what they may save);
 * a sequence whose drafts were all refused waits 1, 2, 4 ... (at most :data:`MAX_PAUSE`) of its
   decode steps before its next draft, and starts over once a draft is kept;
-* never past ``max_tokens`` or the step's token budget; not for a constrained request (a
-  grammar's masks would be needed per row) or one with stop strings (a stop string inside the
-  accepted tokens would end the text where a token-by-token run ends the tokens too).
+* never past ``max_tokens`` or the step's token budget, and a step's decodes with their drafts
+  stay within :data:`MAX_STEP_ROWS` tokens (the oldest sequences' drafts first). A request with
+  stop strings drafts too (the core detokenises its kept drafts one at a time and drops those
+  after the token that completes a stop string), and so does a constrained one (the runner
+  masks each row by the grammar's state after the drafts before it; a draft the grammar
+  refuses is never kept).
 """
 
 from __future__ import annotations
@@ -21,16 +24,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..config import Speculative
+from ..config import SPECULATIVE_AUTO_BATCH, Speculative
 from ._ngram import NgramIndex
 
 if TYPE_CHECKING:
     from ._sequence import Seq
 
-__all__ = ["AUTO_MAX_BATCH", "MAX_PAUSE", "DraftPolicy", "SeqDrafts"]
+__all__ = ["AUTO_MAX_BATCH", "MAX_PAUSE", "MAX_STEP_ROWS", "DraftPolicy", "SeqDrafts"]
 
-#: ``auto`` drafts while at most this many sequences run
-AUTO_MAX_BATCH = 4
+#: ``auto`` drafts while at most this many sequences run (:data:`stoic.config.SPECULATIVE_AUTO_BATCH`)
+AUTO_MAX_BATCH = SPECULATIVE_AUTO_BATCH
+#: the most tokens a decode step with drafts carries (its decodes and their drafts): the steps
+#: the quantised kernels' C layers take whole, with every product on the int8 tiles whose rows
+#: are each bitwise a one-row product (:data:`stoic.gguf.DENSE_KERNEL_ROWS`; the scheduler is
+#: pure and does not import the model). A bigger step takes the many-row products (bfloat16 /
+#: batched int8): slower for few rows (a 1.5B model, 5 rows: 92 ms on the tiles against 102 ms
+#: for 9 rows on the dense path) and not a decode's numbers, so its drafts would change greedy
+#: text in the fast dtype. 1 sequence: k drafts; 2: up to 3 each; 4: one each.
+MAX_STEP_ROWS = 8
 #: the longest pause, in its own decode steps, of a sequence whose drafts keep being refused
 MAX_PAUSE = 16
 
@@ -59,9 +70,6 @@ class DraftPolicy:
         """The tokens to verify after ``seq``'s next one (``()``: a plain decode), with
         ``running`` sequences in the engine and ``budget`` tokens left in the step."""
         if self.mode == "off" or (self.mode == "auto" and running > AUTO_MAX_BATCH):
-            return ()
-        params = seq.params
-        if params.constraint is not None or params.stop:
             return ()
         room = min(self.k, seq.max_tokens - seq.num_generated - 1, budget - 1)
         if room < 1:

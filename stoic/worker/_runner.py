@@ -321,13 +321,14 @@ class ModelRunner:
             cache.zero_rows(step.zero_rows)
         input_ids, positions, rows, chunks = step.input_ids, step.positions, step.rows, step.sampled
         constrained = [i for i, c in enumerate(chunks) if c.params.constraint is not None]
+        # the constrained chunks themselves: one with drafts has a mask row for each of its
+        # sampled rows (after its output, then after each draft: GrammarStates.bitmask)
+        grammar_chunks = [c for c in batch.chunks if c.sample and c.params.constraint is not None]
         masks: concurrent.futures.Future[torch.Tensor] | None = None
         if constrained:
             if self.grammar is None:
                 raise RuntimeError("a constrained sequence reached a runner without a grammar")
-            masks = self._mask_thread().submit(
-                self.grammar.bitmask, [chunks[i] for i in constrained]
-            )
+            masks = self._mask_thread().submit(self.grammar.bitmask, grammar_chunks)
         logits: torch.Tensor | None = None
         if self._logits.whole_forward:
             plan = self.attention.plan(step.meta, batch.num_tokens)
@@ -347,15 +348,6 @@ class ModelRunner:
             if masks is not None:
                 logits = apply_bitmask(logits, constrained, masks.result())
             tokens = sample(logits, chunks, self.loaded.eos_token_ids)
-            if masks is not None:
-                assert self.grammar is not None
-                done = self.grammar.advance(
-                    [chunks[i] for i in constrained], [tokens[i].token_id for i in constrained]
-                )
-                for i, complete in zip(constrained, done, strict=True):
-                    tokens[i] = finite_logprobs(tokens[i])
-                    if complete:
-                        tokens[i] = dataclasses.replace(tokens[i], grammar_complete=True)
             accepted: dict[int, tuple[SampledToken, ...]] = {}
             row = 0  # a chunk with drafts has drafts + 1 rows (build_inputs, draft_rows)
             for chunk in batch.chunks:
@@ -364,8 +356,32 @@ class ModelRunner:
                     if chunk.drafts:
                         accepted[chunk.seq_id] = chunk.kept(tokens[row : row + chunk.drafts + 1])
                     row += chunk.drafts + 1
+            if masks is not None:
+                assert self.grammar is not None
+                self._advance_grammars(grammar_chunks, sampled, accepted)
             return StepOutput(sampled, torch.get_num_threads(), accepted)
         return StepOutput(sampled, torch.get_num_threads())
+
+    def _advance_grammars(
+        self,
+        chunks: list[SeqChunk],
+        sampled: dict[int, SampledToken],
+        accepted: dict[int, tuple[SampledToken, ...]],
+    ) -> None:
+        """Advance the constrained ``chunks``' matchers by their tokens of the step (the sampled
+        one, then the kept drafts' rows), their logprobs made finite; the token that completes a
+        grammar is marked and the kept tokens after it dropped (in place)."""
+        assert self.grammar is not None
+        got = [(sampled[c.seq_id], *accepted.get(c.seq_id, ())) for c in chunks]
+        done = self.grammar.advance(chunks, [[t.token_id for t in g] for g in got])
+        for chunk, tokens, complete in zip(chunks, got, done, strict=True):
+            out = [finite_logprobs(t) for t in tokens]
+            if complete is not None:
+                out = out[: complete + 1]
+                out[complete] = dataclasses.replace(out[complete], grammar_complete=True)
+            sampled[chunk.seq_id] = out[0]
+            if chunk.drafts:
+                accepted[chunk.seq_id] = tuple(out[1:])
 
 
 def _tick_per_layer(base: Any) -> None:

@@ -228,3 +228,18 @@ async def test_a_model_off_the_c_layers_is_refused_at_start_saying_why(
         async with stoic.Engine.start(_config(**overrides)):
             pass
     assert why in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.timeout(900)
+async def test_drafts_change_no_bit_of_the_output(reference: Any) -> None:
+    """Four of the requests (two greedy, two seeded) alone with ``--speculative off`` and with
+    ``ngram``: the tokens and logprobs of the reference (whose engine runs the default,
+    ``auto``), bitwise, and drafts were kept: a chunk of drafts verifies through the same
+    fixed-order products and row attention a decode takes."""
+    requests = _requests()[:4]
+    for mode in ("off", "ngram"):
+        async with stoic.Engine.start(_config(speculative=mode)) as engine:
+            got = [_outcome(await engine.complete(p, params)) for p, params in requests]
+            stats = await wait_idle(engine)
+        assert got == reference[0][:4], mode
+        assert (stats.spec_accepted_tokens > 0) == (mode == "ngram")

@@ -151,7 +151,8 @@ async def test_an_oom_halves_the_token_budget_and_clean_steps_restore_it(
 ) -> None:
     """After an out-of-memory failure the step token budget is halved (the gauge shows it), and
     it doubles back to the configured value after clean steps; KV blocks are all free after."""
-    config = _config(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=64)
+    # one token a step (no drafts): the budget doubles back after 64 clean steps
+    config = _config(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=64, speculative="off")
     params = stoic.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
     async with stoic.Engine.start(config) as engine:
         assert engine.stats().token_budget == 64

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -83,22 +84,61 @@ async def test_drafts_change_nothing_in_the_output(
     assert stats.kv_blocks_used == 0
 
 
-async def test_constrained_and_stop_string_requests_get_no_drafts(tiny_model_dir: Path) -> None:
-    """A request with a grammar or stop strings decodes one token a step (and equals the
-    output without drafts), while a plain one beside it gets drafts."""
-    constrained = stoic.SamplingParams(
-        max_tokens=20, temperature=0, constraint=Constraint(kind="regex", text="[a-z ]+")
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+async def test_constrained_requests_draft_within_their_grammar(
+    tiny_model_dir: Path, batched: bool
+) -> None:
+    """Constrained requests draft too: each row is masked by the grammar's state after the
+    drafts before it, so the output (tokens, text, finish) is the output without drafts, within
+    the grammar, and drafts are kept (tests/sampling/test_grammar.py: the masks, and a grammar
+    completed inside the kept tokens)."""
+    params = stoic.SamplingParams(
+        max_tokens=24, temperature=0, constraint=Constraint(kind="regex", text="([a-z]+ )+")
     )
-    stopped = stoic.SamplingParams(max_tokens=20, temperature=0, stop=("zzz",), ignore_eos=True)
-    for params in (constrained, stopped):
-        plain, _ = await _outputs(tiny_model_dir, "off", params, batched=False)
-        drafted, stats = await _outputs(tiny_model_dir, "ngram", params, batched=False)
-        assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
-        assert stats.spec_draft_tokens == 0
+    plain, _ = await _outputs(tiny_model_dir, "off", params, batched=batched)
+    drafted, stats = await _outputs(tiny_model_dir, "ngram", params, batched=batched)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in drafted] == [
+        (o.token_ids, o.text, o.finish_reason) for o in plain
+    ]
+    assert all(re.fullmatch("[a-z ]*", o.text) for o in drafted)
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+async def test_a_stop_string_inside_kept_drafts_ends_where_one_token_at_a_time_ends(
+    tiny_model_dir: Path,
+) -> None:
+    """Requests with stop strings draft too, and end exactly as without drafts: the same
+    text, token ids, finish reason and usage, with a stop string picked from each plain
+    output's last third (met after drafts were kept) and one never met."""
+    greedy = stoic.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain, _ = await _outputs(tiny_model_dir, "off", greedy, batched=False)
+    drafts = 0
+    for i, whole in enumerate(plain):
+        at = len(whole.text) * 2 // 3
+        for stop in (whole.text[at : at + 3], "\x00never\x00"):
+            params = dataclasses.replace(greedy, stop=(stop,))
+            cfg = engine_config(tiny_model_dir, executor="thread", speculative="off")
+            async with stoic.Engine.start(cfg) as engine:
+                want = await engine.complete(PROMPTS[i], params)
+            cfg = engine_config(tiny_model_dir, executor="thread", speculative="ngram")
+            async with stoic.Engine.start(cfg) as engine:
+                got = await engine.complete(PROMPTS[i], params)
+                stats = await wait_idle(engine)
+            assert (got.text, got.token_ids, got.finish_reason, got.completion_tokens) == (
+                want.text,
+                want.token_ids,
+                want.finish_reason,
+                want.completion_tokens,
+            )
+            drafts += stats.spec_accepted_tokens
+            if stop != "\x00never\x00":
+                assert got.finish_reason == "stop" and len(got.text) <= at
+    assert drafts > 0  # (tests/scheduler/test_speculate_core.py: a stop string inside drafts)
 
 
 async def test_auto_drafts_only_while_few_sequences_run(tiny_model_dir: Path) -> None:
-    """``auto`` drafts for a lone request and not while more than 4 sequences run."""
+    """``auto`` drafts for a lone request and not while more than AUTO_MAX_BATCH (2)
+    sequences run."""
     params = dataclasses.replace(KINDS["greedy"], max_tokens=24)
     cfg = engine_config(tiny_model_dir, executor="thread", speculative="auto")
     async with stoic.Engine.start(cfg) as engine:
@@ -106,7 +146,7 @@ async def test_auto_drafts_only_while_few_sequences_run(tiny_model_dir: Path) ->
         alone = engine.stats().spec_draft_tokens
         assert alone > 0
         await asyncio.gather(*(engine.complete(p, params) for p in PROMPTS * 2))
-        # the last few of the 8 may run with fewer than 5 beside them: some drafts, not many
+        # the last few of the 8 may run with fewer than 3 beside them: some drafts, not many
         assert engine.stats().spec_draft_tokens - alone < alone * 8
         await wait_idle(engine)
 

@@ -73,7 +73,7 @@ def test_replay_equals_incremental_state(backend: LLGuidanceBackend, tokenizer: 
         replayed = GrammarStates(backend).bitmask([step])
         assert torch.equal(mask, replayed), n
         if n < len(ids):
-            assert incremental.advance([step], [ids[n]]) == [n == len(ids) - 1]
+            assert incremental.advance([step], [[ids[n]]]) == [0 if n == len(ids) - 1 else None]
     # a discarded step: the table holds one token more than the sequence; it rolls back
     back = _chunk(schema, ids[:2])
     assert torch.equal(incremental.bitmask([back]), GrammarStates(backend).bitmask([back]))
@@ -81,20 +81,22 @@ def test_replay_equals_incremental_state(backend: LLGuidanceBackend, tokenizer: 
 
 
 def test_advance_reports_completion(backend: LLGuidanceBackend, tokenizer: Any) -> None:
-    """``advance`` is True once the grammar is complete (the token that completes it, and an
-    end token after it), False before, and False for a sequence the table has not seen."""
+    """``advance`` gives the index of the token that completes the grammar (the token that
+    completes it, or an end token after it), None before and for a sequence the table has not
+    seen; of several tokens (a step's kept drafts) it stops at the completing one."""
     states = GrammarStates(backend)
     yes = Constraint("choice", json.dumps(["yes", "yesterday"]))
     ids = tokenizer.encode("yes")
     assert len(ids) == 1
-    assert states.advance([_chunk(yes, [])], ids) == [False]  # not seen yet: nothing to advance
+    assert states.advance([_chunk(yes, [])], [ids]) == [None]  # not seen: nothing to advance
     states.bitmask([_chunk(yes, [])])
-    assert states.advance([_chunk(yes, [])], ids) == [False]  # "yesterday" may still follow
+    assert states.advance([_chunk(yes, [])], [ids]) == [None]  # "yesterday" may still follow
     states.bitmask([_chunk(yes, ids)])
-    assert states.advance([_chunk(yes, ids)], [EOS]) == [True]
+    assert states.advance([_chunk(yes, ids)], [[EOS]]) == [0]
     done = Constraint("choice", json.dumps(["yes"]))
     states.bitmask([_chunk(done, [], seq_id=8)])
-    assert states.advance([_chunk(done, [], seq_id=8)], ids) == [True]
+    assert states.advance([_chunk(done, [], seq_id=8)], [[*ids, EOS, EOS]]) == [0]
+    assert states.matcher(_chunk(done, ids, seq_id=8)).tokens == ids  # nothing after it
 
 
 def test_compile_is_cached_by_constraint(backend: LLGuidanceBackend) -> None:
@@ -148,3 +150,37 @@ def test_min_tokens_with_a_constraint_is_refused() -> None:
     with pytest.raises(InvalidRequest) as raised:
         params.validate()
     assert raised.value.param == "min_tokens"
+
+
+def test_a_chunk_with_drafts_gets_a_mask_after_each_draft(
+    backend: LLGuidanceBackend, tokenizer: Any
+) -> None:
+    """A constrained chunk with drafts has one mask row per sampled row: after its output, then
+    after each draft in turn (each equal to a matcher advanced token by token); a draft the
+    grammar refuses leaves the rows after it the mask before it (they are never kept); the
+    matcher is left at the sequence's output, and ``advance`` then takes the kept tokens."""
+    schema = Constraint(
+        "json_schema",
+        json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+    )
+    ids = tokenizer.encode('{"a":421}')
+    params = SamplingParams(constraint=schema)
+    states = GrammarStates(backend)
+    drafts = tuple(ids[2:5])
+    # a decode of ids[1] (generated: in the output) with three drafts after it
+    chunk = SeqChunk(7, (ids[1], *drafts), 1, (0,), True, params, 2, tuple(ids[:2]), drafts=3)
+    masks = states.bitmask([chunk])
+    assert masks.shape[0] == 4
+    for i in range(4):
+        want = GrammarStates(backend).bitmask([_chunk(schema, ids[: 2 + i])])
+        assert torch.equal(masks[i : i + 1], want), i
+    assert states.matcher(_chunk(schema, ids[:2])).tokens == ids[:2]
+    # a refused draft ("}" before any key) and the rows after it
+    bad = tuple(tokenizer.encode("}")) + drafts[1:]
+    refused = SeqChunk(7, (ids[1], *bad), 1, (0,), True, params, 2, tuple(ids[:2]), drafts=3)
+    masks = GrammarStates(backend).bitmask([refused])
+    first = GrammarStates(backend).bitmask([_chunk(schema, ids[:2])])
+    assert all(torch.equal(masks[i : i + 1], first) for i in range(4))
+    # the step's tokens: the sampled one and two kept drafts' rows
+    assert states.advance([chunk], [ids[2:5]]) == [None]
+    assert states.matcher(_chunk(schema, ids[:5])).tokens == ids[:5]
