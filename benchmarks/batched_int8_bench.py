@@ -25,7 +25,7 @@ import time
 import torch
 from step_bench import GREEDY, Stream
 
-from stoic.kernels import Gemm8
+from stoic.kernels import Gemm8, _qkernels
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SeqChunk, StepBatch
 from stoic.worker import ModelRunner
@@ -35,12 +35,14 @@ def _runner(model: str, int8: bool) -> ModelRunner:
     loaded = load_model(model, dtype="float32", dense_dtype="bfloat16", device="cpu")
     if int8:
         return ModelRunner(loaded)
-    original = Gemm8.bind
+    original, alone = Gemm8.bind, _qkernels.G8_ALONE_TYPES
     Gemm8.bind = classmethod(lambda cls, *a, **k: None)  # type: ignore[method-assign,assignment]
+    _qkernels.G8_ALONE_TYPES = frozenset()  # the blocks for few rows, as before the one layout
     try:
         return ModelRunner(loaded)
     finally:
         Gemm8.bind = original  # type: ignore[method-assign]
+        _qkernels.G8_ALONE_TYPES = alone
 
 
 def _prefill(runner: ModelRunner, tokens: int) -> float:

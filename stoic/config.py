@@ -94,7 +94,9 @@ Quantization = Literal["auto", "gguf", "none"]
 #: ``--weight-layouts``: ``"fast"`` (a GGUF model's blocks repacked for steps of few rows, and
 #: for bigger ones the int8 layout or a dense copy: 2-3x the file's bytes), ``"compact"`` (the
 #: repacked blocks alone, every step on them: about the file's bytes, slower prefill), ``"auto"``
-#: (fast where its layouts take at most half the memory available at load, else compact)
+#: (fast where its layouts take at most half the memory available at load, else compact). With
+#: int8 products (VNNI, a fast dtype) the types of :data:`stoic.kernels.G8_ALONE_TYPES` hold one
+#: layout for every step under either: the choice only matters for the others (5-bit types)
 WeightLayouts = Literal["auto", "fast", "compact"]
 WEIGHT_LAYOUTS = ("auto", "fast", "compact")
 

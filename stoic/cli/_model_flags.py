@@ -111,11 +111,13 @@ def _add_gguf_args(g: ArgumentGroup) -> None:
         default=d.weight_layouts,
         choices=["auto", "fast", "compact"],
         help="how a .gguf model's quantised weights are held (docs/operations.md, \"Weight "
-        'layouts"). fast: the blocks repacked for steps of few tokens, and for bigger ones '
-        "(prefill, many sequences) the int8 layout (AVX-512 VNNI) or a dense copy: 2-3x the "
-        "file's bytes; compact: the repacked blocks alone, every step on them: about the file's "
-        "bytes, slower prefill; auto: fast where its layouts take at most half the memory "
-        "free at load, else compact (default %(default)s)",
+        'layouts"). With AVX-512 VNNI and --dtype auto the 4-bit, 6-bit and 8-bit types (a '
+        "Q4_K_M file) hold one int8-product layout that serves every step, about the file's "
+        "bytes, whichever is chosen; the others (5-bit types, no VNNI) differ: fast: the blocks "
+        "repacked for steps of few tokens, and for bigger ones (prefill, many sequences) the "
+        "int8 layout or a dense copy; compact: the repacked blocks alone, every step on them, "
+        "slower prefill; auto: fast where its layouts take at most half the memory free at "
+        "load, else compact (default %(default)s)",
     )
 
 

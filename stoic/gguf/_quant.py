@@ -79,9 +79,12 @@ class QLinear:
     the default mode with a fast dtype only; :class:`stoic.kernels._qkernels.Product`), and so do products of
     more than ``max_rows`` rows where every part's type has the batched layout
     (:class:`stoic.kernels._gemm8.Gemm8`, 1.125-1.5 bytes a weight); those then need no dense copy, and none is
-    made (their results come in ``dense_dtype`` as the copy's would). ``batched`` False: no
-    batched layout (``--weight-layouts compact``: the blocks' product alone, every row on it
-    where ``max_rows`` says so).
+    made (their results come in ``dense_dtype`` as the copy's would). A matrix of
+    :data:`stoic.kernels.G8_ALONE_TYPES` with ``int8_rows`` holds that layout alone (G4 for the
+    4-bit types: about its blocks' bytes), and steps of every size multiply by it: no blocks
+    repacked apart, no second copy. ``batched`` False: no batched layout for the other types
+    (``--weight-layouts compact``: the blocks' product alone, every row on it where
+    ``max_rows`` says so).
     """
 
     __slots__ = (
@@ -122,10 +125,16 @@ class QLinear:
         if self.quantized is not None and kernels is not None:
             bias32 = None if bias is None else bias.detach().float()
             self._product = self.quantized.bind(kernels, bias32, fixed=fixed, int8_rows=int8_rows)
-            if batched and int8_rows and not fixed and dense_dtype not in (None, torch.float32):
+            if int8_rows and not fixed and self._product.g8:
+                # one layout for every step (G8_ALONE_TYPES): bigger steps multiply by the
+                # product's own bytes, or (a stack of parts) by the product itself
+                self._gemm8 = Gemm8.over(kernels, self._product, bias32)
+                if self._gemm8 is None:
+                    self.max_rows = EVERY_ROW
+            elif batched and int8_rows and not fixed and dense_dtype not in (None, torch.float32):
                 self._gemm8 = Gemm8.bind(kernels, self.quantized.pieces, bias32)
         if weight.is_meta:  # read from a GGUF file's blocks alone (:mod:`._gguf_weights`)
-            weight = self._dense_from_blocks(weight, kernels, max_rows)
+            weight = self._dense_from_blocks(weight, kernels, self.max_rows)
         #: what products of more than ``max_rows`` rows (or of any, without blocks) multiply by
         #: (None once packed: :attr:`_packed` holds the same numbers)
         self.dense_weight: torch.Tensor | None = weight
@@ -195,7 +204,7 @@ class QLinear:
         """Bytes this holds of its own: the repacked blocks, the batched layout and dense
         weights made from the blocks (not a model's own weights, nor the file's pages)."""
         held = self._product.nbytes if self._product is not None else 0
-        held += self._gemm8.nbytes if self._gemm8 is not None else 0
+        held += self._gemm8.nbytes if self._gemm8 is not None and not self._gemm8.shared else 0
         if self._packed is not None:
             held += self._packed.nbytes
         elif self.dense_made and self.dense_weight is not None:
@@ -341,6 +350,7 @@ def choose_layouts(
     *,
     batched_bytes: float,
     available: int,
+    alone: frozenset[str] = frozenset(),
 ) -> Literal["fast", "compact"]:
     """``--weight-layouts`` resolved for a model whose matrices are ``blocks`` alone (no dense
     weights of its own: a GGUF file read directly; empty for any other model, which is
@@ -348,14 +358,21 @@ def choose_layouts(
 
     ``fast`` holds, next to each matrix's repacked blocks (about the file's bytes), what steps of
     more rows multiply by: the int8 layout (``batched_bytes`` a weight: 1.5 at most) or a dense
-    copy (its dtype's size); ``compact`` the repacked blocks alone, every step on them.
+    copy (its dtype's size); ``compact`` the repacked blocks alone, every step on them. A
+    matrix of one of the ``alone`` types (:data:`stoic.kernels.G8_ALONE_TYPES` where the
+    products take int8 activations) holds one layout for every step either way.
     ``auto`` is ``fast`` where its layouts take at most half of ``available`` (the memory free at
-    load: the KV cache, other processes and warm spares need the rest), else ``compact``: a
-    1.5B Q4_K_M file's 3.2 GiB is held on a 24 GiB machine, an 8B file's 15.7 GiB is not."""
+    load: the KV cache, other processes and warm spares need the rest), else ``compact``: with
+    int8 activations a Q4_K_M file of any size is ``fast`` at about its own bytes (1.3 GiB for
+    1.5B); without them a 1.5B file's 3.2 GiB is held on a 24 GiB machine, an 8B file's
+    15.7 GiB is not."""
     if mode != "auto" or not blocks:
         return "compact" if mode == "compact" else "fast"
     # each matrix: its blocks' bytes (what the repacking holds, about) and the batched layout
-    held = sum(m.rows * (m.blocks.shape[1] + m.cols * batched_bytes) for m in blocks.values())
+    held = sum(
+        m.rows * (m.blocks.shape[1] + (0 if m.kind in alone else m.cols * batched_bytes))
+        for m in blocks.values()
+    )
     return "fast" if held <= available / 2 else "compact"
 
 

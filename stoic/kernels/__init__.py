@@ -15,6 +15,8 @@ from ._cops import PrefillOps
 from ._gemm8 import Gemm8
 from ._qkernels import (
     C_POOL_DTYPES,
+    G4_TYPES,
+    G8_ALONE_TYPES,
     G8_TYPES,
     GGML_TYPES,
     MAX_HEAD_DIM,
@@ -28,6 +30,8 @@ from ._qkernels import (
 
 __all__ = [
     "C_POOL_DTYPES",
+    "G4_TYPES",
+    "G8_ALONE_TYPES",
     "G8_TYPES",
     "GGML_TYPES",
     "MAX_HEAD_DIM",

@@ -17,6 +17,8 @@ import torch
 
 __all__ = [
     "C_POOL_DTYPES",
+    "G4_TYPES",
+    "G8_ALONE_TYPES",
     "G8_TYPES",
     "GGML_TYPES",
     "MAX_HEAD_DIM",
@@ -65,6 +67,16 @@ GGML_TYPES, MAX_HEAD_DIM = _read_header()
 #: the GGML types the G8 layouts are built from: every type the kernels compute on
 #: (``_gemm8.c``'s stoic_g8_decode reads them all)
 G8_TYPES = frozenset(GGML_TYPES)
+#: the types whose values fit the nibbles of the G4 layout (``G8 + G8_NIBBLES``)
+G4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+#: the types whose G8 layout (G4 for the 4-bit ones) takes about the bytes of their repacked
+#: blocks (0.75, 1.125 and 1.25 bytes a weight, against K4/U4's 0.75, S8's 1.125 and K6's
+#: 1.25; Q4_0's Z4 0.625, 1.2x): with int8 activations (``--dtype auto`` on a CPU with VNNI) that one layout
+#: serves steps of every size, one row as fast as the one-row loops (bound by memory) and a
+#: prefill chunk or a batch of decodes 2-5x faster than their tiles, so nothing else is held.
+#: The 5-bit types' G8 would take 1.4-1.7x their blocks: they keep their blocks for small steps
+#: and the G8 layout for big ones.
+G8_ALONE_TYPES = G4_TYPES | {"Q6_K", "Q8_0"}
 #: the KV cache types the C attention reads (``kv_bf16``: a bfloat16 pool, widened exactly)
 C_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -85,6 +97,9 @@ class Layouts(NamedTuple):
     #: in one order (the default mode's batched steps; ``--deterministic``'s every step where the
     #: CPU has VNNI); its variants are ``g8`` + 1 to 3
     g8: int
+    #: G8's values as nibbles (``G8 + G8_NIBBLES``): the 4-bit types' matrices, 0.75 bytes a
+    #: weight
+    g4: int
     #: or'ed with a layout: the product sums every row in one order whatever the number of rows
     #: (``FIXED_ORDER``; ``--deterministic``)
     fixed_order: int
@@ -109,6 +124,7 @@ class Layouts(NamedTuple):
             mixed=const(lib, "stoic_layout_mixed"),
             bf16fixed=const(lib, "stoic_layout_bf16fixed"),
             g8=const(lib, "stoic_layout_g8"),
+            g4=const(lib, "stoic_layout_g4"),
             fixed_order=const(lib, "stoic_flag_fixed_order"),
             int8_rows=const(lib, "stoic_flag_int8_rows"),
         )

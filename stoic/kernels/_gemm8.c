@@ -28,7 +28,15 @@
  *      sum at -128 sum(xq) instead of adding m sx afterwards, one float operation fewer a
  *      block and column (the products are bound by those operations: 0.84-0.94x the time,
  *      docs/benchmarks.md), and 0.90x the bytes;
- *   so 640 (G8), 768 (H), 576 (S) or 640 (H and S) bytes a block.
+ *   so 640 (G8), 768 (H), 576 (S) or 640 (H and S) bytes a block;
+ *   +4 nibbles (G4, neither H nor S), the 4-bit types (Q4_0, Q4_1, Q4_K): two values a byte,
+ *      u8 v[4][16][4] (v[j][n][k]: q[j][n][k] in the low nibble, q[j + 4][n][k] in the high),
+ *      then d[16] and m[16]: 384 bytes a block, 0.75 a weight (Q4_K's K4 layout takes as
+ *      many), where q is the unsigned 4-bit value (Q4_0: m = -8 d). The tile splits each
+ *      64-byte load into its two groups (an and, a shift and an and) and sums them as G8's:
+ *      the integer sums and what follows are G8's, so the bytes of a 4-bit matrix serve steps
+ *      of every size, one row (bound by memory: as fast as the one-row loops of _int8rows.c)
+ *      to a prefill chunk (bound by arithmetic: about G8's speed, half its bytes).
  * Types (stoic_g8_decode): the symmetric Q4_0 (q + 120), Q5_0 (q + 112), Q8_0 (q + 128) and
  * Q6_K (q + 96, per sub-block of 16: d = d_super * scale), each with m = -128 d; Q4_1 and Q5_1
  * (the file's m); Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min).
@@ -44,7 +52,8 @@
 
 #include "_blocks.h"
 
-/* (the layout's bits over G8, qmm_dispatch's G8 .. G8 + 3: G8_HALVES, G8_SYMMETRIC) */
+/* (the layout's bits over G8, qmm_dispatch's G8 .. G8 + 4: G8_HALVES, G8_SYMMETRIC, or
+ * G8_NIBBLES alone) */
 #define G8_TR 4 /* rows of x a tile of the product */
 #define G8_TC 3 /* tiles of 16 output columns a tile of the product */
 
@@ -160,17 +169,60 @@ int stoic_g8_layout(const float *d, const float *m, int64_t N, int64_t K) {
     return G8 + (halves ? G8_HALVES : 0) + (symmetric ? G8_SYMMETRIC : 0);
 }
 
-/* the bytes of a block of 16 rows by 32 weights: the values, then 16 float32 scales for each
- * of `halves` (1 or 2), and as many offsets unless `symmetric` */
-static inline int64_t g8_bytes_of(int halves, int symmetric) {
-    return 512 + 64 * halves * (symmetric ? 1 : 2);
+/* the bytes of a block of 16 rows by 32 weights: the values (a byte each, or with `nibbles`
+ * half a byte), then 16 float32 scales for each of `halves` (1 or 2), and as many offsets
+ * unless `symmetric` */
+static inline int64_t g8_bytes_of(int halves, int symmetric, int nibbles) {
+    return (nibbles ? 256 : 512) + 64 * halves * (symmetric ? 1 : 2);
 }
 
 /* g8_bytes_of for `layout`; 0 for another */
 static int64_t g8_block_bytes(int layout) {
-    if (layout < G8 || layout > G8 + 3) return 0;
+    if (layout < G8 || layout > G8 + G8_NIBBLES) return 0;
     const int bits = layout - G8;
-    return g8_bytes_of(bits & G8_HALVES ? 2 : 1, !!(bits & G8_SYMMETRIC));
+    return g8_bytes_of(bits & G8_HALVES ? 2 : 1, !!(bits & G8_SYMMETRIC), bits == G8_NIBBLES);
+}
+
+/* N rows of decoded q, d, m into G4 (out: stoic_g8_bytes): each block's values as 4-bit
+ * unsigned v with w = v d + m: q itself where a block's q are all below 16, q - 120 with
+ * m = -8 d where the block is Q4_0's symmetric form (m = -128 d, q in 120..135: w = (q - 128) d
+ * = (v - 8) d, -8 d exact); 0, or -1 where a block is neither (a wider type) or its halves
+ * differ */
+static int g4_pack(const uint8_t *q, const float *d, const float *m, int64_t N, int64_t K,
+                   uint8_t *out) {
+    const int64_t nb = K / QK, tiles = (N + 15) / 16;
+    memset(out, 0, (size_t)stoic_g8_bytes(N, K, G8 + G8_NIBBLES));
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = out + (t * nb + b) * 384;
+            float *bd = (float *)(void *)(blk + 256), *bm = bd + 16;
+            for (int n = 0; n < 16 && t * 16 + n < N; n++) {
+                const int64_t row = t * 16 + n, i = row * nb + b;
+                const uint8_t *qr = q + row * K + b * QK;
+                if (memcmp(d + 2 * i, d + 2 * i + 1, 4) || memcmp(m + 2 * i, m + 2 * i + 1, 4))
+                    return -1;
+                uint8_t lo = 255, hi = 0;
+                for (int l = 0; l < QK; l++) {
+                    lo = qr[l] < lo ? qr[l] : lo;
+                    hi = qr[l] > hi ? qr[l] : hi;
+                }
+                const float symmetric = -128.0f * d[2 * i];
+                int base = 0;
+                float mi = m[2 * i];
+                if (hi >= 16) {
+                    if (memcmp(m + 2 * i, &symmetric, 4) || lo < 120 || hi > 135) return -1;
+                    base = 120;
+                    mi = -8.0f * d[2 * i];
+                }
+                for (int j = 0; j < 4; j++)
+                    for (int k = 0; k < 4; k++)
+                        blk[j * 64 + n * 4 + k] = (uint8_t)((qr[j * 4 + k] - base) |
+                                                            ((qr[(j + 4) * 4 + k] - base) << 4));
+                bd[n] = d[2 * i];
+                bm[n] = mi;
+            }
+        }
+    return 0;
 }
 
 /* the bytes of N rows of K weights in `layout` (stoic_g8_layout's); 0 for another */
@@ -185,6 +237,7 @@ int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, i
                   int layout, uint8_t *out) {
     const int64_t nb = K / QK, tiles = (N + 15) / 16, bytes = g8_block_bytes(layout);
     if (K % QK != 0 || !bytes) return -1;
+    if (layout == G8 + G8_NIBBLES) return g4_pack(q, d, m, N, K, out);
     const int bits = layout - G8, fits = stoic_g8_layout(d, m, N, K) - G8;
     if ((bits & G8_HALVES) < (fits & G8_HALVES) || (bits & G8_SYMMETRIC) > (fits & G8_SYMMETRIC))
         return -1;
@@ -229,11 +282,14 @@ static inline void g8_store_bf16(uint16_t *p, __m512 v, __mmask16 cols) {
  * otherwise come from memory at their first row tile). Every element's arithmetic is the same
  * whatever R, C, the prefetches and the row's place in the tile. */
 static inline __attribute__((always_inline)) void
-g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, const float *dx,
-        const void *sx, int64_t K, int64_t nb, const uint8_t *wt, int64_t tstride, void *y,
-        int y_bf16, int64_t ldy, const __mmask16 *cols, const float *bias, const float *res,
-        const uint8_t **pf, const uint8_t *pf_end, int64_t pf_lines) {
-    const int64_t bytes = g8_bytes_of(H ? 2 : 1, S), parts = H ? 2 : 1;
+g8_tile(const int R, const int C, const int H, const int S, const int NB, const int8_t *xq,
+        const float *dx, const void *sx, int64_t K, int64_t nb, const uint8_t *wt,
+        int64_t tstride, void *y, int y_bf16, int64_t ldy, const __mmask16 *cols,
+        const float *bias, const float *res, const uint8_t **pf, const uint8_t *pf_end,
+        int64_t pf_lines) {
+    const int64_t bytes = g8_bytes_of(H ? 2 : 1, S, NB), parts = H ? 2 : 1;
+    const int64_t values = NB ? 256 : 512;
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[G8_TR][G8_TC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
@@ -250,8 +306,15 @@ g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, co
             }
             for (int g = 8 / parts * h; g < 8 / parts * (h + 1); g++) {
                 __m512i w[G8_TC];
-                for (int c = 0; c < C; c++)
-                    w[c] = _mm512_loadu_si512((const void *)(blk + c * tstride + g * 64));
+                for (int c = 0; c < C; c++) {
+                    if (!NB) {
+                        w[c] = _mm512_loadu_si512((const void *)(blk + c * tstride + g * 64));
+                        continue;
+                    } /* G4: groups 0-3 the low nibbles of the four loads, 4-7 the high */
+                    const __m512i v =
+                        _mm512_loadu_si512((const void *)(blk + c * tstride + (g & 3) * 64));
+                    w[c] = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
+                }
                 for (int r = 0; r < R; r++) {
                     int32_t xv;
                     memcpy(&xv, xq + r * K + b * QK + g * 4, 4);
@@ -261,7 +324,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, co
                 }
             }
             for (int c = 0; c < C; c++) {
-                const float *dm = (const float *)(const void *)(blk + c * tstride + 512);
+                const float *dm = (const float *)(const void *)(blk + c * tstride + values);
                 const __m512 d = _mm512_loadu_ps(dm + 16 * h);
                 const __m512 m = S ? d : _mm512_loadu_ps(dm + 16 * parts + 16 * h);
                 for (int r = 0; r < R; r++) {
@@ -291,7 +354,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int8_t *xq, co
 
 /* all the rows of M by C tiles from tile t: G8_TR rows at a time, then the rest */
 #define G8_ROWS(R, C, H, S)                                                                     \
-    g8_tile(R, C, H, S, xq + r * K, dx + r * nb, (const char *)sums + 4 * r * nb * (H ? 2 : 1), \
+    g8_tile(R, C, H, S, NIBBLES, xq + r * K, dx + r * nb, (const char *)sums + 4 * r * nb * (H ? 2 : 1), \
             K, nb, wt, tstride,                                                                 \
             y_bf16 ? (void *)((uint16_t *)y + r * ldy + c0)                                     \
                    : (void *)((float *)y + r * ldy + c0),                                       \
@@ -370,6 +433,7 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
         return -2;
     }
     const int64_t row_tiles = (M + G8_TR - 1) / G8_TR;
+    const int NIBBLES = 0; /* G4's case shadows it */
     _Pragma("omp parallel num_threads(threads)") {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t lo = groups * tid / nth, hi = groups * (tid + 1) / nth;
@@ -390,6 +454,11 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
             }
             const float *bt = bias ? bias + c0 : NULL;
             switch (layout - G8) {
+            case G8_NIBBLES: {
+                const int NIBBLES = 1;
+                G8_GROUP(0, 0);
+                break;
+            }
             case 0: G8_GROUP(0, 0); break;
             case G8_HALVES: G8_GROUP(1, 0); break;
             case G8_SYMMETRIC: G8_GROUP(0, 1); break;

@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from ._qkernels import G8_TYPES, GGML_TYPES, G8Layout, Kernels, _check_bias, get_threads
+from ._qkernels import (
+    G8_TYPES,
+    GGML_TYPES,
+    G8Layout,
+    Kernels,
+    Product,
+    _check_bias,
+    get_threads,
+)
 
 __all__ = ["G8_TYPES", "Gemm8"]
 
@@ -27,7 +35,7 @@ class Gemm8:
     ``parts`` (each ``(kind, blocks)``, one below the other), in the G8 layout (1.125-1.5 bytes
     a weight, :meth:`Kernels.g8_layout`). Thread-safe: calls share nothing but their arguments."""
 
-    __slots__ = ("_bias", "_kernels", "_layout", "cols", "rows")
+    __slots__ = ("_bias", "_kernels", "_layout", "cols", "rows", "shared")
 
     def __init__(
         self,
@@ -42,6 +50,8 @@ class Gemm8:
         self._bias = bias
         self.rows = rows
         self.cols = cols
+        #: whether the layout is a :class:`Product`'s (:meth:`over`): its bytes are counted there
+        self.shared = False
 
     @classmethod
     def bind(
@@ -63,6 +73,20 @@ class Gemm8:
         cols = int(parts[0][1].shape[1]) // ggml.block_bytes * ggml.weights
         _check_bias(bias, rows)
         return cls(kernels, layout, rows, cols, None if bias is None else bias.contiguous())
+
+    @classmethod
+    def over(cls, kernels: Kernels, product: Product, bias: torch.Tensor | None) -> Gemm8 | None:
+        """The product over ``product``'s own G8 layout (:attr:`Product.g8`, one matrix: no
+        copy), or None where it has none."""
+        if not product.g8 or product.parts:
+            return None
+        _check_bias(bias, product.rows)
+        layout = G8Layout(product.packed, product.layout & ~kernels.layouts.fixed_order)
+        gemm = cls(
+            kernels, layout, product.rows, product.cols, None if bias is None else bias.contiguous()
+        )
+        gemm.shared = True
+        return gemm
 
     @property
     def layout(self) -> int:

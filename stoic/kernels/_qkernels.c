@@ -216,14 +216,14 @@ static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_
 static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
-    if (type >= G8 && type <= G8 + 3) {
+    if (type >= G8 && type <= G8 + G8_NIBBLES) {
         const int rc = gemm8_mm(x, 0, M, K, w, N, type, bias, NULL, y, 0, ldy, threads);
         return rc == 1 ? -1 : rc;
     }
     if (type == BF16FIXED)
         return bf16fixed_mm((const int64_t *)w, x, M, K, N, bias, y, ldy, threads);
     if (type == MIXED) return qmm_mixed(x, M, K, (const int64_t *)w, N, bias, y, ldy, threads);
-    if (M >= 1 && M <= INT8_MAX_ROWS && int8_rows && !qkernels_fixed_order) {
+    if (M >= 1 && int8_rows && !qkernels_fixed_order) {
         const int rc = int8rows_mm(type, x, M, K, w, N, bias, y, ldy, threads);
         if (rc != 1) return rc;
     }

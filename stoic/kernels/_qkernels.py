@@ -40,6 +40,8 @@ import torch
 from ._build import KernelsUnavailable, build_library
 from ._constants import (
     C_POOL_DTYPES,
+    G4_TYPES,
+    G8_ALONE_TYPES,
     G8_TYPES,
     GGML_TYPES,
     MAX_HEAD_DIM,
@@ -50,6 +52,8 @@ from ._constants import (
 
 __all__ = [
     "C_POOL_DTYPES",
+    "G4_TYPES",
+    "G8_ALONE_TYPES",
     "G8_TYPES",
     "GGML_TYPES",
     "MAX_HEAD_DIM",
@@ -162,6 +166,11 @@ class Product:
         copy = self._bf16[1] if self._bf16 is not None else None
         own += 0 if copy is None else copy.numel() * copy.element_size()
         return own + sum(p.nbytes for p in self.parts)
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """The repacked blocks (a G8 layout's bytes where :attr:`g8`), or a stack's descriptor."""
+        return self._packed
 
     @property
     def pointer(self) -> int:
@@ -328,9 +337,11 @@ class Kernels:
         (``bf16_copy``) a bfloat16 copy of the weights (2 bytes a weight) that steps of several
         rows read; without it they de-quantise in registers, bitwise the same results, slower.
         ``int8_rows``: products of up to eight rows with int8 activations where :attr:`int8_rows`
-        (:class:`Product`); with ``fixed``, every product on int8 activations over the G8 layout
-        where :attr:`int8_rows` and ``kind`` is one of :data:`G8_TYPES` (batch-invariant,
-        1.125-1.5 bytes a weight, no bfloat16 copy), the bfloat16 or float32 fixed order otherwise.
+        (:class:`Product`); every product on int8 activations over the G8 layout where
+        :attr:`int8_rows` and ``kind`` is one of :data:`G8_ALONE_TYPES` (its bytes are no more
+        than the repacked blocks'; :attr:`Product.g8`), or with ``fixed`` one of
+        :data:`G8_TYPES` (batch-invariant, 0.75-1.5 bytes a weight, no bfloat16 copy); with
+        ``fixed`` otherwise the bfloat16 or float32 fixed order.
 
         :raises ValueError: if the blocks or the bias do not fit.
         """
@@ -344,7 +355,7 @@ class Kernels:
         ):
             raise ValueError(f"not {kind} blocks: {blocks.dtype} {tuple(blocks.shape)}")
         _check_bias(bias, n)
-        if fixed and int8_rows and self.int8_rows and kind in G8_TYPES:
+        if int8_rows and self.int8_rows and kind in (G8_TYPES if fixed else G8_ALONE_TYPES):
             g8 = self.g8_layout([(kind, blocks)])
             return Product(
                 self._qmm, self.layouts, kind, g8.packed, cols,
@@ -421,10 +432,11 @@ class Kernels:
         self, parts: list[tuple[str, torch.Tensor]], layout: int | None = None
     ) -> G8Layout:
         """The matrix stacked from ``parts`` (``(kind, blocks)``, one below the other, each of
-        :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``), or the variant its blocks fit: 1.125
-        bytes a weight where every part is symmetric (Q4_0, Q5_0, Q8_0, Q6_K), 1.25 otherwise
-        (1.25 and 1.5 with a Q6_K part: a scale per 16 weights). ``layout``: that variant instead
-        (comparisons of the variants on the same blocks).
+        :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``), or the variant its blocks fit: G4,
+        0.75 bytes a weight, where every part is of :data:`G4_TYPES`; else 1.125 where every part
+        is symmetric (Q4_0, Q5_0, Q8_0, Q6_K), 1.25 otherwise (1.25 and 1.5 with a Q6_K part: a
+        scale per 16 weights). ``layout``: that variant instead (comparisons of the variants on
+        the same blocks).
 
         :raises ValueError: if a part is of another type, its blocks do not fit it or the
             ``layout`` asked for, or the parts differ in width.
@@ -435,6 +447,8 @@ class Kernels:
             raise ValueError(f"cannot stack matrices of widths {[int(w) for w in widths]}")
         q, d, m = (torch.cat(t) if len(decoded) > 1 else t[0] for t in zip(*decoded, strict=True))
         rows, cols = q.shape
+        if layout is None and all(kind in G4_TYPES for kind, _ in parts):
+            layout = self.layouts.g4
         if layout is None:
             layout = self.g8_fit(d.data_ptr(), m.data_ptr(), rows, cols)
         packed = torch.empty(self.g8_bytes(rows, cols, layout), dtype=torch.uint8)

@@ -39,10 +39,12 @@
 #define MIXED 110
 /* --deterministic's bfloat16 products: `w` points to a descriptor (_bf16fixed.c) */
 #define BF16FIXED 120
-/* int8 activations over the G8 layouts, G8 .. G8 + 3 (_gemm8.c: its variants' bits) */
+/* int8 activations over the G8 layouts, G8 .. G8 + 3, and G4 = G8 + G8_NIBBLES (_gemm8.c: its
+ * variants' bits) */
 #define G8 130
 #define G8_HALVES 1
 #define G8_SYMMETRIC 2
+#define G8_NIBBLES 4
 /* or'ed with a layout: every row of y in one order whatever M is (--deterministic) */
 #define FIXED_ORDER 0x10000
 /* or'ed with a layout: up to eight rows of x quantised to int8 (_int8rows.c) */
@@ -132,6 +134,7 @@ int stoic_layout_of(int type);
 extern const int stoic_layout_mixed;      /* MIXED */
 extern const int stoic_layout_bf16fixed;  /* BF16FIXED */
 extern const int stoic_layout_g8;         /* G8 */
+extern const int stoic_layout_g4;         /* G8 + G8_NIBBLES */
 extern const int stoic_flag_fixed_order;  /* FIXED_ORDER */
 extern const int stoic_flag_int8_rows;    /* INT8_ROWS */
 extern const int stoic_max_head_dim;      /* MAX_HEAD_DIM */

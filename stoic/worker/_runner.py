@@ -25,6 +25,7 @@ from ..gguf import (
     default_cache_dir,
     prepare_quantized,
 )
+from ..kernels import G8_ALONE_TYPES
 from ..model import (
     ATTN_IMPLEMENTATION,
     AttentionBackend,
@@ -159,6 +160,7 @@ class ModelRunner:
             blocks if read is not None and read.lazy and not deterministic else {},
             batched_bytes=1.5 if self.int8_rows else (dense or loaded.dtype).itemsize,
             available=device_memory(loaded.device).available(),
+            alone=G8_ALONE_TYPES if self.int8_rows else frozenset(),
         )
         compact = self.weight_layouts == "compact"
         #: steps of at most this many tokens run on the quantised blocks (if any)

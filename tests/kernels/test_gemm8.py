@@ -12,7 +12,7 @@ from gguf_blocks import gguf_py, random_blocks
 from test_int8rows import assert_int8_product, quantized_x, vnni_kernels
 
 from stoic.gguf import QLinear, QuantizedMatrix
-from stoic.kernels import G8_TYPES, Gemm8, Kernels
+from stoic.kernels import G4_TYPES, G8_TYPES, Gemm8, Kernels, _qkernels
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner
@@ -85,6 +85,8 @@ def test_the_symmetric_layout_sums_the_offset_exactly(vnni_kernels: Kernels) -> 
     adds -128 sum(xq) to the exact integer sum: closer to the quantised x's product than adding
     the offset apart, which a stack with an asymmetric part (Q4_1) does."""
     for kind in SYMMETRIC:
+        if kind in G4_TYPES:  # its own values go in nibbles (below): no symmetric variant
+            continue
         blocks = random_blocks(kind, 48, 512, seed=21)
         filler = ("Q4_1", random_blocks("Q4_1", 16, 512, seed=22))
         alone = Gemm8.bind(vnni_kernels, [(kind, blocks)], None)
@@ -106,7 +108,37 @@ def test_a_layout_the_blocks_do_not_fit_is_refused(vnni_kernels: Kernels) -> Non
     for kind, layout in (("Q4_1", g8.layout + 2), ("Q6_K", g8.layout)):
         with pytest.raises(ValueError, match=f"layout {layout}"):
             vnni_kernels.g8_layout([(kind, random_blocks(kind, 16, 256, seed=42))], layout)
-    assert vnni_kernels.g8_bytes(16, 256, g8.layout + 4) == 0
+    assert vnni_kernels.g8_bytes(16, 256, g8.layout + 5) == 0
+    with pytest.raises(ValueError, match=f"layout {vnni_kernels.layouts.g4}"):  # 5 bits
+        vnni_kernels.g8_layout(
+            [("Q5_0", random_blocks("Q5_0", 16, 256, seed=43))], vnni_kernels.layouts.g4
+        )
+
+
+@pytest.mark.parametrize("kind", sorted(G4_TYPES))
+def test_the_nibble_layout_is_g8s_numbers_in_half_the_bytes(
+    vnni_kernels: Kernels, kind: str
+) -> None:
+    """A 4-bit type's matrix goes in G4 (two values a byte): 0.75 bytes a weight (0.6x G8's),
+    every row bitwise G8's own where the type has offsets (Q4_1, Q4_K: the same integer sums,
+    scales and offsets), Q4_0 (stored as q - 8 with its offset -8 d) within the int8 numerics
+    of both, and each row the same alone or in any batch; rows past a multiple of 16 padded."""
+    blocks = random_blocks(kind, 40, 512, seed=44)
+    g4 = Gemm8.bind(vnni_kernels, [(kind, blocks)], None)
+    g8 = vnni_kernels.g8_layout(
+        [(kind, blocks)], vnni_kernels.layouts.g8 + (2 if kind == "Q4_0" else 0)
+    )
+    assert g4 is not None and g4.layout == vnni_kernels.layouts.g4
+    assert g4.nbytes == 3 * 16 * 384 and g4.nbytes < 0.67 * g8.packed.numel()
+    wide = Gemm8(vnni_kernels, g8, 40, 512, None)
+    x = torch.randn(21, 512, generator=torch.Generator().manual_seed(45))
+    got = g4(x)
+    if kind == "Q4_0":
+        assert_int8_product(got, x, gguf_py(kind, blocks))
+    else:
+        assert torch.equal(got, wide(x))
+    for r in (0, 7, 20):
+        assert torch.equal(g4(x[r : r + 1]), got[r : r + 1])
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q6_K"])
@@ -301,6 +333,7 @@ def test_the_default_model_prefills_on_int8_close_to_its_float_path(
     assert len(prompt) == 60 > fast.kernel_rows
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Gemm8, "bind", classmethod(lambda cls, *a: None))
+        patch.setattr(_qkernels, "G8_ALONE_TYPES", frozenset())
         bf16 = ModelRunner(
             load_model("default", dtype="float32", dense_dtype="bfloat16", device="cpu"),
             quantization="gguf",

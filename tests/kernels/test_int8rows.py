@@ -17,7 +17,14 @@ import torch
 from gguf_blocks import gguf_py, random_blocks
 
 from stoic.gguf import default_cache_dir
-from stoic.kernels import G8_TYPES, Kernels, KernelsUnavailable, _build, load_kernels
+from stoic.kernels import (
+    G8_ALONE_TYPES,
+    G8_TYPES,
+    Kernels,
+    KernelsUnavailable,
+    _build,
+    load_kernels,
+)
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner
@@ -85,18 +92,28 @@ def test_one_row_products_multiply_the_int8_row(
 def test_without_the_flag_or_with_more_rows_the_float_path_runs_bitwise(
     vnni_kernels: Kernels, kind: str
 ) -> None:
-    """``int8_rows`` changes products of up to eight rows (below) only: nine rows and a
-    product bound without the flag give the float path's numbers bitwise; in the fixed order
-    the flag means the G8 layout's int8 products (``test_gemm8.py``: every type here has one);
-    a stack of int8 parts equals its parts."""
-    blocks = random_blocks(kind, 40, 256, seed=4)
+    """A product bound without ``int8_rows`` gives the float path's numbers bitwise; with it,
+    a type of :data:`G8_ALONE_TYPES` multiplies every row count on its G8 layout (G4 for the
+    4-bit types: at most 1.2x its blocks' bytes), the fixed order's very bytes and numbers, and
+    another type (Q5_0) multiplies on int8 activations over its blocks, nine rows too (each row
+    bitwise its one-row product); in the fixed order the flag means the G8 layout's int8
+    products (``test_gemm8.py``: every type here has one); a stack of int8 parts equals its
+    parts."""
+    blocks = random_blocks(kind, 48, 256, seed=4)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(6))
     plain = vnni_kernels.bind(kind, blocks, None)
     int8 = vnni_kernels.bind(kind, blocks, None, int8_rows=True)
-    assert torch.equal(int8(x), plain(x))
     fixed = vnni_kernels.bind(kind, blocks, None, fixed=True, int8_rows=True)
     assert fixed.fixed and fixed.g8 == (kind in G8_TYPES) and fixed.int8_rows == fixed.g8
+    assert int8.g8 == (kind in G8_ALONE_TYPES)
+    if int8.g8:
+        assert torch.equal(int8.packed, fixed.packed) and torch.equal(int8(x), fixed(x))
+        assert int8.nbytes <= 1.2 * plain.nbytes  # Q4_0: 0.75 bytes a weight, Z4 0.625
+    else:
+        nine = int8(x)
+        assert all(torch.equal(nine[r : r + 1], int8(x[r : r + 1])) for r in range(9))
     assert not torch.equal(int8(x[:1]), plain(x[:1]))
+    assert not torch.equal(int8(x), plain(x))
     other = random_blocks("Q6_K", 8, 256, seed=7)
     stack = vnni_kernels.bind_stack(
         [(kind, random_blocks(kind, 8, 256, seed=8)), ("Q6_K", other)], None, int8_rows=True

@@ -54,8 +54,9 @@ _PROBE = textwrap.dedent(
 def test_a_mid_size_file_loads_without_a_float_copy(tmp_path: Path) -> None:
     """A 90M-weight Q8_0 Llama file (93 MiB; 358 MiB in float32): the load adds no more
     private memory than its norms and a few MiB of bookkeeping (the projections and the output
-    layer stay on the file's shared pages), and the runner's repacked layouts stay within 3.5x
-    the file's bytes (a float32 model was 3.8x before any layout; bfloat16 copies 1.9x more)."""
+    layer stay on the file's shared pages), and the runner's layouts stay within 1.3x the
+    file's bytes with int8 products (one layout for every step; a float32 model was 3.8x before
+    any layout, the repacked blocks and a batched int8 layout 2.2x)."""
     from stoic.gguf import default_cache_dir
 
     gguf = write_llama_gguf(
@@ -81,7 +82,8 @@ def test_a_mid_size_file_loads_without_a_float_copy(tmp_path: Path) -> None:
     assert got["lazy"] == 7 * 8 + 1 and got["projections"] == 4 * 8
     assert got["dense_mib"] < 2.0  # norms, and this file's float32 embedding (1 MiB)
     assert got["load"] < 48 * _MIB, got
-    # the repacked blocks (~1.06x) and the int8 layout (1.125 bytes a weight); without the
-    # int8 products (no AVX-512 VNNI) a dense copy in the dense dtype instead (2 or 4 bytes)
-    bound = 3.5 if got["int8"] == got["projections"] else 5.0
+    # with int8 products (AVX-512 VNNI) Q8_0's one layout for every step (1.125 bytes a weight:
+    # 1.06x the file's 1.0625, measured 1.1x with the output layer's); without them the
+    # repacked blocks (~1.06x) and a dense copy in the dense dtype (2 or 4 bytes a weight)
+    bound = 1.3 if got["int8"] == got["projections"] else 5.0
     assert got["runner"] < bound * size, got

@@ -352,4 +352,13 @@ def test_auto_weight_layouts_hold_the_batched_layout_while_it_fits_half_the_memo
     assert choose_layouts("compact", two_b, batched_bytes=1.5, available=64 * gib) == "compact"
     assert choose_layouts("fast", two_b, batched_bytes=1.5, available=1 * gib) == "fast"
     assert choose_layouts("auto", {}, batched_bytes=4, available=0) == "fast"
+    # a type whose one layout serves every step (int8 products: G8_ALONE_TYPES) holds no more
+    alone = frozenset({"Q8_0"})
+    assert (
+        choose_layouts("auto", two_b, batched_bytes=1.5, available=5 * gib, alone=alone) == "fast"
+    )
+    assert (
+        choose_layouts("auto", two_b, batched_bytes=1.5, available=4 * gib, alone=alone)
+        == "compact"
+    )
     assert choose_layouts("compact", {}, batched_bytes=4, available=0) == "compact"
