@@ -100,6 +100,9 @@ def model_systems(args: argparse.Namespace, work: Path, gguf: Path, slots: int) 
     for layouts in args.weight_layouts or ():
         flags = [*model, "--weight-layouts", layouts]
         systems.append(stoic_server(work, f"stoic serve --weight-layouts {layouts}", flags))
+    for extra in args.stoic_flags or ():
+        flags = [*model, *extra.split()]
+        systems.append(stoic_server(work, f"stoic serve {extra}", flags))
     if not args.no_options:
         flags = [*model, "--quantization", "none"]
         systems.append(stoic_server(work, "stoic serve --quantization none", flags))
@@ -223,6 +226,13 @@ def main() -> None:
         nargs="+",
         choices=["fast", "compact"],
         help="also stoic serve with each of these --weight-layouts",
+    )
+    parser.add_argument(
+        "--stoic-flags",
+        action="append",
+        metavar="FLAGS",
+        help="also stoic serve with these flags (one string; repeatable), e.g. "
+        "'--speculative off' (a random-weight file's output is a loop every draft matches)",
     )
     args = parser.parse_args()
     text = asyncio.run(run(args))

@@ -100,6 +100,8 @@ class Layouts(NamedTuple):
     #: G8's values as nibbles (``G8 + G8_NIBBLES``): the 4-bit types' matrices, 0.75 bytes a
     #: weight
     g4: int
+    #: G4 with Q4_K's super-block scales (``G8 + G8_NIBBLES + G8_SUPER``): 0.59 bytes a weight
+    g4k: int
     #: or'ed with a layout: the product sums every row in one order whatever the number of rows
     #: (``FIXED_ORDER``; ``--deterministic``)
     fixed_order: int
@@ -125,6 +127,7 @@ class Layouts(NamedTuple):
             bf16fixed=const(lib, "stoic_layout_bf16fixed"),
             g8=const(lib, "stoic_layout_g8"),
             g4=const(lib, "stoic_layout_g4"),
+            g4k=const(lib, "stoic_layout_g4k"),
             fixed_order=const(lib, "stoic_flag_fixed_order"),
             int8_rows=const(lib, "stoic_flag_int8_rows"),
         )

@@ -38,7 +38,13 @@
  *      rows, this 0.82-0.99x) and sums them as G8's:
  *      the integer sums and what follows are G8's, so the bytes of a 4-bit matrix serve steps
  *      of every size, one row (bound by memory: as fast as the one-row loops of _int8rows.c)
- *      to a prefill chunk (bound by arithmetic: about G8's speed, half its bytes).
+ *      to a prefill chunk (bound by arithmetic: about G8's speed, half its bytes);
+ *   +4+8 super-block scales (G4K), Q4_K: G4's values, and in place of d and m a byte each of
+ *      the sub-block's 6-bit scale sc[16] and min mn[16] (288 bytes a block), with the
+ *      super-block's D[16] and -Dmin[16] (float32, 128 bytes per 8 blocks) after the tile's
+ *      blocks: d = D sc and m = -Dmin mn, each product exact in float32, so bitwise G8's d and m
+ *      (Q4_K's own sums): 0.59 bytes a weight (Q4_K 0.5625). A one-token step reads 0.79x
+ *      G4's bytes; the tile widens 32 bytes and multiplies twice more a block and column.
  * Types (stoic_g8_decode): the symmetric Q4_0 (q + 120), Q5_0 (q + 112), Q8_0 (q + 128) and
  * Q6_K (q + 96, per sub-block of 16: d = d_super * scale), each with m = -128 d; Q4_1 and Q5_1
  * (the file's m); Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min).
@@ -178,11 +184,23 @@ static inline int64_t g8_bytes_of(int halves, int symmetric, int nibbles) {
     return (nibbles ? 256 : 512) + 64 * halves * (symmetric ? 1 : 2);
 }
 
-/* g8_bytes_of for `layout`; 0 for another */
+#define G4K_BLOCK 288 /* G4K: 256 bytes of values, sc[16], mn[16] */
+#define G4K_SUPER 128 /* G4K: D[16], -Dmin[16] per 8 blocks, after a tile's blocks */
+
+/* g8_bytes_of for `layout` (G4K: a block's own bytes); 0 for another */
 static int64_t g8_block_bytes(int layout) {
+    if (layout == G8 + G8_NIBBLES + G8_SUPER) return G4K_BLOCK;
     if (layout < G8 || layout > G8 + G8_NIBBLES) return 0;
     const int bits = layout - G8;
     return g8_bytes_of(bits & G8_HALVES ? 2 : 1, !!(bits & G8_SYMMETRIC), bits == G8_NIBBLES);
+}
+
+/* the bytes of one tile of 16 rows (nb blocks of 32 weights a row) in `layout`; 0 for another
+ * (G4K: a multiple of 8 blocks) */
+static int64_t g8_tile_bytes(int layout, int64_t nb) {
+    if (layout == G8 + G8_NIBBLES + G8_SUPER)
+        return nb % 8 ? 0 : nb * G4K_BLOCK + nb / 8 * G4K_SUPER;
+    return nb * g8_block_bytes(layout);
 }
 
 /* N rows of decoded q, d, m into G4 (out: stoic_g8_bytes): each block's values as 4-bit
@@ -229,7 +247,42 @@ static int g4_pack(const uint8_t *q, const float *d, const float *m, int64_t N, 
 
 /* the bytes of N rows of K weights in `layout` (stoic_g8_layout's); 0 for another */
 int64_t stoic_g8_bytes(int64_t N, int64_t K, int layout) {
-    return (N + 15) / 16 * (K / QK) * g8_block_bytes(layout);
+    return (N + 15) / 16 * g8_tile_bytes(layout, K / QK);
+}
+
+/* N rows of Q4_K blocks (K weights a row) into G4K (out: stoic_g8_bytes): 0, or -1 where K is
+ * not a multiple of 256 */
+int stoic_g4k_pack(const uint8_t *src, int64_t N, int64_t K, uint8_t *out) {
+    const int layout = G8 + G8_NIBBLES + G8_SUPER;
+    const int64_t nb = K / QK, nsb = K / 256, tstride = g8_tile_bytes(layout, nb);
+    if (K % 256 != 0 || !tstride) return -1;
+    memset(out, 0, (size_t)stoic_g8_bytes(N, K, layout));
+    for (int64_t row = 0; row < N; row++) {
+        const int64_t t = row / 16, n = row % 16;
+        uint8_t *tile = out + t * tstride;
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *b = src + (row * nsb + sb) * Q4_K_BYTES, *qs = b + 16;
+            float *dm = (float *)(void *)(tile + nb * G4K_BLOCK + sb * G4K_SUPER);
+            uint8_t sc[8], mn[8];
+            unpack_scales(b + 4, sc, mn);
+            dm[n] = half_to_float(b);
+            dm[16 + n] = -half_to_float(b + 2);
+            for (int j = 0; j < 8; j++) { /* sub-block j: nibbles (j & 1) of qs[32 (j / 2) ..] */
+                uint8_t *blk = tile + (sb * 8 + j) * G4K_BLOCK;
+                uint8_t q[QK];
+                for (int l = 0; l < QK; l++) {
+                    const uint8_t byte = qs[32 * (j / 2) + l];
+                    q[l] = (uint8_t)((j & 1) ? byte >> 4 : byte & 0x0F);
+                }
+                for (int g = 0; g < 4; g++)
+                    for (int k = 0; k < 4; k++)
+                        blk[g * 64 + n * 4 + k] = (uint8_t)(q[g * 4 + k] | (q[(g + 4) * 4 + k] << 4));
+                blk[256 + n] = sc[j];
+                blk[272 + n] = mn[j];
+            }
+        }
+    }
+    return 0;
 }
 
 /* N rows of decoded q, d, m (stoic_g8_decode's, K weights a row) into `layout` (out: the bytes
@@ -240,6 +293,7 @@ int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, i
     const int64_t nb = K / QK, tiles = (N + 15) / 16, bytes = g8_block_bytes(layout);
     if (K % QK != 0 || !bytes) return -1;
     if (layout == G8 + G8_NIBBLES) return g4_pack(q, d, m, N, K, out);
+    if (layout == G8 + G8_NIBBLES + G8_SUPER) return -1; /* from the blocks: stoic_g4k_pack */
     const int bits = layout - G8, fits = stoic_g8_layout(d, m, N, K) - G8;
     if ((bits & G8_HALVES) < (fits & G8_HALVES) || (bits & G8_SYMMETRIC) > (fits & G8_SYMMETRIC))
         return -1;
@@ -289,7 +343,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
         int64_t tstride, void *y, int y_bf16, int64_t ldy, const __mmask16 *cols,
         const float *bias, const float *res, const uint8_t **pf, const uint8_t *pf_end,
         int64_t pf_lines) {
-    const int64_t bytes = g8_bytes_of(H ? 2 : 1, S, NB), parts = H ? 2 : 1;
+    const int64_t bytes = NB == 2 ? G4K_BLOCK : g8_bytes_of(H ? 2 : 1, S, NB), parts = H ? 2 : 1;
     const int64_t values = NB ? 256 : 512;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[G8_TR][G8_TC];
@@ -343,9 +397,21 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
                 }
             }
             for (int c = 0; c < C; c++) {
-                const float *dm = (const float *)(const void *)(blk + c * tstride + values);
-                const __m512 d = _mm512_loadu_ps(dm + 16 * h);
-                const __m512 m = S ? d : _mm512_loadu_ps(dm + 16 * parts + 16 * h);
+                __m512 d, m;
+                if (NB == 2) { /* G4K: D sc and -Dmin mn, exact */
+                    const uint8_t *sm = blk + c * tstride + values;
+                    const float *dm = (const float *)(const void *)(wt + c * tstride +
+                                                                   nb * G4K_BLOCK + (b / 8) * G4K_SUPER);
+                    d = _mm512_mul_ps(_mm512_loadu_ps(dm), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                               _mm_loadu_si128((const __m128i *)sm))));
+                    m = _mm512_mul_ps(_mm512_loadu_ps(dm + 16),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                          _mm_loadu_si128((const __m128i *)(sm + 16)))));
+                } else {
+                    const float *dm = (const float *)(const void *)(blk + c * tstride + values);
+                    d = _mm512_loadu_ps(dm + 16 * h);
+                    m = S ? d : _mm512_loadu_ps(dm + 16 * parts + 16 * h);
+                }
                 for (int r = 0; r < R; r++) {
                     const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b]));
                     acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][c]), scale, acc[r][c]);
@@ -435,10 +501,10 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
              int layout, const float *bias, const float *residual, void *y, int y_bf16, int64_t ldy,
              int threads) {
     const int64_t nb = K / QK, tiles = (N + 15) / 16, groups = (tiles + G8_TC - 1) / G8_TC;
-    const int64_t tstride = nb * g8_block_bytes(layout);
+    const int64_t tstride = g8_tile_bytes(layout, nb);
     const int bits = layout - G8;
     const int halves = bits & G8_HALVES ? 2 : 1, symmetric = !!(bits & G8_SYMMETRIC);
-    if (!g8_block_bytes(layout)) return -1;
+    if (!tstride) return -1;
     if (M <= 0) return 0;
     int8_t *xq;
     float *scales;
@@ -475,6 +541,11 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
             switch (layout - G8) {
             case G8_NIBBLES: {
                 const int NIBBLES = 1;
+                G8_GROUP(0, 0);
+                break;
+            }
+            case G8_NIBBLES + G8_SUPER: {
+                const int NIBBLES = 2;
                 G8_GROUP(0, 0);
                 break;
             }

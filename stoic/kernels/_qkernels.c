@@ -216,7 +216,7 @@ static int qmm_into(int type, const float *x, int64_t M, int64_t K, const uint8_
 static int qmm_dispatch(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     if (K % QK != 0 || M < 0 || N < 0) return -1;
-    if (type >= G8 && type <= G8 + G8_NIBBLES) {
+    if (type >= G8 && type <= G8 + G8_NIBBLES + G8_SUPER) {
         const int rc = gemm8_mm(x, 0, M, K, w, N, type, bias, NULL, y, 0, ldy, threads);
         return rc == 1 ? -1 : rc;
     }

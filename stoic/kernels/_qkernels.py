@@ -263,6 +263,8 @@ class Kernels:
             "stoic_g8_bytes": [i64, i64, i32],
             # x x_bf16 M K w N layout bias residual y y_bf16 threads
             "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, i32, ptr, ptr, ptr, i32, i32],
+            # Q4_K blocks N K out
+            "stoic_g4k_pack": [ptr, i64, i64, ptr],
             # q k_pool v_pool table nblocks start_pos n heads kv_heads dh block scale out threads
             # kv_bf16
             "stoic_chunk_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32,
@@ -293,6 +295,7 @@ class Kernels:
         self.g8_pack: Callable[..., int] = lib.stoic_g8_pack
         self.g8_bytes: Callable[[int, int, int], int] = lib.stoic_g8_bytes
         self.g8_mm: Callable[..., int] = lib.stoic_g8_mm
+        self.g4k_pack: Callable[..., int] = lib.stoic_g4k_pack
         #: the layer kernels (:mod:`stoic.model._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
@@ -441,6 +444,12 @@ class Kernels:
         :raises ValueError: if a part is of another type, its blocks do not fit it or the
             ``layout`` asked for, or the parts differ in width.
         """
+        if (
+            (layout is None or layout == self.layouts.g4k)
+            and parts
+            and all(kind == "Q4_K" for kind, _ in parts)
+        ):
+            return self._g4k_layout([blocks for _, blocks in parts])
         decoded = [self._g8_decode(kind, blocks) for kind, blocks in parts]
         widths = [q.shape[1] for q, _, _ in decoded]
         if not decoded or len(set(widths)) != 1:
@@ -459,6 +468,24 @@ class Kernels:
             raise ValueError(
                 f"cannot lay out a {rows} x {cols} matrix for int8 products (layout {layout})"
             )
+        return G8Layout(packed, layout)
+
+    def _g4k_layout(self, parts: list[torch.Tensor]) -> G8Layout:
+        """Q4_K matrices (their blocks, one below the other) in G4K, packed from the blocks
+        themselves (the super-block scales are the file's).
+
+        :raises ValueError: if a part's blocks do not fit Q4_K or the parts differ in width."""
+        ggml = GGML_TYPES["Q4_K"]
+        if len({int(b.shape[1]) for b in parts}) != 1 or any(
+            b.dtype != torch.uint8 or b.shape[1] % ggml.block_bytes for b in parts
+        ):
+            raise ValueError(f"not Q4_K blocks of one width: {[tuple(b.shape) for b in parts]}")
+        blocks = (torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
+        rows, cols = int(blocks.shape[0]), int(blocks.shape[1]) // ggml.block_bytes * ggml.weights
+        layout = self.layouts.g4k
+        packed = torch.empty(self.g8_bytes(rows, cols, layout), dtype=torch.uint8)
+        if self.g4k_pack(blocks.data_ptr(), rows, cols, packed.data_ptr()) != 0:
+            raise ValueError(f"cannot lay out a {rows} x {cols} Q4_K matrix in G4K")
         return G8Layout(packed, layout)
 
     def _g8_decode(

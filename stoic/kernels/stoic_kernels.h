@@ -39,12 +39,13 @@
 #define MIXED 110
 /* --deterministic's bfloat16 products: `w` points to a descriptor (_bf16fixed.c) */
 #define BF16FIXED 120
-/* int8 activations over the G8 layouts, G8 .. G8 + 3, and G4 = G8 + G8_NIBBLES (_gemm8.c: its
- * variants' bits) */
+/* int8 activations over the G8 layouts, G8 .. G8 + 3, G4 = G8 + G8_NIBBLES and G4K = G4 +
+ * G8_SUPER (_gemm8.c: its variants' bits) */
 #define G8 130
 #define G8_HALVES 1
 #define G8_SYMMETRIC 2
 #define G8_NIBBLES 4
+#define G8_SUPER 8
 /* or'ed with a layout: every row of y in one order whatever M is (--deterministic) */
 #define FIXED_ORDER 0x10000
 /* or'ed with a layout: up to eight rows of x quantised to int8 (_int8rows.c) */
@@ -92,6 +93,7 @@ int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, i
 int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
                 int threads);
+int stoic_g4k_pack(const uint8_t *src, int64_t N, int64_t K, uint8_t *out);
 
 /* ---- A decode step's layer (_decode_layer.c) and attention (_rows_attention.c,
  * _chunk_attention.c) */
@@ -135,6 +137,7 @@ extern const int stoic_layout_mixed;      /* MIXED */
 extern const int stoic_layout_bf16fixed;  /* BF16FIXED */
 extern const int stoic_layout_g8;         /* G8 */
 extern const int stoic_layout_g4;         /* G8 + G8_NIBBLES */
+extern const int stoic_layout_g4k;        /* G8 + G8_NIBBLES + G8_SUPER */
 extern const int stoic_flag_fixed_order;  /* FIXED_ORDER */
 extern const int stoic_flag_int8_rows;    /* INT8_ROWS */
 extern const int stoic_max_head_dim;      /* MAX_HEAD_DIM */

@@ -120,16 +120,22 @@ def test_the_nibble_layout_is_g8s_numbers_in_half_the_bytes(
     vnni_kernels: Kernels, kind: str
 ) -> None:
     """A 4-bit type's matrix goes in G4 (two values a byte): 0.75 bytes a weight (0.6x G8's),
-    every row bitwise G8's own where the type has offsets (Q4_1, Q4_K: the same integer sums,
-    scales and offsets), Q4_0 (stored as q - 8 with its offset -8 d) within the int8 numerics
-    of both, and each row the same alone or in any batch; rows past a multiple of 16 padded."""
+    Q4_K in G4K (G4 with the file's super-block scales: 0.59, a 16-row tile of 512 columns
+    16 x 288 + 2 x 128 bytes); every row bitwise G8's own where the type has offsets (Q4_1,
+    Q4_K: the same integer sums, scales and offsets), Q4_0 (stored as q - 8 with its offset
+    -8 d) within the int8 numerics of both, and each row the same alone or in any batch; rows
+    past a multiple of 16 padded."""
+    layouts = vnni_kernels.layouts
     blocks = random_blocks(kind, 40, 512, seed=44)
     g4 = Gemm8.bind(vnni_kernels, [(kind, blocks)], None)
-    g8 = vnni_kernels.g8_layout(
-        [(kind, blocks)], vnni_kernels.layouts.g8 + (2 if kind == "Q4_0" else 0)
-    )
-    assert g4 is not None and g4.layout == vnni_kernels.layouts.g4
-    assert g4.nbytes == 3 * 16 * 384 and g4.nbytes < 0.67 * g8.packed.numel()
+    g8 = vnni_kernels.g8_layout([(kind, blocks)], layouts.g8 + (2 if kind == "Q4_0" else 0))
+    assert g4 is not None and g4.layout == (layouts.g4k if kind == "Q4_K" else layouts.g4)
+    tile = 16 * 288 + 2 * 128 if kind == "Q4_K" else 16 * 384
+    assert g4.nbytes == 3 * tile and g4.nbytes < 0.67 * g8.packed.numel()
+    if kind == "Q4_K":  # G4 holds the same numbers in float32 scales
+        plain = vnni_kernels.g8_layout([(kind, blocks)], layouts.g4)
+        x3 = torch.randn(3, 512, generator=torch.Generator().manual_seed(46))
+        assert torch.equal(Gemm8(vnni_kernels, plain, 40, 512, None)(x3), g4(x3))
     wide = Gemm8(vnni_kernels, g8, 40, 512, None)
     x = torch.randn(21, 512, generator=torch.Generator().manual_seed(45))
     got = g4(x)
