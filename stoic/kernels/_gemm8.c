@@ -74,6 +74,7 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
     if (K % QK != 0) return -1;
     if (type == Q6_K) {
         if (K % 256 != 0) return -1;
+        _Pragma("omp parallel for schedule(static)")
         for (int64_t i = 0; i < N * (K / 256); i++) {
             const uint8_t *b = src + i * Q6_K_BYTES;
             const float dd = half_to_float(b + 208);
@@ -93,6 +94,7 @@ int stoic_g8_decode(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t 
     if (type == Q4_K || type == Q5_K) {
         if (K % 256 != 0) return -1;
         const int64_t bytes = type == Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
+        _Pragma("omp parallel for schedule(static)")
         for (int64_t i = 0; i < N * (K / 256); i++) {
             const uint8_t *b = src + i * bytes;
             const float dd = half_to_float(b), dmin = half_to_float(b + 2);
@@ -251,12 +253,14 @@ int64_t stoic_g8_bytes(int64_t N, int64_t K, int layout) {
 }
 
 /* N rows of Q4_K blocks (K weights a row) into G4K (out: stoic_g8_bytes): 0, or -1 where K is
- * not a multiple of 256 */
+ * not a multiple of 256. Rows in parallel (each writes its own bytes), as the decoding of the
+ * K-quants and stoic_g8_pack's tiles: a 1.5B file's layouts in 2.3-2.9 s instead of 3.4-3.7 */
 int stoic_g4k_pack(const uint8_t *src, int64_t N, int64_t K, uint8_t *out) {
     const int layout = G8 + G8_NIBBLES + G8_SUPER;
     const int64_t nb = K / QK, nsb = K / 256, tstride = g8_tile_bytes(layout, nb);
     if (K % 256 != 0 || !tstride) return -1;
     memset(out, 0, (size_t)stoic_g8_bytes(N, K, layout));
+    _Pragma("omp parallel for schedule(static)")
     for (int64_t row = 0; row < N; row++) {
         const int64_t t = row / 16, n = row % 16;
         uint8_t *tile = out + t * tstride;
@@ -299,6 +303,7 @@ int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, i
         return -1;
     const int halves = bits & G8_HALVES ? 2 : 1, offsets = !(bits & G8_SYMMETRIC);
     memset(out, 0, (size_t)stoic_g8_bytes(N, K, layout));
+    _Pragma("omp parallel for schedule(static)")
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = out + (t * nb + b) * bytes;
