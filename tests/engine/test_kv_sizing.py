@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -182,6 +183,57 @@ async def test_the_worker_profiles_the_largest_step_and_the_scheduler_gets_its_b
     assert event["kv_blocks"] == blocks
     assert event["weights_mib"] == 150.0 and event["activations_peak_mib"] == 30.0
     assert event["kv_cache_mib"] == round(blocks * per_block / MIB, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_cpu_cache_capped_within_plenty_of_ram_is_sized_without_a_profile(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU with RAM to spare: even the shapes' upper bound of a step's activations leaves the
+    cap binding, so no profiling step runs (it could not change the blocks); the cache is the
+    cap, and the figures say the activations are the bound."""
+    device = FakeDevice(total=64 * GIB, held=150 * MIB, activations=30 * MIB, available=32 * GIB)
+    _inject(monkeypatch, device)
+    profiled: list[int] = []
+    execute = ModelRunner.execute
+
+    def spy(self: ModelRunner, batch: Any, cache: Any) -> Any:
+        profiled.append(batch.num_tokens)
+        return execute(self, batch, cache)
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    config = _config(tiny_model_dir, kv_cache_memory_gib=0.25, max_num_batched_tokens=64)
+    with structlog.testing.capture_logs() as logs:
+        async with stoic.Engine.start(config) as engine:
+            assert profiled == [] and device.resets == 0
+            sizing = engine.kv_sizing
+            assert sizing.num_blocks == GIB // 4 // sizing.bytes_per_block
+            assert sizing.activations_bound and sizing.profiled
+            bound = memory_module.activation_bound(
+                engine.loaded.config, CacheBudget.of(config, "cpu")
+            )
+            assert bound is not None and sizing.activations == bound > 64 * MIB
+            assert (await engine.complete("Hello", PARAMS)).text
+    [event] = [e for e in logs if e["event"] == "engine.kv_sizing"]
+    assert event["activations_bound"] is True
+
+
+def test_the_activation_bound_grows_with_the_step_and_needs_every_dimension() -> None:
+    """The bound is linear in a step's tokens but for a chunk's scores, grows with the sampled
+    sequences, and is None (profile instead) where the configuration lacks a dimension."""
+    config = SimpleNamespace(
+        hidden_size=1536, intermediate_size=8960, vocab_size=151936, num_attention_heads=12
+    )
+
+    def bound(tokens: int, seqs: int, cfg: Any = config) -> int | None:
+        budget = CacheBudget(block_size=16, step_tokens=tokens, max_seqs=seqs, utilization=0.9)
+        return memory_module.activation_bound(cfg, budget)
+
+    small, large, many = bound(256, 1), bound(512, 1), bound(256, 64)
+    assert small is not None and large is not None and many is not None
+    assert large > 2 * small - 64 * MIB  # the scores grow as the square of the chunk
+    assert many - small == 2 * 4 * 3 * 63 * 151936
+    assert bound(256, 1, SimpleNamespace(hidden_size=1536)) is None
 
 
 @pytest.mark.asyncio
