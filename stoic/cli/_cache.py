@@ -10,16 +10,10 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..gguf import (
-    CONVERTED,
-    CacheEntry,
-    default_cache_dir,
-    list_entries,
-    remove_entry,
-    select_for_prune,
-)
+if TYPE_CHECKING:
+    from ..gguf import CacheEntry
 
 __all__ = ["add_cache_parser", "run_cache"]
 
@@ -73,6 +67,10 @@ def add_cache_parser(sub: Any) -> None:
 
 def run_cache(args: argparse.Namespace) -> int:
     """Run ``stoic cache list|prune``; return the exit status (0)."""
+    # here, not at the top: stoic.gguf imports torch, and ``stoic serve`` builds this parser
+    # before it starts its worker's interpreter (stoic._prestart), which should not wait for it
+    from ..gguf import CONVERTED, default_cache_dir, list_entries, remove_entry, select_for_prune
+
     root: Path = getattr(args, "cache_dir", None) or default_cache_dir()
     where = root / CONVERTED
     if args.cache_command == "list":

@@ -17,8 +17,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .._logging import get_logger
+from .._prestart import discard as discard_prestarted
+from .._prestart import prestart
 from .._version import installed_version
 from ..errors import ModelUnavailable
+from ._cache import add_cache_parser
 from ._logs import configure_logging
 from ._serve import serve
 from ._serve_flags import add_serve_args, config_from_args
@@ -31,18 +34,14 @@ _log = get_logger("stoic.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``stoic`` parser: ``--version``, and the ``serve`` and ``cache`` subcommands.
-
-    Imports :mod:`stoic.gguf` (for ``stoic cache``), and so torch.
-    """
+    """The ``stoic`` parser: ``--version``, and the ``serve`` and ``cache`` subcommands
+    (without importing torch: ``stoic cache`` imports :mod:`stoic.gguf` when it runs)."""
     parser = argparse.ArgumentParser(
         prog="stoic", description="An LLM inference server that keeps serving through failures."
     )
     parser.add_argument("--version", action="version", version=f"stoic {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
-    from ._cache import add_cache_parser  # imports stoic.gguf, and so torch
-
     add_cache_parser(sub)
     return parser
 
@@ -75,16 +74,26 @@ def _main(argv: Sequence[str] | None, restore_signals: Callable[..., None]) -> i
     if args.fault and not args.enable_fault_injection:
         parser.error("--fault needs --enable-fault-injection")  # exits with status 2
     try:
-        config_from_args(args)
-        access, limits = http_options(args)  # key files are read once, here
+        config = config_from_args(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    configure_logging(args.log_format, args.log_level)
-    if not _model_usable(args.model, weights=args.load_format != "dummy", device=args.device):
-        return 2
-    # SIGINT cancels asyncio.run's task until serve() installs its handlers; SIGTERM exits
-    restore_signals(signal.SIGINT)
-    return asyncio.run(serve(args, access, limits))
+    if config.executor == "process" and args.replicas is None:
+        # the worker's interpreter imports torch while this process does (stoic._prestart):
+        # nothing before this line imports it
+        prestart()
+    try:
+        try:
+            access, limits = http_options(args)  # key files are read once, here
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
+        configure_logging(args.log_format, args.log_level)
+        if not _model_usable(args.model, weights=args.load_format != "dummy", device=args.device):
+            return 2
+        # SIGINT cancels asyncio.run's task until serve() installs its handlers; SIGTERM exits
+        restore_signals(signal.SIGINT)
+        return asyncio.run(serve(args, access, limits))
+    finally:
+        discard_prestarted()  # nobody adopted it: the start failed first
 
 
 def _model_usable(model: str, *, weights: bool, device: str) -> bool:

@@ -22,16 +22,17 @@ import dataclasses
 import os
 import pickle
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
 from typing import Any
 
 from .._logging import get_logger
+from .._prestart import spawn
+from .._prestart import take as take_prestarted
 from ..actors import ProgressWatch
 from ..config import FaultSpec
 from ..errors import InsufficientMemory
@@ -39,7 +40,7 @@ from ..model import ComputePath, KVMemory, StepProgress
 from ..request import StepBatch, StepOutput
 from ..worker import CacheSizing
 from ._failures import ExecutorFault
-from ._procworker import KV_FD_ENV, PROGRESS_FD_ENV, WorkerSpec
+from ._procworker import WorkerSpec
 
 __all__ = ["REPLACEMENT_OOM_WAIT", "WorkerPool", "WorkerProcess", "describe_exit"]
 
@@ -74,48 +75,28 @@ def describe_exit(exitcode: int | None) -> str:
 class WorkerProcess:
     """One worker process and its pipe."""
 
-    def __init__(self, kv_fd: int | None = None) -> None:
-        """Start the interpreter; ``kv_fd``: the KV pools' shared memory it maps (None: it
-        allocates its own)."""
+    def __init__(self) -> None:
+        """Start the interpreter (or adopt ``stoic serve``'s early one, :mod:`stoic._prestart`)
+        and send it its step progress page."""
         self._inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
+        early = take_prestarted(WORKER_MODULE)
+        #: started by ``stoic serve`` before it imported torch itself (:mod:`stoic._prestart`)
+        self.early = early is not None
+        spawned = early or spawn(WORKER_MODULE)
+        self._proc = spawned.proc
+        self._conn = Connection(spawned.sock.detach())
         #: the worker's step progress, in a page of memory it shares with this process: read
-        #: by the step watchdog without a message (the worker may be stuck in native code)
+        #: by the step watchdog without a message (the worker may be stuck in native code).
+        #: Its descriptor is the first thing the worker reads (the kernel holds it in the
+        #: socket until then); mapped here, this process's descriptor can go at once.
         self.progress, page = StepProgress.shared()
-        env = {**os.environ, PROGRESS_FD_ENV: str(page)}
-        fds = [theirs.fileno(), page]
-        if kv_fd is not None:
-            env[KV_FD_ENV] = str(kv_fd)
-            fds.append(kv_fd)
-        # a fresh interpreter (what multiprocessing calls "spawn": nothing inherited from this
-        # process's state, CUDA-safe), started without multiprocessing, so the embedding
-        # application's __main__ is never imported again in the child. Started from the event
-        # loop's thread: the child's parent-death signal is tied to the thread that forked it.
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                WORKER_MODULE,
-                str(theirs.fileno()),
-                str(os.getpid()),
-            ],
-            pass_fds=fds,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            # whatever the worker prints (a native crash report, a library's warning) becomes a
-            # log event of the server's: in JSON mode every line on stderr stays JSON
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            # a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group)
-            # reaches only the server, which stops its workers; a worker still importing torch
-            # would print a KeyboardInterrupt traceback. It still dies with the server
-            # (PR_SET_PDEATHSIG).
-            process_group=0,
-        )
-        theirs.close()  # only the child holds its end now: its death is EOF here
-        os.close(page)  # mapped here, and the child's
-        self._conn = Connection(ours.detach())
+        try:
+            send_handle(self._conn, page, self._proc.pid)
+        except OSError:  # the child is already gone: its exit is reported as usual
+            pass
+        finally:
+            os.close(page)
         #: held while the connection is written to or closed. Only the reader thread closes
         #: it (after the child is gone): a close from another thread while it blocks in a
         #: receive would race its own close (EBADF), or close a descriptor number the process
@@ -141,13 +122,37 @@ class WorkerProcess:
             target=self._relay, name=f"stoic-worker-out-{self.pid}", daemon=True
         ).start()
 
-    def load(self, spec: WorkerSpec) -> None:
+    def load(self, spec: WorkerSpec, kv_fd: int | None = None) -> None:
         """Tell the worker what to load; it answers ``ready`` once it has (:meth:`wait_ready`).
+        ``kv_fd``: the KV pools' shared memory it maps (None: it allocates its own).
 
-        :raises ExecutorFault: if the worker is gone.
+        Sent from a thread: the spec (the tokenizer's vocabulary with it: megabytes) fills the
+        socket's buffer until the worker reads it, after its imports, seconds later when it
+        was started at once, and the event loop (``/health`` among it) must not wait for that.
+        The connection's lock is taken here and released by that thread, so whatever is sent
+        next follows the spec. A worker found gone meanwhile is reported as any exit is.
         """
         self.spec = spec
-        self._send(("spec", spec))
+        data = pickle.dumps(("spec", spec, kv_fd is not None), protocol=pickle.HIGHEST_PROTOCOL)
+        self._conn_lock.acquire()
+        threading.Thread(
+            target=self._send_spec,
+            args=(data, kv_fd),
+            name=f"stoic-worker-spec-{self.pid}",
+            daemon=True,  # an exit does not wait for a worker that never reads
+        ).start()
+
+    def _send_spec(self, data: bytes, kv_fd: int | None) -> None:
+        """:meth:`load`'s thread: the spec, then the KV memory's descriptor; releases the
+        connection's lock :meth:`load` took."""
+        try:
+            self._conn.send_bytes(data)
+            if kv_fd is not None:
+                send_handle(self._conn, kv_fd, self.pid)
+        except (OSError, ValueError):  # the pipe broke: the child is dying (the reader reports)
+            pass
+        finally:
+            self._conn_lock.release()
 
     def set_role(self, role: str, incarnation: int | None = None) -> None:
         """Tell the worker what it is now (``"spare"``; ``"serving"`` executor ``incarnation``):
@@ -203,11 +208,14 @@ class WorkerProcess:
         if self.on_exit is not None:
             self.on_exit(self)
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: tuple[Any, ...], fd: int | None = None) -> None:
+        """Send ``message`` and then descriptor ``fd`` (``SCM_RIGHTS``), none between them."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             with self._conn_lock:
                 self._conn.send_bytes(data)
+                if fd is not None:
+                    send_handle(self._conn, fd, self.pid)
         except (OSError, ValueError) as exc:  # the pipe broke: the child is dying
             raise self._died() from exc
 
@@ -245,13 +253,23 @@ class WorkerProcess:
         """
         if self.ready:
             return
-        try:
-            message = await self._receive(limit)
-        except TimeoutError:
-            self.kill()
-            raise ExecutorFault(
-                f"executor process not ready after {limit:.0f}s", "hang", pid=self.pid
-            ) from None
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                message = await self._receive(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                self.kill()
+                raise ExecutorFault(
+                    f"executor process not ready after {limit:.0f}s", "hang", pid=self.pid
+                ) from None
+            if message[0] != "log":
+                break
+            # the worker's own start events (its weights read, layouts packed, cache sized),
+            # as this process's, with its pid
+            _, name, fields = message
+            with contextlib.suppress(Exception):
+                event = str(fields.pop("event"))
+                get_logger(name).info(event, **{**fields, "pid": self.pid})
         if message[0] == "unfit":
             raise InsufficientMemory(message[1])
         assert message[0] == "ready", message
@@ -348,9 +366,15 @@ class WorkerProcess:
 
     def stop(self) -> None:
         """Ask the worker to exit, then make sure it does (kill after a short wait). The reader
-        thread sees the pipe's end and closes the connection."""
-        with contextlib.suppress(Exception):
-            self._send(("stop",))
+        thread sees the pipe's end and closes the connection. A worker whose spec is still
+        being sent (it has not read it: importing) is killed at once: it would read a stop only
+        after loading the model."""
+        if not self._conn_lock.acquire(timeout=0.1):
+            self.kill()
+        else:
+            self._conn_lock.release()
+            with contextlib.suppress(Exception):
+                self._send(("stop",))
         try:
             self._proc.wait(2.0)
         except subprocess.TimeoutExpired:
@@ -404,7 +428,7 @@ class WorkerPool:
         :raises InsufficientMemory: no KV cache fits.
         """
         worker = self._start()
-        _log.info("executor.worker_starting", pid=worker.pid, source="cold")
+        _log.info("executor.worker_starting", pid=worker.pid, source="cold", early=worker.early)
         try:
             await worker.wait_ready(self._ready_timeout)
         except BaseException:  # died, timed out, or we were cancelled (a stop): never orphaned
@@ -422,7 +446,7 @@ class WorkerPool:
 
     def _new(self) -> WorkerProcess:
         self._started = [w for w in self._started if w.exited is None]
-        worker = WorkerProcess(self.kv_memory.fd if self.kv_memory is not None else None)
+        worker = WorkerProcess()
         self._started.append(worker)
         return worker
 
@@ -431,7 +455,7 @@ class WorkerPool:
         worker, self._prestarted = self._prestarted, None
         if worker is None or not worker.alive:
             worker = self._new()
-        worker.load(self._spec)
+        worker.load(self._spec, self.kv_memory.fd if self.kv_memory is not None else None)
         return worker
 
     def _replenish(self) -> None:

@@ -6,8 +6,10 @@ each message one ``send_bytes`` of a pickled tuple of plain values and frozen da
 ids, positions, block tables and sampling parameters in; sampled ids and logprobs out; never a
 tensor):
 
-* parent -> child ``("spec", WorkerSpec)`` first: what to load (a worker may be started, and
-  import what it needs, before it is told);
+* parent -> child first the descriptor of the worker's step progress page (``SCM_RIGHTS``,
+  :func:`multiprocessing.reduction.send_handle`), then ``("spec", WorkerSpec, kv)``: what to
+  load (a worker may be started, and import what it needs, before it is told), followed by the
+  KV pools' shared memory's descriptor where ``kv``;
 * child -> parent ``("ready", pid, quantized, sizing)`` once the model is loaded, the KV cache
   sized (:func:`stoic.worker.size_kv_cache`: a profiling forward, then what the memory left
   holds; ``sizing`` a :class:`~stoic.worker.CacheSizing`) and the KV pools exist
@@ -23,9 +25,8 @@ tensor):
 * parent -> child ``("stop",)``, or the pipe's end: the child exits.
 
 The worker's step progress (:class:`stoic.model.StepProgress`) is a page of memory shared with
-the server, whose descriptor the environment variable :data:`PROGRESS_FD_ENV` names: the
-server's watchdog reads it without a message. With ``--kv-outlives-worker`` the KV pools are
-shared memory too (:class:`stoic.model.KVMemory`, the descriptor in :data:`KV_FD_ENV`): the
+the server: the server's watchdog reads it without a message. With ``--kv-outlives-worker`` the
+KV pools are shared memory too (:class:`stoic.model.KVMemory`): the
 worker maps them once it has sized them (the first worker sizes the file), so they outlive it;
 it warms up on a private block, never on pools another worker may be serving from.
 
@@ -35,6 +36,7 @@ The child never outlives the server: it asks the kernel for SIGKILL when its par
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -42,8 +44,10 @@ import os
 import pickle
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,14 +61,9 @@ if TYPE_CHECKING:
     from ..request import GrammarVocab
     from ..worker import CacheBudget, ModelRunner, ThreadGovernor
 
-__all__ = ["KV_FD_ENV", "PROGRESS_FD_ENV", "WorkerSpec", "worker_main"]
+__all__ = ["WorkerSpec", "worker_main"]
 
 _PR_SET_PDEATHSIG = 1
-#: the environment variable that names the descriptor of the worker's shared progress page
-PROGRESS_FD_ENV = "STOIC_PROGRESS_FD"
-#: the environment variable that names the descriptor of the KV pools' shared memory (absent:
-#: the worker allocates private pools)
-KV_FD_ENV = "STOIC_KV_FD"
 
 
 @dataclass(frozen=True)
@@ -118,9 +117,44 @@ def _quiet_logs() -> None:
     the root logger)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.WARNING)  # stoic's info events while starting go to the server
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(logging.WARNING)
+
+
+class _StartEvents(logging.Handler):
+    """stoic's info events while the worker starts (the weights read, the layouts packed, the
+    cache sized: each with its MiB and seconds), sent to the server as ``("log", logger,
+    event)``, which logs each as its own with the worker's pid: the start an operator watches
+    (:meth:`~stoic.executor._process.WorkerProcess.wait_ready`). Warnings keep going to stderr,
+    relayed line by line; after the start the worker's info events are dropped again."""
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__(logging.INFO)
+        self.addFilter(lambda record: record.levelno < logging.WARNING)
+        self._conn = conn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = dict(record.msg) if isinstance(record.msg, dict) else None
+        if fields is None or "event" not in fields:
+            fields = {"event": record.getMessage()}
+        with contextlib.suppress(Exception):  # a field that does not pickle: not worth a crash
+            _send(self._conn, ("log", record.name, fields))
+
+    @classmethod
+    @contextlib.contextmanager
+    def relayed(cls, conn: Connection) -> Iterator[None]:
+        """While the block runs, stoic's info events go to the server."""
+        logger = logging.getLogger("stoic")
+        handler, level = cls(conn), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
 
 
 def _warm_up(runner: Any, block_size: int) -> None:
@@ -190,23 +224,22 @@ def worker_main(conn: Connection, parent: int) -> None:
     from ._failures import classify_failure
     from ._startoom import ride_out_oom
 
-    if not conn.poll(0):  # imports done, nothing to load yet
-        set_title("pre-started")
     try:
+        # the server's watchdog page first (sent when the server adopts this interpreter)
+        page = recv_handle(conn)
+        if not conn.poll(0):  # imports done, nothing to load yet
+            set_title("pre-started")
         first = pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
+        if first[0] == "stop":  # stopped before it was given a model (a server shutting down)
+            return
+        assert first[0] == "spec", first
+        spec: WorkerSpec = first[1]
+        kv_fd = recv_handle(conn) if first[2] else None  # the server's KV memory
+    except (EOFError, OSError, RuntimeError):  # the server went first (RuntimeError: no fd)
         return
-    if first[0] == "stop":  # stopped before it was given a model (a server shutting down)
-        return
-    assert first[0] == "spec", first
-    spec: WorkerSpec = first[1]
     set_title("loading")
-    progress = None
-    if (page := os.environ.pop(PROGRESS_FD_ENV, None)) is not None:  # the server's watchdog
-        progress = StepProgress.attach(int(page))
-        os.close(int(page))
-    shared = os.environ.pop(KV_FD_ENV, None)
-    kv_fd = int(shared) if shared is not None else None  # the server's KV memory
+    progress = StepProgress.attach(page)
+    os.close(page)
 
     governor = ThreadGovernor(
         spec.threads or torch.get_num_threads(),
@@ -229,12 +262,13 @@ def worker_main(conn: Connection, parent: int) -> None:
             torch.cuda.empty_cache()
 
     try:
-        runner, sizing, kv_spec, kv = ride_out_oom(
-            start,
-            within=spec.start_oom_wait,
-            release=release,
-            report=logging.getLogger("stoic.worker").warning,
-        )
+        with _StartEvents.relayed(conn):
+            runner, sizing, kv_spec, kv = ride_out_oom(
+                start,
+                within=spec.start_oom_wait,
+                release=release,
+                report=logging.getLogger("stoic.worker").warning,
+            )
     except InsufficientMemory as exc:  # a start-up error of the server's, never retried
         _send(conn, ("unfit", exc.message))
         return

@@ -265,6 +265,8 @@ class Kernels:
             "stoic_g8_mm": [ptr, i32, i64, i64, ptr, i64, i32, ptr, ptr, ptr, i32, i32],
             # Q4_K blocks N K out
             "stoic_g4k_pack": [ptr, i64, i64, ptr],
+            # Q6_K blocks N K out
+            "stoic_q6k_pack": [ptr, i64, i64, ptr],
             # q k_pool v_pool table nblocks start_pos n heads kv_heads dh block scale out threads
             # kv_bf16
             "stoic_chunk_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32,
@@ -296,6 +298,7 @@ class Kernels:
         self.g8_bytes: Callable[[int, int, int], int] = lib.stoic_g8_bytes
         self.g8_mm: Callable[..., int] = lib.stoic_g8_mm
         self.g4k_pack: Callable[..., int] = lib.stoic_g4k_pack
+        self.q6k_pack: Callable[..., int] = lib.stoic_q6k_pack
         #: the layer kernels (:mod:`stoic.model._cdecode` calls them)
         self.layer_pre: Callable[..., int] = lib.stoic_layer_pre
         self.attention: Callable[..., int] = lib.stoic_decode_attention
@@ -450,6 +453,14 @@ class Kernels:
             and all(kind == "Q4_K" for kind, _ in parts)
         ):
             return self._g4k_layout([blocks for _, blocks in parts])
+        halves_symmetric = self.layouts.g8 + 3  # G8_HALVES + G8_SYMMETRIC
+        if (
+            layout in (None, halves_symmetric)
+            and parts
+            and all(kind == "Q6_K" for kind, _ in parts)
+            and (direct := self._q6k_layout([blocks for _, blocks in parts])) is not None
+        ):
+            return direct
         decoded = [self._g8_decode(kind, blocks) for kind, blocks in parts]
         widths = [q.shape[1] for q, _, _ in decoded]
         if not decoded or len(set(widths)) != 1:
@@ -475,18 +486,38 @@ class Kernels:
         themselves (the super-block scales are the file's).
 
         :raises ValueError: if a part's blocks do not fit Q4_K or the parts differ in width."""
-        ggml = GGML_TYPES["Q4_K"]
+        packed = self._packed_from_blocks("Q4_K", parts, self.layouts.g4k, self.g4k_pack)
+        assert packed is not None
+        return packed
+
+    def _q6k_layout(self, parts: list[torch.Tensor]) -> G8Layout | None:
+        """Q6_K matrices (their blocks, one below the other) in G8 with halves and symmetric,
+        packed from the blocks (bitwise what decoding them first gives); None where no block's
+        halves differ (another layout fits: the decoded path picks it).
+
+        :raises ValueError: if a part's blocks do not fit Q6_K or the parts differ in width."""
+        return self._packed_from_blocks("Q6_K", parts, self.layouts.g8 + 3, self.q6k_pack)
+
+    def _packed_from_blocks(
+        self, kind: str, parts: list[torch.Tensor], layout: int, pack: Callable[..., int]
+    ) -> G8Layout | None:
+        """``parts`` of ``kind`` stacked, then ``pack(blocks, N, K, out)`` into ``layout``:
+        its bytes, or None where ``pack`` answered 1 (another layout fits the blocks).
+
+        :raises ValueError: the parts are not ``kind``'s blocks of one width, or ``pack``
+            refused them (-1)."""
+        ggml = GGML_TYPES[kind]
         if len({int(b.shape[1]) for b in parts}) != 1 or any(
             b.dtype != torch.uint8 or b.shape[1] % ggml.block_bytes for b in parts
         ):
-            raise ValueError(f"not Q4_K blocks of one width: {[tuple(b.shape) for b in parts]}")
+            raise ValueError(f"not {kind} blocks of one width: {[tuple(b.shape) for b in parts]}")
         blocks = (torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
         rows, cols = int(blocks.shape[0]), int(blocks.shape[1]) // ggml.block_bytes * ggml.weights
-        layout = self.layouts.g4k
         packed = torch.empty(self.g8_bytes(rows, cols, layout), dtype=torch.uint8)
-        if self.g4k_pack(blocks.data_ptr(), rows, cols, packed.data_ptr()) != 0:
-            raise ValueError(f"cannot lay out a {rows} x {cols} Q4_K matrix in G4K")
-        return G8Layout(packed, layout)
+        rc = pack(blocks.data_ptr(), rows, cols, packed.data_ptr())
+        if rc < 0:
+            raise ValueError(f"cannot lay out a {rows} x {cols} {kind} matrix (layout {layout})")
+        return G8Layout(packed, layout) if rc == 0 else None
 
     def _g8_decode(
         self, kind: str, blocks: torch.Tensor

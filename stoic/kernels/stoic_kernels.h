@@ -94,6 +94,7 @@ int stoic_g8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
                 int layout, const float *bias, const float *residual, void *y, int y_bf16,
                 int threads);
 int stoic_g4k_pack(const uint8_t *src, int64_t N, int64_t K, uint8_t *out);
+int stoic_q6k_pack(const uint8_t *src, int64_t N, int64_t K, uint8_t *out);
 
 /* ---- A decode step's layer (_decode_layer.c) and attention (_rows_attention.c,
  * _chunk_attention.c) */

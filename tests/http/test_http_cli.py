@@ -176,6 +176,24 @@ def test_python_m_stoic_version_exits_0() -> None:
     assert done.stdout.startswith("stoic ") and done.stderr == ""
 
 
+def test_the_arguments_are_checked_before_torch_is_imported() -> None:
+    """``stoic serve`` parses and checks its arguments without importing torch: the worker's
+    interpreter (stoic._prestart) starts right after, and imports torch alongside the server
+    instead of after it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from stoic.cli import build_parser, config_from_args; "
+        "args = build_parser().parse_args(['serve', '--model', 'x.gguf']); "
+        "config_from_args(args); print(sorted(m for m in ('torch', 'transformers') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def _serve_parser() -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser: argparse.ArgumentParser = sub.choices["serve"]

@@ -234,6 +234,33 @@ async def test_a_signal_at_any_moment_stops_everything_without_a_traceback(
     assert await asyncio.to_thread(_still_running, workers, 5.0) == []
 
 
+@pytest.mark.model
+async def test_the_first_worker_imports_torch_while_the_server_does(tiny_model_dir: Path) -> None:
+    """``stoic serve`` starts its worker's interpreter as soon as its arguments are checked:
+    that process already runs when the server itself maps torch, and it is the one that loads
+    the model (``executor.worker_starting ... early=True``), says how its start goes (its
+    ``model.load.done``, with its pid) and serves."""
+    async with _serve(tiny_model_dir) as server:
+        await asyncio.to_thread(_until_mapped, server.proc.pid, "libtorch", 120.0)
+        running = server.children()
+        assert len(running) == 1, running
+        line = await server.until("executor.worker_starting")
+        assert f"pid={running[0]}" in line and "early=True" in line, line
+        # the worker's own start events, relayed with its pid, before it is ready
+        loaded = await server.until("model.load.done")
+        assert f"pid={running[0]}" in loaded, loaded
+        await server.until("executor.worker_ready")
+        match = _URL.search(await server.until("stoic.ready"))
+        assert match, server.text
+        async with aiohttp.ClientSession() as http:
+            body = completion_body(max_tokens=2)
+            async with http.post(f"{match.group(1)}/v1/completions", json=body) as r:
+                assert r.status == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert await server.finish() == 0, server.text
+    assert "Traceback" not in server.text
+
+
 def _until_mapped(pid: int, library: str, within: float) -> None:
     """Wait until process ``pid`` has loaded a shared library whose name has ``library``
     (an import of the Python package that ships it is under way)."""

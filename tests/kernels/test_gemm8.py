@@ -115,6 +115,34 @@ def test_a_layout_the_blocks_do_not_fit_is_refused(vnni_kernels: Kernels) -> Non
         )
 
 
+@pytest.mark.parametrize("rows", [16, 37])
+def test_q6k_packed_from_its_blocks_is_its_decoded_packing_byte_for_byte(
+    vnni_kernels: Kernels, rows: int
+) -> None:
+    """Q6_K goes into G8 with halves and symmetric straight from the blocks (no decoded copy):
+    every byte, the padding rows' zeros included, is what decoding then packing gives; a
+    stack of Q6_K parts too. Blocks whose two halves share every scale fit a smaller layout,
+    which the decoded path picks."""
+    layouts = vnni_kernels.layouts
+    blocks = random_blocks("Q6_K", rows, 512, seed=47)
+    direct = vnni_kernels.g8_layout([("Q6_K", blocks)])
+    assert direct.layout == layouts.g8 + 3
+    q, d, m = vnni_kernels._g8_decode("Q6_K", blocks)
+    decoded = torch.full_like(direct.packed, 0xAB)
+    rc = vnni_kernels.g8_pack(
+        q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, 512, direct.layout, decoded.data_ptr()
+    )
+    assert rc == 0 and torch.equal(direct.packed, decoded)
+    stacked = vnni_kernels.g8_layout([("Q6_K", blocks[:5]), ("Q6_K", blocks[5:])])
+    assert torch.equal(stacked.packed, direct.packed)
+    same = blocks.clone().view(rows, 2, 210)
+    same[:, :, 193:208:2] = same[
+        :, :, 192:207:2
+    ]  # each block's second half takes the first's scale
+    plain = vnni_kernels.g8_layout([("Q6_K", same.view(rows, 420))])
+    assert plain.layout == layouts.g8 + 2
+
+
 @pytest.mark.parametrize("kind", sorted(G4_TYPES))
 def test_the_nibble_layout_is_g8s_numbers_in_half_the_bytes(
     vnni_kernels: Kernels, kind: str
