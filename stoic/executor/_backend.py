@@ -324,7 +324,13 @@ class ProcessBackend(StepBackend):
                 device=str(loaded.device),
                 reason="host memory on Linux only (memfd): the KV pools die with the worker",
             )
-        self._pool = WorkerPool(worker_spec, spares=self._spares, share_kv=share)
+        self._pool = WorkerPool(
+            worker_spec,
+            spares=self._spares,
+            share_kv=share,
+            # the int8 layouts (CPU kernels) in memory every worker maps: one copy, packed once
+            share_layouts=loaded.device.type == "cpu" and shared_kv_available(),
+        )
         self.kv_outlives_worker = self._pool.kv_memory is not None
         return await self._pool.start()
 

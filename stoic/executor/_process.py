@@ -36,6 +36,7 @@ from .._prestart import take as take_prestarted
 from ..actors import ProgressWatch
 from ..config import FaultSpec
 from ..errors import InsufficientMemory
+from ..kernels import LayoutEntry
 from ..model import ComputePath, KVMemory, StepProgress
 from ..request import StepBatch, StepOutput
 from ..worker import CacheSizing
@@ -110,6 +111,9 @@ class WorkerProcess:
         self.compute: ComputePath | None = None
         #: how the worker sized its KV cache, once ready
         self.sizing: CacheSizing | None = None
+        #: where it packed its int8 layouts in the shared memory, once ready (the first
+        #: worker given that memory; None for any other)
+        self.layout_table: tuple[LayoutEntry, ...] | None = None
         self.exited: str | None = None
         #: killed (or being killed) by us: never handed out again
         self._doomed = False
@@ -117,14 +121,20 @@ class WorkerProcess:
         self.on_exit: Callable[[WorkerProcess], None] | None = None
         #: the model it loads; None while it only waits, imports done (see :meth:`load`)
         self.spec: WorkerSpec | None = None
+        #: its start's own events are logged at debug (a worker after the server's first)
+        self.quiet_start = False
         threading.Thread(target=self._read, name=f"stoic-worker-{self.pid}", daemon=True).start()
         threading.Thread(
             target=self._relay, name=f"stoic-worker-out-{self.pid}", daemon=True
         ).start()
 
-    def load(self, spec: WorkerSpec, kv_fd: int | None = None) -> None:
+    def load(
+        self, spec: WorkerSpec, kv_fd: int | None = None, layouts_fd: int | None = None
+    ) -> None:
         """Tell the worker what to load; it answers ``ready`` once it has (:meth:`wait_ready`).
-        ``kv_fd``: the KV pools' shared memory it maps (None: it allocates its own).
+        ``kv_fd``: the KV pools' shared memory it maps (None: it allocates its own);
+        ``layouts_fd``: the int8 layouts' (:class:`~stoic.kernels.SharedLayouts`: packed into
+        it where ``spec`` has no record of them, else mapped by that record).
 
         Sent from a thread: the spec (the tokenizer's vocabulary with it: megabytes) fills the
         socket's buffer until the worker reads it, after its imports, seconds later when it
@@ -133,22 +143,23 @@ class WorkerProcess:
         next follows the spec. A worker found gone meanwhile is reported as any exit is.
         """
         self.spec = spec
-        data = pickle.dumps(("spec", spec, kv_fd is not None), protocol=pickle.HIGHEST_PROTOCOL)
+        message = ("spec", spec, kv_fd is not None, layouts_fd is not None)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self._conn_lock.acquire()
         threading.Thread(
             target=self._send_spec,
-            args=(data, kv_fd),
+            args=(data, [fd for fd in (kv_fd, layouts_fd) if fd is not None]),
             name=f"stoic-worker-spec-{self.pid}",
             daemon=True,  # an exit does not wait for a worker that never reads
         ).start()
 
-    def _send_spec(self, data: bytes, kv_fd: int | None) -> None:
-        """:meth:`load`'s thread: the spec, then the KV memory's descriptor; releases the
-        connection's lock :meth:`load` took."""
+    def _send_spec(self, data: bytes, fds: list[int]) -> None:
+        """:meth:`load`'s thread: the spec, then the shared memories' descriptors; releases
+        the connection's lock :meth:`load` took."""
         try:
             self._conn.send_bytes(data)
-            if kv_fd is not None:
-                send_handle(self._conn, kv_fd, self.pid)
+            for fd in fds:
+                send_handle(self._conn, fd, self.pid)
         except (OSError, ValueError):  # the pipe broke: the child is dying (the reader reports)
             pass
         finally:
@@ -265,17 +276,21 @@ class WorkerProcess:
             if message[0] != "log":
                 break
             # the worker's own start events (its weights read, layouts packed, cache sized),
-            # as this process's, with its pid
+            # as this process's, with its pid: at info for the server's first worker (the
+            # start an operator watches), at debug for a later one (a recovery's lines stay
+            # few: executor.worker_ready says how long it took)
             _, name, fields = message
             with contextlib.suppress(Exception):
                 event = str(fields.pop("event"))
-                get_logger(name).info(event, **{**fields, "pid": self.pid})
+                log = get_logger(name)
+                (log.debug if self.quiet_start else log.info)(event, **fields, pid=self.pid)
         if message[0] == "unfit":
             raise InsufficientMemory(message[1])
         assert message[0] == "ready", message
         self.ready = True
         summary = message[2]
         self.sizing = sizing = message[3]
+        self.layout_table = message[4]
         _log.info(
             "executor.worker_ready",
             pid=self.pid,
@@ -393,9 +408,12 @@ class WorkerPool:
         spares: int = 0,
         ready_timeout: float = 600.0,
         share_kv: bool = False,
+        share_layouts: bool = False,
     ) -> None:
         """``share_kv``: own the KV pools' memory, so that they outlive a worker (see the
-        module); if the kernel refuses the shared memory, each worker owns its pools (logged)."""
+        module); if the kernel refuses the shared memory, each worker owns its pools (logged).
+        ``share_layouts``: own the int8 layouts' memory too, which the first worker packs them
+        into and every later one maps (:class:`~stoic.kernels.SharedLayouts`)."""
         self._spec = spec
         #: the KV pools' memory, which every worker maps (None: each allocates its own)
         self.kv_memory: KVMemory | None = None
@@ -404,6 +422,12 @@ class WorkerPool:
                 self.kv_memory = KVMemory()
             except OSError as exc:  # a sandbox without memfd_create, say
                 _log.warning("executor.kv_outlives_worker_unavailable", reason=str(exc))
+        #: the int8 layouts' memory: given to the first worker (which packs into it) and to a
+        #: later one only once the first has said where each layout is (then it maps them)
+        self.layout_memory: KVMemory | None = None
+        if share_layouts:
+            with contextlib.suppress(OSError):  # then each worker packs its own
+                self.layout_memory = KVMemory("stoic-layouts")
         self._spares_wanted = spares
         self._ready_timeout = ready_timeout
         self.current: WorkerProcess | None = None
@@ -417,6 +441,8 @@ class WorkerPool:
         self._taken_over = False
         #: the first worker, ready and sized (:meth:`start`), until the first :meth:`acquire`
         self._first: WorkerProcess | None = None
+        #: a worker has been told to load the model before (the next is not the first)
+        self._loaded_one = False
 
     async def start(self) -> CacheSizing:
         """Start the first worker and wait until it has loaded the model and sized the KV cache;
@@ -440,7 +466,13 @@ class WorkerPool:
             budget=dataclasses.replace(self._spec.budget, num_blocks=worker.sizing.num_blocks),
             # a later worker may start before its predecessor's device memory is free
             start_oom_wait=REPLACEMENT_OOM_WAIT,
+            layout_table=worker.layout_table,
         )
+        if not worker.layout_table and self.layout_memory is not None:
+            # nothing packed there (a model without int8 layouts): a later worker must not
+            # record into memory the first may map (it maps none: closing it is safe)
+            self.layout_memory.close()
+            self.layout_memory = None
         self._first = worker
         return worker.sizing
 
@@ -455,7 +487,10 @@ class WorkerPool:
         worker, self._prestarted = self._prestarted, None
         if worker is None or not worker.alive:
             worker = self._new()
-        worker.load(self._spec, self.kv_memory.fd if self.kv_memory is not None else None)
+        kv = self.kv_memory.fd if self.kv_memory is not None else None
+        layouts = self.layout_memory.fd if self.layout_memory is not None else None
+        worker.quiet_start, self._loaded_one = self._loaded_one, True
+        worker.load(self._spec, kv, layouts)
         return worker
 
     def _replenish(self) -> None:
@@ -532,5 +567,6 @@ class WorkerPool:
         self._spares = []
         self._prestarted = None
         self._started = []
-        if self.kv_memory is not None:
-            self.kv_memory.close()  # freed once the last worker's mapping is gone
+        for memory in (self.kv_memory, self.layout_memory):
+            if memory is not None:
+                memory.close()  # freed once the last worker's mapping is gone

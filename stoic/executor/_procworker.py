@@ -7,13 +7,18 @@ ids, positions, block tables and sampling parameters in; sampled ids and logprob
 tensor):
 
 * parent -> child first the descriptor of the worker's step progress page (``SCM_RIGHTS``,
-  :func:`multiprocessing.reduction.send_handle`), then ``("spec", WorkerSpec, kv)``: what to
-  load (a worker may be started, and import what it needs, before it is told), followed by the
-  KV pools' shared memory's descriptor where ``kv``;
-* child -> parent ``("ready", pid, quantized, sizing)`` once the model is loaded, the KV cache
-  sized (:func:`stoic.worker.size_kv_cache`: a profiling forward, then what the memory left
+  :func:`multiprocessing.reduction.send_handle`), then ``("spec", WorkerSpec, kv, layouts)``:
+  what to load (a worker may be started, and import what it needs, before it is told),
+  followed by the KV pools' shared memory's descriptor where ``kv``, and the int8 layouts'
+  where ``layouts``;
+* child -> parent ``("log", logger, event)`` while it starts: its own info events
+  (:class:`_StartEvents`), which the server logs with the worker's pid;
+* child -> parent ``("ready", pid, quantized, sizing, layouts)`` once the model is loaded, the
+  KV cache sized (:func:`stoic.worker.size_kv_cache`: a profiling forward, then what the memory left
   holds; ``sizing`` a :class:`~stoic.worker.CacheSizing`) and the KV pools exist
-  (``quantized``: what runs on quantised blocks, :attr:`ModelRunner.quantized`); or
+  (``quantized``: what runs on quantised blocks, :attr:`ModelRunner.quantized`; ``layouts``:
+  the first worker's record of the int8 layouts it packed into the server's shared memory,
+  :class:`~stoic.kernels.SharedLayouts`, else None); or
   ``("unfit", message)`` when not even a minimal cache fits, and it exits;
 * parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
   output)`` or ``("error", step_id, kind, type_name, message)``;
@@ -51,10 +56,12 @@ from multiprocessing.reduction import recv_handle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._logging import get_logger
 from .._proctitle import set_title
 from ..actors import enact_fault
 from ..config import FaultSpec, LoadFormat, Quantization, WeightLayouts
 from ..errors import InsufficientMemory
+from ..kernels import LayoutEntry, SharedLayouts, use_layouts
 
 if TYPE_CHECKING:
     from ..model import StepProgress
@@ -101,6 +108,10 @@ class WorkerSpec:
     #: seconds a worker's start waits out an out-of-memory error (:mod:`._startoom`): set for
     #: every worker after the first (a replacement, a spare), 0 for the first
     start_oom_wait: float = 0.0
+    #: where the first worker packed its int8 layouts in the server's shared memory
+    #: (:class:`~stoic.kernels.SharedLayouts`): a later worker given that memory maps them by
+    #: this record instead of packing them (None: the first worker, which records)
+    layout_table: tuple[LayoutEntry, ...] | None = None
 
 
 def _die_with_parent(parent: int) -> None:
@@ -235,6 +246,7 @@ def worker_main(conn: Connection, parent: int) -> None:
         assert first[0] == "spec", first
         spec: WorkerSpec = first[1]
         kv_fd = recv_handle(conn) if first[2] else None  # the server's KV memory
+        layouts_fd = recv_handle(conn) if first[3] else None  # the server's layout memory
     except (EOFError, OSError, RuntimeError):  # the server went first (RuntimeError: no fd)
         return
     set_title("loading")
@@ -248,9 +260,19 @@ def worker_main(conn: Connection, parent: int) -> None:
     )
     governor.before_step()  # the load's own operators run on the budget too
 
+    arena: SharedLayouts | None = None
+
     def start() -> tuple[ModelRunner, CacheSizing, KVCacheSpec, PagedKVCache]:
-        """Load, size the cache and map its pools, warm up."""
-        runner = _load(spec, governor, progress)
+        """Load (the layouts in the server's shared memory where it gave some), size the cache
+        and map its pools, warm up."""
+        nonlocal arena
+        arena = SharedLayouts(layouts_fd, spec.layout_table) if layouts_fd is not None else None
+        with use_layouts(arena):
+            runner = _load(spec, governor, progress)
+        if arena is not None:  # relayed to the server (_StartEvents)
+            get_logger("stoic.model").info(
+                "model.layouts_shared", first=spec.layout_table is None, **arena.stats()
+            )
         sizing = size_kv_cache(runner, spec.budget)
         kv_spec = runner.kv_spec(sizing.num_blocks, spec.budget.block_size)
         kv = PagedKVCache(kv_spec, memory_fd=kv_fd)
@@ -272,7 +294,8 @@ def worker_main(conn: Connection, parent: int) -> None:
     except InsufficientMemory as exc:  # a start-up error of the server's, never retried
         _send(conn, ("unfit", exc.message))
         return
-    _send(conn, ("ready", os.getpid(), runner.quantized, sizing))
+    table = arena.table if arena is not None and spec.layout_table is None else None
+    _send(conn, ("ready", os.getpid(), runner.quantized, sizing, table))
     serving = False  # a warm spare commits no pages until it serves: it may never
     while True:
         if serving and kv.committing and not conn.poll(0):

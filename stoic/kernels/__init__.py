@@ -11,6 +11,7 @@ flags) in the cache directory (:mod:`._build`), and loaded with :mod:`ctypes`
 (:mod:`._constants`). Nothing here knows a model, a request or an actor.
 """
 
+from ._arena import LayoutEntry, SharedLayouts, current_layouts, use_layouts
 from ._cops import PrefillOps
 from ._gemm8 import Gemm8
 from ._qkernels import (
@@ -40,7 +41,11 @@ __all__ = [
     "GgmlType",
     "Kernels",
     "KernelsUnavailable",
+    "LayoutEntry",
     "PrefillOps",
     "Product",
+    "SharedLayouts",
+    "current_layouts",
     "load_kernels",
+    "use_layouts",
 ]

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._arena import current_layouts
 from ._build import KernelsUnavailable, build_library
 from ._constants import (
     C_POOL_DTYPES,
@@ -444,21 +445,43 @@ class Kernels:
         scale per 16 weights). ``layout``: that variant instead (comparisons of the variants on
         the same blocks).
 
+        Its bytes are private memory, or the shared memory of the arena in use
+        (:func:`~stoic.kernels.use_layouts`: a worker process's load), where a later worker maps
+        what the first packed.
+
         :raises ValueError: if a part is of another type, its blocks do not fit it or the
             ``layout`` asked for, or the parts differ in width.
         """
+        arena = current_layouts()
+        if arena is None:
+            return self._g8_layout(parts, layout, _empty_bytes)
+        key = f"{layout}|" + ";".join(f"{kind}:{tuple(blocks.shape)}" for kind, blocks in parts)
+
+        def build(alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int]:
+            made = self._g8_layout(parts, layout, alloc)
+            return made.packed, made.layout
+
+        return G8Layout(*arena.take(key, build))
+
+    def _g8_layout(
+        self,
+        parts: list[tuple[str, torch.Tensor]],
+        layout: int | None,
+        alloc: Callable[[int], torch.Tensor],
+    ) -> G8Layout:
+        """:meth:`g8_layout`, its bytes from ``alloc``."""
         if (
             (layout is None or layout == self.layouts.g4k)
             and parts
             and all(kind == "Q4_K" for kind, _ in parts)
         ):
-            return self._g4k_layout([blocks for _, blocks in parts])
+            return self._g4k_layout([blocks for _, blocks in parts], alloc)
         halves_symmetric = self.layouts.g8 + 3  # G8_HALVES + G8_SYMMETRIC
         if (
             layout in (None, halves_symmetric)
             and parts
             and all(kind == "Q6_K" for kind, _ in parts)
-            and (direct := self._q6k_layout([blocks for _, blocks in parts])) is not None
+            and (direct := self._q6k_layout([blocks for _, blocks in parts], alloc)) is not None
         ):
             return direct
         decoded = [self._g8_decode(kind, blocks) for kind, blocks in parts]
@@ -471,7 +494,7 @@ class Kernels:
             layout = self.layouts.g4
         if layout is None:
             layout = self.g8_fit(d.data_ptr(), m.data_ptr(), rows, cols)
-        packed = torch.empty(self.g8_bytes(rows, cols, layout), dtype=torch.uint8)
+        packed = alloc(self.g8_bytes(rows, cols, layout))
         rc = self.g8_pack(
             q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, cols, layout, packed.data_ptr()
         )
@@ -481,25 +504,38 @@ class Kernels:
             )
         return G8Layout(packed, layout)
 
-    def _g4k_layout(self, parts: list[torch.Tensor]) -> G8Layout:
+    def _g4k_layout(
+        self, parts: list[torch.Tensor], alloc: Callable[[int], torch.Tensor] | None = None
+    ) -> G8Layout:
         """Q4_K matrices (their blocks, one below the other) in G4K, packed from the blocks
         themselves (the super-block scales are the file's).
 
         :raises ValueError: if a part's blocks do not fit Q4_K or the parts differ in width."""
-        packed = self._packed_from_blocks("Q4_K", parts, self.layouts.g4k, self.g4k_pack)
+        packed = self._packed_from_blocks(
+            "Q4_K", parts, self.layouts.g4k, self.g4k_pack, alloc or _empty_bytes
+        )
         assert packed is not None
         return packed
 
-    def _q6k_layout(self, parts: list[torch.Tensor]) -> G8Layout | None:
+    def _q6k_layout(
+        self, parts: list[torch.Tensor], alloc: Callable[[int], torch.Tensor] | None = None
+    ) -> G8Layout | None:
         """Q6_K matrices (their blocks, one below the other) in G8 with halves and symmetric,
         packed from the blocks (bitwise what decoding them first gives); None where no block's
         halves differ (another layout fits: the decoded path picks it).
 
         :raises ValueError: if a part's blocks do not fit Q6_K or the parts differ in width."""
-        return self._packed_from_blocks("Q6_K", parts, self.layouts.g8 + 3, self.q6k_pack)
+        return self._packed_from_blocks(
+            "Q6_K", parts, self.layouts.g8 + 3, self.q6k_pack, alloc or _empty_bytes
+        )
 
     def _packed_from_blocks(
-        self, kind: str, parts: list[torch.Tensor], layout: int, pack: Callable[..., int]
+        self,
+        kind: str,
+        parts: list[torch.Tensor],
+        layout: int,
+        pack: Callable[..., int],
+        alloc: Callable[[int], torch.Tensor],
     ) -> G8Layout | None:
         """``parts`` of ``kind`` stacked, then ``pack(blocks, N, K, out)`` into ``layout``:
         its bytes, or None where ``pack`` answered 1 (another layout fits the blocks).
@@ -513,7 +549,7 @@ class Kernels:
             raise ValueError(f"not {kind} blocks of one width: {[tuple(b.shape) for b in parts]}")
         blocks = (torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
         rows, cols = int(blocks.shape[0]), int(blocks.shape[1]) // ggml.block_bytes * ggml.weights
-        packed = torch.empty(self.g8_bytes(rows, cols, layout), dtype=torch.uint8)
+        packed = alloc(self.g8_bytes(rows, cols, layout))
         rc = pack(blocks.data_ptr(), rows, cols, packed.data_ptr())
         if rc < 0:
             raise ValueError(f"cannot lay out a {rows} x {cols} {kind} matrix (layout {layout})")
@@ -556,6 +592,11 @@ class Kernels:
         out = torch.empty(blocks.shape[0], cols, dtype=torch.float32)
         self._dequantize(ggml.type_id, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr())
         return out
+
+
+def _empty_bytes(nbytes: int) -> torch.Tensor:
+    """Private memory for a layout's bytes (:meth:`Kernels.g8_layout` outside an arena)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _check_bias(bias: torch.Tensor | None, rows: int) -> None:

@@ -4,6 +4,7 @@ while the engine keeps serving (no mock of the process boundary)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from support import collect, engine_config, wait_idle, wait_replaced
 
 import stoic
 from stoic.errors import EngineFailed, ExecutorFailed, InvalidRequest
+from stoic.kernels import Kernels
+from stoic.model import default_gguf_path
 
 pytestmark = [pytest.mark.model]
 
@@ -270,3 +273,38 @@ async def test_a_replacement_that_meets_an_oom_at_start_waits_for_the_memory_and
         e for e in logs if "out of memory while starting" in str(e.get("line", e.get("output")))
     ]
     assert len(retries) == 2, [e for e in logs if e["event"] == "executor.worker_output"]
+
+
+@pytest.mark.model
+@pytest.mark.asyncio
+async def test_a_spare_and_a_replacement_map_the_layouts_the_first_worker_packed(
+    kernels: Kernels,
+) -> None:
+    """The default GGUF model with int8 layouts (AVX-512 VNNI): the first worker packs them
+    into the server's shared memory; the warm spare that takes over after kill -9 and the
+    worker replacing it after a second kill map all of them (none packed privately), and each
+    serves the greedy text the first did."""
+    if not kernels.int8_rows:
+        pytest.skip("this CPU has no AVX-512 VNNI: no int8 layouts to share")
+    config = stoic.EngineConfig(
+        model=str(default_gguf_path()), executor="process", dtype="auto", num_kv_blocks=256
+    )
+    config = dataclasses.replace(config, executor_spares=1)
+    params = stoic.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    texts = []
+    with structlog.testing.capture_logs() as logs:
+        async with stoic.Engine.start(config) as engine:
+            texts.append((await engine.complete("Hello", params)).text)
+            for restarts in (1, 2):
+                pid = engine.stats().executor_pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                await wait_replaced(engine, pid, restarts=restarts)
+                texts.append((await engine.complete("Hello", params)).text)
+    assert texts == [texts[0]] * 3
+    first, *later = [e for e in logs if e["event"] == "model.layouts_shared"]
+    assert first["first"] and first["shared_packed_mib"] > 50 and first["private_mib"] == 0
+    assert len(later) >= 2, later
+    for event in later:
+        assert not event["first"] and event["private_mib"] == 0, event
+        assert event["shared_mapped_mib"] == first["shared_packed_mib"], event

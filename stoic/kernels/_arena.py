@@ -1,0 +1,146 @@
+"""Where the int8 layouts' bytes live: private memory, or shared memory every worker maps.
+
+A 1.5B Q4_K_M file's layouts (:meth:`Kernels.g8_layout`) are 1.1 GiB packed from the file's
+blocks in 0.8 s; an 8B file's 5.2 GiB in about 4 s. Packed privately, every worker process of a
+server holds its own copy (a warm spare doubles them) and a replacement after ``kill -9`` packs
+them again. With a :class:`SharedLayouts` in place (:func:`use_layouts`) the first worker packs
+each layout into one ``memfd`` the server owns, at an offset it records; the record (its
+:attr:`SharedLayouts.table`, a few KiB) goes to the server, which hands it and the ``memfd``
+to every later worker, whose arena then maps each layout read-only instead of packing it. So the
+layouts' memory is one copy however many workers there are, and outlives any of them.
+
+A later worker asks for the layouts in the order the first one packed them (the same file, the
+same code): each request names its layout by a key (types, shapes, variant), and one that does
+not match the record at its place is packed privately (counted in :meth:`SharedLayouts.stats`).
+The mapped pages are read-only in a later worker: a stray write there is a crash of that worker
+(replaced as any), never a corruption of the copy the others serve from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["LayoutEntry", "SharedLayouts", "current_layouts", "use_layouts"]
+
+#: a layout's bytes: ``alloc(nbytes)`` gives a uint8 tensor of that many to pack into
+Alloc = Callable[[int], torch.Tensor]
+
+
+class LayoutEntry(NamedTuple):
+    """One packed layout in the shared memory."""
+
+    key: str
+    offset: int
+    nbytes: int
+    #: the layout id it was packed in (``G8Layout.layout``)
+    layout: int
+
+
+class SharedLayouts:
+    """The layouts of one worker in the ``memfd`` ``fd`` (the server's; not closed here):
+    packed into it and recorded where ``table`` is None (the first worker), else mapped from
+    it by ``table`` (a later one)."""
+
+    def __init__(self, fd: int, table: tuple[LayoutEntry, ...] | None = None) -> None:
+        self._fd = fd
+        self._given = table
+        self._recorded: list[LayoutEntry] = []
+        self._next = 0
+        self._size = 0
+        #: the mappings, kept as long as the process runs (tensors over them hold pointers)
+        self._maps: list[mmap.mmap] = []
+        self.mapped_bytes = 0
+        self.packed_bytes = 0
+        self.private_bytes = 0
+        if table is None:
+            os.ftruncate(fd, 0)  # a start tried again (after an out-of-memory error) repacks
+
+    @property
+    def table(self) -> tuple[LayoutEntry, ...]:
+        """What was packed here (the record a later worker maps by); empty when mapping."""
+        return tuple(self._recorded)
+
+    def stats(self) -> dict[str, float]:
+        """MiB mapped from the record, packed into the shared memory, packed privately."""
+        mib = 2**20
+        return {
+            "shared_mapped_mib": round(self.mapped_bytes / mib, 1),
+            "shared_packed_mib": round(self.packed_bytes / mib, 1),
+            "private_mib": round(self.private_bytes / mib, 1),
+        }
+
+    def take(
+        self, key: str, build: Callable[[Alloc], tuple[torch.Tensor, int]]
+    ) -> tuple[torch.Tensor, int]:
+        """The layout named ``key``: ``build(alloc)`` packs it (into what ``alloc`` gives) and
+        returns its bytes and layout id; a later worker maps it instead where the record has
+        ``key`` at this place.
+
+        :raises ValueError: what ``build`` raises.
+        """
+        place = self._next
+        self._next += 1
+        if self._given is not None:
+            if place < len(self._given) and self._given[place].key == key:
+                entry = self._given[place]
+                self.mapped_bytes += entry.nbytes
+                return self._map(entry.offset, entry.nbytes, writable=False), entry.layout
+            packed, layout = build(_private)
+            self.private_bytes += packed.numel()
+            return packed, layout
+        offsets: list[int] = []
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            offset = -(-self._size // mmap.PAGESIZE) * mmap.PAGESIZE
+            os.ftruncate(self._fd, offset + max(nbytes, 1))
+            self._size = offset + nbytes
+            offsets.append(offset)
+            return self._map(offset, nbytes, writable=True)
+
+        packed, layout = build(alloc)
+        # the last allocation is the layout (an earlier one a variant the blocks did not fit)
+        if not offsets or packed.numel() != self._size - offsets[-1]:
+            raise AssertionError(f"layout {key!r} is not the last of its allocations")
+        self._recorded.append(LayoutEntry(key, offsets[-1], packed.numel(), layout))
+        self.packed_bytes += packed.numel()
+        return packed, layout
+
+    def _map(self, offset: int, nbytes: int, *, writable: bool) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        view = mmap.mmap(self._fd, nbytes, offset=offset, access=access)
+        self._maps.append(view)
+        with warnings.catch_warnings():  # read-only on purpose: the kernels only read it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _private(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+_current: SharedLayouts | None = None
+
+
+def current_layouts() -> SharedLayouts | None:
+    """The arena :meth:`Kernels.g8_layout` packs into now (None: private memory)."""
+    return _current
+
+
+@contextlib.contextmanager
+def use_layouts(arena: SharedLayouts | None) -> Iterator[SharedLayouts | None]:
+    """Pack the layouts made while the block runs in ``arena`` (a worker's load)."""
+    global _current
+    before, _current = _current, arena
+    try:
+        yield arena
+    finally:
+        _current = before
