@@ -166,22 +166,10 @@ def run_llama(binary: str, model: str) -> dict[str, float]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
+    command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--parallel", "8", "--ctx-size", "8192", "--threads", str(os.cpu_count() or 1)]
     proc = subprocess.Popen(
-        [
-            binary,
-            "-m",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--parallel",
-            "8",
-            "--ctx-size",
-            "8192",
-            "--threads",
-            str(os.cpu_count() or 1),
-        ],  # fmt: skip
+        command,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
