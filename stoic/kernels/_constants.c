@@ -17,6 +17,7 @@ const int stoic_layout_bf16fixed = BF16FIXED;
 const int stoic_layout_g8 = G8;
 const int stoic_layout_g4 = G8 + G8_NIBBLES;
 const int stoic_layout_g4k = G8 + G8_NIBBLES + G8_SUPER;
+const int stoic_layout_g6 = G8 + G8_HALVES + G8_SYMMETRIC + G8_SUPER;
 const int stoic_flag_fixed_order = FIXED_ORDER;
 const int stoic_flag_int8_rows = INT8_ROWS;
 const int stoic_max_head_dim = MAX_HEAD_DIM;

@@ -102,6 +102,9 @@ class Layouts(NamedTuple):
     g4: int
     #: G4 with Q4_K's super-block scales (``G8 + G8_NIBBLES + G8_SUPER``): 0.59 bytes a weight
     g4k: int
+    #: Q6_K's 6-bit values with its scales (``G8 + G8_HALVES + G8_SYMMETRIC + G8_SUPER``):
+    #: 0.8125 bytes a weight
+    g6: int
     #: or'ed with a layout: the product sums every row in one order whatever the number of rows
     #: (``FIXED_ORDER``; ``--deterministic``)
     fixed_order: int
@@ -128,6 +131,7 @@ class Layouts(NamedTuple):
             g8=const(lib, "stoic_layout_g8"),
             g4=const(lib, "stoic_layout_g4"),
             g4k=const(lib, "stoic_layout_g4k"),
+            g6=const(lib, "stoic_layout_g6"),
             fixed_order=const(lib, "stoic_flag_fixed_order"),
             int8_rows=const(lib, "stoic_flag_int8_rows"),
         )

@@ -45,6 +45,17 @@
  *      blocks: d = D sc and m = -Dmin mn, each product exact in float32, so bitwise G8's d and m
  *      (Q4_K's own sums): 0.59 bytes a weight (Q4_K 0.5625). A one-token step reads 0.79x
  *      G4's bytes; the tile widens 32 bytes and multiplies twice more a block and column.
+ *   +1+2+8 six bits (G6), Q6_K (stoic_q6k_pack): per block G4's nibbles of the values q (0..63,
+ *      w = (q - 32) d), their high bit pairs (128 bytes), the two scales of 16 weights as the
+ *      file's int8 (32 bytes), and the super-block's float32 D[16] per 8 blocks after the
+ *      tile's blocks: 416 + 8 bytes a block, 0.83 a weight (Q6_K itself 0.82, G8 with halves
+ *      1.25). The tile rebuilds each group's values (a shift, two ands, a shift and an or per
+ *      64 bytes) and starts a half's sum at -32 sum(xq): its integer sums, d = D sc and
+ *      everything after are G8 + H + S's, so its products are bitwise theirs. A one-token step
+ *      reads 0.66x the bytes (the 1.5B output layer's product 8.9 -> 7.1 ms; the model's
+ *      decode step 43 -> 36 ms); for more than a row tile each group of tiles is first
+ *      expanded into G8 + H + S in L2 (g6_expand), the rebuilding per row tile being
+ *      dearer than the reading it saves there.
  * Types (stoic_g8_decode): the symmetric Q4_0 (q + 120), Q5_0 (q + 112), Q8_0 (q + 128) and
  * Q6_K (q + 96, per sub-block of 16: d = d_super * scale), each with m = -128 d; Q4_1 and Q5_1
  * (the file's m); Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min).
@@ -191,10 +202,14 @@ static inline int64_t g8_bytes_of(int halves, int symmetric, int nibbles) {
 
 #define G4K_BLOCK 288 /* G4K: 256 bytes of values, sc[16], mn[16] */
 #define G4K_SUPER 128 /* G4K: D[16], -Dmin[16] per 8 blocks, after a tile's blocks */
+#define G6 (G8 + G8_HALVES + G8_SYMMETRIC + G8_SUPER)
+#define G6_BLOCK 416 /* G6: 256 bytes of low nibbles, 128 of high bit pairs, sc[2][16] */
+#define G6_SUPER 64  /* G6: D[16] per 8 blocks, after a tile's blocks */
 
 /* g8_bytes_of for `layout` (G4K: a block's own bytes); 0 for another */
 static int64_t g8_block_bytes(int layout) {
     if (layout == G8 + G8_NIBBLES + G8_SUPER) return G4K_BLOCK;
+    if (layout == G6) return G6_BLOCK;
     if (layout < G8 || layout > G8 + G8_NIBBLES) return 0;
     const int bits = layout - G8;
     return g8_bytes_of(bits & G8_HALVES ? 2 : 1, !!(bits & G8_SYMMETRIC), bits == G8_NIBBLES);
@@ -205,6 +220,7 @@ static int64_t g8_block_bytes(int layout) {
 static int64_t g8_tile_bytes(int layout, int64_t nb) {
     if (layout == G8 + G8_NIBBLES + G8_SUPER)
         return nb % 8 ? 0 : nb * G4K_BLOCK + nb / 8 * G4K_SUPER;
+    if (layout == G6) return nb % 8 ? 0 : nb * G6_BLOCK + nb / 8 * G6_SUPER;
     return nb * g8_block_bytes(layout);
 }
 
@@ -302,43 +318,53 @@ int stoic_g4k_pack(const uint8_t *src, int64_t N, int64_t K, uint8_t *out) {
     return 0;
 }
 
-/* N rows of Q6_K blocks (K weights a row) into G8 + G8_HALVES + G8_SYMMETRIC (out:
- * stoic_g8_bytes), straight from the blocks, rows in parallel: bitwise stoic_g8_decode then
- * stoic_g8_pack, without their intermediate q, d and m (1.5 bytes a weight written and read
- * again: a 1.5B file's Q6_K layouts 1.15 -> 0.5 s). 0; 1 where no block's halves differ (the
- * layout stoic_g8_layout picks is then another: the caller takes the decoded path); -1 where K
- * is not a multiple of 256 */
+/* N rows of Q6_K blocks (K weights a row) into G6 (out: stoic_g8_bytes), straight from the
+ * blocks, rows in parallel: per tile of 16 rows and block of 32 weights, the unsigned 6-bit
+ * values v = q (w = (v - 32) d) as G4's nibbles (v[j][n][k]: the low 4 bits of group j's in
+ * the low nibble, of group j + 4's in the high one), their high 2 bits (u[j / 2][n][k]: groups
+ * j and j + 4 in bits 4 (j & 1) .. 4 (j & 1) + 3, two bits each), and the block's two scales of
+ * 16 weights (int8, sc[h][n]); the super-block's d (float32 D[16]) per 8 blocks after the
+ * tile's blocks. 0.8125 bytes a weight (Q6_K itself 0.82; G8 with halves 1.25): d = D sc, its
+ * products bitwise those of G8 + G8_HALVES + G8_SYMMETRIC over stoic_g8_decode's values. 0, or
+ * -1 where K is not a multiple of 256 */
 int stoic_q6k_pack(const uint8_t *src, int64_t N, int64_t K, uint8_t *out) {
-    const int layout = G8 + G8_HALVES + G8_SYMMETRIC;
-    const int64_t nb = K / QK, nsb = K / 256, bytes = g8_block_bytes(layout);
-    if (K % 256 != 0) return -1;
-    g8_zero_padding(out, N, K, layout);
-    int halves = 0;
-    _Pragma("omp parallel for schedule(static) reduction(|: halves)")
+    const int64_t nb = K / QK, nsb = K / 256, tstride = g8_tile_bytes(G6, nb);
+    if (K % 256 != 0 || !tstride) return -1;
+    g8_zero_padding(out, N, K, G6);
+    _Pragma("omp parallel for schedule(static)")
     for (int64_t row = 0; row < N; row++) {
         const int64_t n = row % 16;
-        uint8_t *tile = out + row / 16 * nb * bytes;
+        uint8_t *tile = out + row / 16 * tstride;
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *b = src + (row * nsb + sb) * Q6_K_BYTES;
-            const float dd = half_to_float(b + 208);
+            float *dd = (float *)(void *)(tile + nb * G6_BLOCK + sb * G6_SUPER);
+            dd[n] = half_to_float(b + 208);
             uint8_t q[256];
-            for (int h = 0; h < 2; h++) /* stoic_g8_decode's, 32 weights a loop (vectorised) */
+            for (int h = 0; h < 2; h++) /* stoic_g8_decode's, unsigned 0..63 */
                 for (int r = 0; r < 4; r++)
                     for (int l = 0; l < 32; l++) {
                         const int lo = (b[64 * h + 32 * (r & 1) + l] >> (4 * (r >> 1))) & 0x0F;
                         const int hi = (b[128 + 32 * h + l] >> (2 * r)) & 0x03;
-                        q[128 * h + 32 * r + l] = (uint8_t)((lo | (hi << 4)) + 96);
+                        q[128 * h + 32 * r + l] = (uint8_t)(lo | (hi << 4));
                     }
             for (int j = 0; j < 8; j++) {
-                uint8_t *blk = tile + (sb * 8 + j) * bytes;
-                float *bd = (float *)(void *)(blk + 512);
-                for (int g = 0; g < 8; g++) memcpy(blk + g * 64 + n * 4, q + 32 * j + 4 * g, 4);
-                for (int h = 0; h < 2; h++) bd[16 * h + n] = dd * (float)(int8_t)b[192 + 2 * j + h];
-                halves |= memcmp(bd + n, bd + 16 + n, 4) != 0;
+                uint8_t *blk = tile + (sb * 8 + j) * G6_BLOCK;
+                const uint8_t *v = q + 32 * j;
+                for (int g = 0; g < 4; g++)
+                    for (int k = 0; k < 4; k++) {
+                        const uint8_t a = v[4 * g + k], c = v[4 * (g + 4) + k];
+                        blk[g * 64 + n * 4 + k] = (uint8_t)((a & 0x0F) | (c << 4));
+                        uint8_t *u = blk + 256 + (g >> 1) * 64 + n * 4 + k;
+                        const int shift = 4 * (g & 1);
+                        *u = (uint8_t)((*u & ~(0x0F << shift)) |
+                                       (((a >> 4) | ((c >> 4) << 2)) << shift));
+                    }
+                blk[384 + n] = b[192 + 2 * j];
+                blk[400 + n] = b[192 + 2 * j + 1];
             }
         }
     }
-    return halves ? 0 : 1;
+    return 0;
 }
 
 /* N rows of decoded q, d, m (stoic_g8_decode's, K weights a row) into `layout` (out: the bytes
@@ -349,7 +375,8 @@ int stoic_g8_pack(const uint8_t *q, const float *d, const float *m, int64_t N, i
     const int64_t nb = K / QK, tiles = (N + 15) / 16, bytes = g8_block_bytes(layout);
     if (K % QK != 0 || !bytes) return -1;
     if (layout == G8 + G8_NIBBLES) return g4_pack(q, d, m, N, K, out);
-    if (layout == G8 + G8_NIBBLES + G8_SUPER) return -1; /* from the blocks: stoic_g4k_pack */
+    if (layout == G8 + G8_NIBBLES + G8_SUPER || layout == G6)
+        return -1; /* from the blocks: stoic_g4k_pack, stoic_q6k_pack */
     const int bits = layout - G8, fits = stoic_g8_layout(d, m, N, K) - G8;
     if ((bits & G8_HALVES) < (fits & G8_HALVES) || (bits & G8_SYMMETRIC) > (fits & G8_SYMMETRIC))
         return -1;
@@ -400,9 +427,12 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
         int64_t tstride, void *y, int y_bf16, int64_t ldy, const __mmask16 *cols,
         const float *bias, const float *res, const uint8_t **pf, const uint8_t *pf_end,
         int64_t pf_lines) {
-    const int64_t bytes = NB == 2 ? G4K_BLOCK : g8_bytes_of(H ? 2 : 1, S, NB), parts = H ? 2 : 1;
+    const int64_t bytes = NB == 3   ? G6_BLOCK
+                          : NB == 2 ? G4K_BLOCK
+                                    : g8_bytes_of(H ? 2 : 1, S, NB),
+                  parts = H ? 2 : 1;
     const int64_t values = NB ? 256 : 512;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x03);
     __m512 acc[G8_TR][G8_TC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
@@ -414,10 +444,33 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
             __m512i ia[G8_TR][G8_TC];
             for (int r = 0; r < R; r++) {
                 const int32_t *offset = (const int32_t *)sx + (r * nb + b) * parts + h;
-                const __m512i start = S ? _mm512_set1_epi32(*offset) : _mm512_setzero_si512();
+                /* G6's values are q, not q + 96: -32 sum(xq), exact (a multiple of 4) */
+                const int32_t first = NB == 3 ? *offset / 4 : *offset;
+                const __m512i start = S ? _mm512_set1_epi32(first) : _mm512_setzero_si512();
                 for (int c = 0; c < C; c++) ia[r][c] = start;
             }
-            if (NB) /* G4: group j the low nibbles of load j, group j + 4 its high ones */
+            if (NB == 3) /* G6: half h's group 4 h + j from load j's nibble h and its bits */
+                for (int j = 0; j < 4; j++) {
+                    __m512i w[G8_TC];
+                    for (int c = 0; c < C; c++) {
+                        const uint8_t *at = blk + c * tstride;
+                        const __m512i v = _mm512_loadu_si512((const void *)(at + j * 64));
+                        const __m512i u =
+                            _mm512_loadu_si512((const void *)(at + 256 + (j >> 1) * 64));
+                        const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, low);
+                        const __m512i hi = _mm512_and_si512(
+                            _mm512_srli_epi16(u, (unsigned)(4 * (j & 1) + 2 * h)), pair);
+                        w[c] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                    }
+                    for (int r = 0; r < R; r++) {
+                        int32_t xv;
+                        memcpy(&xv, xq + r * K + b * QK + (4 * h + j) * 4, 4);
+                        const __m512i xb = _mm512_set1_epi32(xv);
+                        for (int c = 0; c < C; c++)
+                            ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], w[c], xb);
+                    }
+                }
+            if (NB == 1 || NB == 2) /* G4: group j the low nibbles of load j, group j + 4 its high ones */
                 for (int j = 0; j < 4; j++) {
                     __m512i v[G8_TC], w[G8_TC];
                     for (int c = 0; c < C; c++) {
@@ -455,7 +508,14 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
             }
             for (int c = 0; c < C; c++) {
                 __m512 d, m;
-                if (NB == 2) { /* G4K: D sc and -Dmin mn, exact */
+                if (NB == 3) { /* G6: D sc of half h, exact (G8's d) */
+                    const int8_t *sc = (const int8_t *)(blk + c * tstride + 384 + 16 * h);
+                    const float *dd = (const float *)(const void *)(wt + c * tstride +
+                                                                   nb * G6_BLOCK + (b / 8) * G6_SUPER);
+                    d = _mm512_mul_ps(_mm512_loadu_ps(dd), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                               _mm_loadu_si128((const __m128i *)sc))));
+                    m = d;
+                } else if (NB == 2) { /* G4K: D sc and -Dmin mn, exact */
                     const uint8_t *sm = blk + c * tstride + values;
                     const float *dm = (const float *)(const void *)(wt + c * tstride +
                                                                    nb * G4K_BLOCK + (b / 8) * G4K_SUPER);
@@ -492,6 +552,40 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
                 _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * c, cols[c], v);
         }
     }
+}
+
+/* `count` tiles of G6 (each `tstride` bytes after the last; nb blocks a row) into G8 + G8_HALVES
+ * + G8_SYMMETRIC (out: count tiles of nb blocks of 640 bytes): the values q + 96 and the scales
+ * d = D sc, exactly what stoic_g8_pack makes of the decoded blocks */
+static void g6_expand(const uint8_t *wt, int64_t tstride, int64_t count, int64_t nb,
+                      uint8_t *out) {
+    const __m512i low = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x03);
+    const __m512i offset = _mm512_set1_epi8(96);
+    for (int64_t c = 0; c < count; c++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = wt + c * tstride + b * G6_BLOCK;
+            const float *dd =
+                (const float *)(const void *)(wt + c * tstride + nb * G6_BLOCK + (b / 8) * G6_SUPER);
+            uint8_t *o = out + (c * nb + b) * g8_bytes_of(2, 1, 0);
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + j * 64));
+                const __m512i u = _mm512_loadu_si512((const void *)(blk + 256 + (j >> 1) * 64));
+                for (int h = 0; h < 2; h++) {
+                    const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, low);
+                    const __m512i hi = _mm512_and_si512(
+                        _mm512_srli_epi16(u, (unsigned)(4 * (j & 1) + 2 * h)), pair);
+                    const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                    _mm512_storeu_si512((void *)(o + (4 * h + j) * 64),
+                                        _mm512_add_epi8(q, offset));
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m512 sc = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 384 + 16 * h))));
+                _mm512_storeu_ps((float *)(void *)(o + 512 + 64 * h),
+                                 _mm512_mul_ps(_mm512_loadu_ps(dd), sc));
+            }
+        }
 }
 
 /* all the rows of M by C tiles from tile t: G8_TR rows at a time, then the rest */
@@ -576,10 +670,17 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
     }
     const int64_t row_tiles = (M + G8_TR - 1) / G8_TR;
     const int NIBBLES = 0; /* G4's case shadows it */
-    _Pragma("omp parallel num_threads(threads)") {
+    /* G6 over more than a row tile: each group of tiles expanded once into G8 + H + S (its
+     * unpacking per tile and row tile made 8-64 rows 1.5-1.7x G8's time; expanded, every row
+     * tile after the first runs G8's tile on it, in L2) */
+    const int expand = layout == G6 && M > G8_TR;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) reduction(|: failed)") {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        uint8_t *expanded = expand ? malloc((size_t)(G8_TC * nb * g8_bytes_of(2, 1, 0))) : NULL;
+        failed |= expand && !expanded;
         const int64_t lo = groups * tid / nth, hi = groups * (tid + 1) / nth;
-        for (int64_t grp = lo; grp < hi; grp++) {
+        for (int64_t grp = lo; grp < hi && !(expand && !expanded); grp++) {
             const int64_t t = grp * G8_TC, c0 = t * 16;
             const int64_t count = tiles - t < G8_TC ? tiles - t : G8_TC;
             const uint8_t *wt = w + t * tstride;
@@ -606,17 +707,30 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
                 G8_GROUP(0, 0);
                 break;
             }
+            case G8_HALVES + G8_SYMMETRIC + G8_SUPER:
+                if (expanded) { /* many rows: the group's tiles in G8 + H + S, then its tile */
+                    g6_expand(wt, tstride, count, nb, expanded);
+                    const uint8_t *wt = expanded;
+                    const int64_t tstride = nb * g8_bytes_of(2, 1, 0);
+                    G8_GROUP(1, 1);
+                } else { /* a row tile or less: bound by memory, G6's bytes read once */
+                    const int NIBBLES = 3;
+                    G8_GROUP(1, 1);
+                }
+                break;
             case 0: G8_GROUP(0, 0); break;
             case G8_HALVES: G8_GROUP(1, 0); break;
             case G8_SYMMETRIC: G8_GROUP(0, 1); break;
-            default: G8_GROUP(1, 1); break;
+            case G8_HALVES + G8_SYMMETRIC: G8_GROUP(1, 1); break;
+            default: break;
             }
         }
+        free(expanded);
     }
     free(own);
     free(xq);
     free(scales);
-    return 0;
+    return failed ? -2 : 0;
 }
 #else
 int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,

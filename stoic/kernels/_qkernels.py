@@ -440,9 +440,9 @@ class Kernels:
     ) -> G8Layout:
         """The matrix stacked from ``parts`` (``(kind, blocks)``, one below the other, each of
         :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``), or the variant its blocks fit: G4,
-        0.75 bytes a weight, where every part is of :data:`G4_TYPES`; else 1.125 where every part
-        is symmetric (Q4_0, Q5_0, Q8_0, Q6_K), 1.25 otherwise (1.25 and 1.5 with a Q6_K part: a
-        scale per 16 weights). ``layout``: that variant instead (comparisons of the variants on
+        0.75 bytes a weight, where every part is of :data:`G4_TYPES` (G4K, 0.59, for Q4_K); G6,
+        0.83, where every part is Q6_K; else 1.125 where every part is symmetric (Q4_0, Q5_0,
+        Q8_0, Q6_K), 1.25 otherwise (1.25 and 1.5 with a Q6_K part: a scale per 16 weights). ``layout``: that variant instead (comparisons of the variants on
         the same blocks).
 
         Its bytes are private memory, or the shared memory of the arena in use
@@ -476,9 +476,8 @@ class Kernels:
             and all(kind == "Q4_K" for kind, _ in parts)
         ):
             return self._g4k_layout([blocks for _, blocks in parts], alloc)
-        halves_symmetric = self.layouts.g8 + 3  # G8_HALVES + G8_SYMMETRIC
         if (
-            layout in (None, halves_symmetric)
+            layout in (None, self.layouts.g6)
             and parts
             and all(kind == "Q6_K" for kind, _ in parts)
             and (direct := self._q6k_layout([blocks for _, blocks in parts], alloc)) is not None
@@ -520,13 +519,13 @@ class Kernels:
     def _q6k_layout(
         self, parts: list[torch.Tensor], alloc: Callable[[int], torch.Tensor] | None = None
     ) -> G8Layout | None:
-        """Q6_K matrices (their blocks, one below the other) in G8 with halves and symmetric,
-        packed from the blocks (bitwise what decoding them first gives); None where no block's
-        halves differ (another layout fits: the decoded path picks it).
+        """Q6_K matrices (their blocks, one below the other) in G6 (0.8125 bytes a weight),
+        packed from the blocks: their products bitwise those of G8 with halves and symmetric
+        over the decoded blocks (``_gemm8.c``).
 
         :raises ValueError: if a part's blocks do not fit Q6_K or the parts differ in width."""
         return self._packed_from_blocks(
-            "Q6_K", parts, self.layouts.g8 + 3, self.q6k_pack, alloc or _empty_bytes
+            "Q6_K", parts, self.layouts.g6, self.q6k_pack, alloc or _empty_bytes
         )
 
     def _packed_from_blocks(

@@ -39,8 +39,8 @@
 #define MIXED 110
 /* --deterministic's bfloat16 products: `w` points to a descriptor (_bf16fixed.c) */
 #define BF16FIXED 120
-/* int8 activations over the G8 layouts, G8 .. G8 + 3, G4 = G8 + G8_NIBBLES and G4K = G4 +
- * G8_SUPER (_gemm8.c: its variants' bits) */
+/* int8 activations over the G8 layouts, G8 .. G8 + 3, G4 = G8 + G8_NIBBLES, G4K = G4 +
+ * G8_SUPER and G6 = G8 + G8_HALVES + G8_SYMMETRIC + G8_SUPER (_gemm8.c: its variants' bits) */
 #define G8 130
 #define G8_HALVES 1
 #define G8_SYMMETRIC 2
@@ -139,6 +139,7 @@ extern const int stoic_layout_bf16fixed;  /* BF16FIXED */
 extern const int stoic_layout_g8;         /* G8 */
 extern const int stoic_layout_g4;         /* G8 + G8_NIBBLES */
 extern const int stoic_layout_g4k;        /* G8 + G8_NIBBLES + G8_SUPER */
+extern const int stoic_layout_g6;         /* G8 + G8_HALVES + G8_SYMMETRIC + G8_SUPER */
 extern const int stoic_flag_fixed_order;  /* FIXED_ORDER */
 extern const int stoic_flag_int8_rows;    /* INT8_ROWS */
 extern const int stoic_max_head_dim;      /* MAX_HEAD_DIM */

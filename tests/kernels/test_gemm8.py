@@ -116,31 +116,27 @@ def test_a_layout_the_blocks_do_not_fit_is_refused(vnni_kernels: Kernels) -> Non
 
 
 @pytest.mark.parametrize("rows", [16, 37])
-def test_q6k_packed_from_its_blocks_is_its_decoded_packing_byte_for_byte(
+def test_q6k_in_six_bits_multiplies_bitwise_as_its_decoded_g8_layout(
     vnni_kernels: Kernels, rows: int
 ) -> None:
-    """Q6_K goes into G8 with halves and symmetric straight from the blocks (no decoded copy):
-    every byte, the padding rows' zeros included, is what decoding then packing gives; a
-    stack of Q6_K parts too. Blocks whose two halves share every scale fit a smaller layout,
-    which the decoded path picks."""
+    """Q6_K goes into G6 straight from its blocks: 0.83 bytes a weight (a 16-row tile of 512
+    columns 16 x 416 + 2 x 64 bytes; G8 with halves 1.25), and every product, one row to
+    many (a row tile read in place, more expanded into G8 first), padding rows and all, is
+    bitwise the product over the decoded blocks in G8 with halves and symmetric; a stack of
+    Q6_K parts is the same layout."""
     layouts = vnni_kernels.layouts
     blocks = random_blocks("Q6_K", rows, 512, seed=47)
-    direct = vnni_kernels.g8_layout([("Q6_K", blocks)])
-    assert direct.layout == layouts.g8 + 3
-    q, d, m = vnni_kernels._g8_decode("Q6_K", blocks)
-    decoded = torch.full_like(direct.packed, 0xAB)
-    rc = vnni_kernels.g8_pack(
-        q.data_ptr(), d.data_ptr(), m.data_ptr(), rows, 512, direct.layout, decoded.data_ptr()
-    )
-    assert rc == 0 and torch.equal(direct.packed, decoded)
+    g6 = vnni_kernels.g8_layout([("Q6_K", blocks)])
+    g8 = vnni_kernels.g8_layout([("Q6_K", blocks)], layouts.g8 + 3)
+    assert g6.layout == layouts.g6 and g8.layout == layouts.g8 + 3
+    assert g6.packed.numel() == -(-rows // 16) * (16 * 416 + 2 * 64)
+    assert g6.packed.numel() < 0.67 * g8.packed.numel()
+    six, wide = Gemm8(vnni_kernels, g6, rows, 512, None), Gemm8(vnni_kernels, g8, rows, 512, None)
+    for m in (1, 3, 4, 5, 8, 21):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(six(x), wide(x)), m
     stacked = vnni_kernels.g8_layout([("Q6_K", blocks[:5]), ("Q6_K", blocks[5:])])
-    assert torch.equal(stacked.packed, direct.packed)
-    same = blocks.clone().view(rows, 2, 210)
-    same[:, :, 193:208:2] = same[
-        :, :, 192:207:2
-    ]  # each block's second half takes the first's scale
-    plain = vnni_kernels.g8_layout([("Q6_K", same.view(rows, 420))])
-    assert plain.layout == layouts.g8 + 2
+    assert torch.equal(stacked.packed, g6.packed)
 
 
 @pytest.mark.parametrize("kind", sorted(G4_TYPES))
