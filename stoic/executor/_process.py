@@ -81,17 +81,22 @@ class WorkerProcess:
         and send it its step progress page."""
         self._inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        early = take_prestarted(WORKER_MODULE)
-        #: started by ``stoic serve`` before it imported torch itself (:mod:`stoic._prestart`)
-        self.early = early is not None
-        spawned = early or spawn(WORKER_MODULE)
-        self._proc = spawned.proc
-        self._conn = Connection(spawned.sock.detach())
         #: the worker's step progress, in a page of memory it shares with this process: read
         #: by the step watchdog without a message (the worker may be stuck in native code).
         #: Its descriptor is the first thing the worker reads (the kernel holds it in the
-        #: socket until then); mapped here, this process's descriptor can go at once.
+        #: socket until then); mapped here, this process's descriptor can go at once. Made
+        #: before the process is taken: a failure here leaves no process behind.
         self.progress, page = StepProgress.shared()
+        try:
+            early = take_prestarted(WORKER_MODULE)
+            spawned = early or spawn(WORKER_MODULE)
+        except BaseException:
+            os.close(page)
+            raise
+        #: started by ``stoic serve`` before it imported torch itself (:mod:`stoic._prestart`)
+        self.early = early is not None
+        self._proc = spawned.proc
+        self._conn = Connection(spawned.sock.detach())
         try:
             send_handle(self._conn, page, self._proc.pid)
         except OSError:  # the child is already gone: its exit is reported as usual
@@ -103,6 +108,10 @@ class WorkerProcess:
         #: receive would race its own close (EBADF), or close a descriptor number the process
         #: has already handed to something else.
         self._conn_lock = threading.Lock()
+        #: while :meth:`load`'s thread sends the spec (holding the connection's lock): what
+        #: else is sent meanwhile waits here, and that thread sends it after the spec
+        self._queue_lock = threading.Lock()
+        self._queued: list[bytes] | None = None
         self.pid: int = self._proc.pid
         self.started = time.monotonic()
         self.ready = False
@@ -139,31 +148,51 @@ class WorkerProcess:
         Sent from a thread: the spec (the tokenizer's vocabulary with it: megabytes) fills the
         socket's buffer until the worker reads it, after its imports, seconds later when it
         was started at once, and the event loop (``/health`` among it) must not wait for that.
-        The connection's lock is taken here and released by that thread, so whatever is sent
-        next follows the spec. A worker found gone meanwhile is reported as any exit is.
+        The connection's lock is taken here and released by that thread; what is sent
+        meanwhile (a spare's role) is queued and sent by it after the spec, so nothing sent
+        from the event loop waits for the worker's imports. A worker found gone meanwhile is
+        reported as any exit is; one the descriptors cannot be sent to is killed (it would
+        wait for them until the ready timeout).
         """
         self.spec = spec
         message = ("spec", spec, kv_fd is not None, layouts_fd is not None)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self._conn_lock.acquire()
-        threading.Thread(
-            target=self._send_spec,
-            args=(data, [fd for fd in (kv_fd, layouts_fd) if fd is not None]),
-            name=f"stoic-worker-spec-{self.pid}",
-            daemon=True,  # an exit does not wait for a worker that never reads
-        ).start()
+        with self._queue_lock:
+            self._queued = []
+        try:
+            threading.Thread(
+                target=self._send_spec,
+                args=(data, [fd for fd in (kv_fd, layouts_fd) if fd is not None]),
+                name=f"stoic-worker-spec-{self.pid}",
+                daemon=True,  # an exit does not wait for a worker that never reads
+            ).start()
+        except BaseException:
+            self._finish_spec()
+            raise
 
     def _send_spec(self, data: bytes, fds: list[int]) -> None:
-        """:meth:`load`'s thread: the spec, then the shared memories' descriptors; releases
-        the connection's lock :meth:`load` took."""
+        """:meth:`load`'s thread: the spec, the shared memories' descriptors, then what was
+        queued meanwhile; releases the connection's lock :meth:`load` took."""
         try:
             self._conn.send_bytes(data)
             for fd in fds:
                 send_handle(self._conn, fd, self.pid)
-        except (OSError, ValueError):  # the pipe broke: the child is dying (the reader reports)
-            pass
-        finally:
-            self._conn_lock.release()
+        except Exception:  # the pipe broke (the child is dying), or a descriptor did not go
+            self.kill()  # either way it cannot load: its exit is reported as usual
+        self._finish_spec()
+
+    def _finish_spec(self) -> None:
+        """Send what was queued while the spec went, then release the connection."""
+        while True:
+            with self._queue_lock:
+                if not self._queued:
+                    self._queued = None
+                    self._conn_lock.release()
+                    return
+                data = self._queued.pop(0)
+            with contextlib.suppress(OSError, ValueError):  # the child is gone: reported
+                self._conn.send_bytes(data)
 
     def set_role(self, role: str, incarnation: int | None = None) -> None:
         """Tell the worker what it is now (``"spare"``; ``"serving"`` executor ``incarnation``):
@@ -219,14 +248,16 @@ class WorkerProcess:
         if self.on_exit is not None:
             self.on_exit(self)
 
-    def _send(self, message: tuple[Any, ...], fd: int | None = None) -> None:
-        """Send ``message`` and then descriptor ``fd`` (``SCM_RIGHTS``), none between them."""
+    def _send(self, message: tuple[Any, ...]) -> None:
+        """Send ``message``, or queue it behind a spec still being sent (:meth:`load`)."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._queue_lock:
+            if self._queued is not None:
+                self._queued.append(data)
+                return
         try:
             with self._conn_lock:
                 self._conn.send_bytes(data)
-                if fd is not None:
-                    send_handle(self._conn, fd, self.pid)
         except (OSError, ValueError) as exc:  # the pipe broke: the child is dying
             raise self._died() from exc
 
@@ -282,8 +313,9 @@ class WorkerProcess:
             _, name, fields = message
             with contextlib.suppress(Exception):
                 event = str(fields.pop("event"))
+                fields["pid"] = self.pid
                 log = get_logger(name)
-                (log.debug if self.quiet_start else log.info)(event, **fields, pid=self.pid)
+                (log.debug if self.quiet_start else log.info)(event, **fields)
         if message[0] == "unfit":
             raise InsufficientMemory(message[1])
         assert message[0] == "ready", message
@@ -384,10 +416,11 @@ class WorkerProcess:
         thread sees the pipe's end and closes the connection. A worker whose spec is still
         being sent (it has not read it: importing) is killed at once: it would read a stop only
         after loading the model."""
-        if not self._conn_lock.acquire(timeout=0.1):
+        with self._queue_lock:
+            loading = self._queued is not None
+        if loading:
             self.kill()
         else:
-            self._conn_lock.release()
             with contextlib.suppress(Exception):
                 self._send(("stop",))
         try:

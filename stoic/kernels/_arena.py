@@ -9,9 +9,11 @@ each layout into one ``memfd`` the server owns, at an offset it records; the rec
 to every later worker, whose arena then maps each layout read-only instead of packing it. So the
 layouts' memory is one copy however many workers there are, and outlives any of them.
 
-A later worker asks for the layouts in the order the first one packed them (the same file, the
-same code): each request names its layout by a key (types, shapes, variant), and one that does
-not match the record at its place is packed privately (counted in :meth:`SharedLayouts.stats`).
+Each request names its layout by a key: the variant asked for, and each part's type, shape and a
+checksum of its first and last 4 KiB of blocks (matrices of one shape differ there). A later
+worker maps the recorded layout of the same key, whatever the order it asks in; a key the
+record lacks (another file, other flags) is packed privately (counted in
+:meth:`SharedLayouts.stats`).
 The mapped pages are read-only in a later worker: a stray write there is a crash of that worker
 (replaced as any), never a corruption of the copy the others serve from.
 """
@@ -50,9 +52,12 @@ class SharedLayouts:
 
     def __init__(self, fd: int, table: tuple[LayoutEntry, ...] | None = None) -> None:
         self._fd = fd
-        self._given = table
+        self._given: dict[str, list[LayoutEntry]] | None = None
+        if table is not None:
+            self._given = {}
+            for entry in table:  # equal keys (equal matrices): each mapped once, in order
+                self._given.setdefault(entry.key, []).append(entry)
         self._recorded: list[LayoutEntry] = []
-        self._next = 0
         self._size = 0
         #: the mappings, kept as long as the process runs (tensors over them hold pointers)
         self._maps: list[mmap.mmap] = []
@@ -81,15 +86,13 @@ class SharedLayouts:
     ) -> tuple[torch.Tensor, int]:
         """The layout named ``key``: ``build(alloc)`` packs it (into what ``alloc`` gives) and
         returns its bytes and layout id; a later worker maps it instead where the record has
-        ``key`` at this place.
+        ``key``.
 
         :raises ValueError: what ``build`` raises.
         """
-        place = self._next
-        self._next += 1
         if self._given is not None:
-            if place < len(self._given) and self._given[place].key == key:
-                entry = self._given[place]
+            if self._given.get(key):
+                entry = self._given[key].pop(0)
                 self.mapped_bytes += entry.nbytes
                 return self._map(entry.offset, entry.nbytes, writable=False), entry.layout
             packed, layout = build(_private)

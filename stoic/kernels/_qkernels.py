@@ -31,6 +31,7 @@ Where the kernels cannot run (not x86-64, no AVX2/FMA/F16C, no C compiler, a fai
 from __future__ import annotations
 
 import ctypes
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -455,7 +456,7 @@ class Kernels:
         arena = current_layouts()
         if arena is None:
             return self._g8_layout(parts, layout, _empty_bytes)
-        key = f"{layout}|" + ";".join(f"{kind}:{tuple(blocks.shape)}" for kind, blocks in parts)
+        key = f"{layout}|" + ";".join(_fingerprint(kind, blocks) for kind, blocks in parts)
 
         def build(alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int]:
             made = self._g8_layout(parts, layout, alloc)
@@ -591,6 +592,15 @@ class Kernels:
         out = torch.empty(blocks.shape[0], cols, dtype=torch.float32)
         self._dequantize(ggml.type_id, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr())
         return out
+
+
+def _fingerprint(kind: str, blocks: torch.Tensor) -> str:
+    """``kind``, the shape and a checksum of the first and last 4 KiB of ``blocks``: what names
+    a part of a layout in shared memory (:class:`~stoic.kernels.SharedLayouts`), telling apart
+    the many matrices of one shape."""
+    flat = blocks.reshape(-1)
+    ends = torch.cat([flat[:4096], flat[-4096:]]).numpy().tobytes()
+    return f"{kind}:{tuple(blocks.shape)}:{zlib.crc32(ends):08x}"
 
 
 def _empty_bytes(nbytes: int) -> torch.Tensor:

@@ -308,3 +308,30 @@ async def test_a_spare_and_a_replacement_map_the_layouts_the_first_worker_packed
     for event in later:
         assert not event["first"] and event["private_mib"] == 0, event
         assert event["shared_mapped_mib"] == first["shared_packed_mib"], event
+
+
+@pytest.mark.asyncio
+async def test_a_spare_starting_never_stalls_the_event_loop(tiny_model_dir: Path) -> None:
+    """The warm spare starts as a fresh interpreter while the engine starts; its spec (with
+    the tokenizer's vocabulary: megabytes, more than the socket holds) and its role wait for
+    its imports in a thread, never on the event loop: the loop ticks on every 50 ms, no gap
+    reaching a second, through the start and the spare's load."""
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.05)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        async with stoic.Engine.start(_config(tiny_model_dir, executor_spares=1)) as engine:
+            await asyncio.sleep(4.0)  # the spare imports and loads meanwhile
+            assert (await engine.complete("Hello", PARAMS)).text
+    finally:
+        ticker.cancel()
+    assert gaps and max(gaps) < 1.0, max(gaps)

@@ -71,20 +71,22 @@ def test_a_later_worker_maps_what_the_first_packed_byte_for_byte(
         assert torch.equal(alone, Gemm8(vnni_kernels, G8Layout(m, layout), rows, cols, None)(x))
 
 
-def test_a_request_the_record_lacks_at_its_place_is_packed_privately(
+def test_a_later_worker_maps_by_key_in_any_order_and_packs_what_the_record_lacks(
     vnni_kernels: Kernels, memfd: int
 ) -> None:
-    """A later worker asking in another order (another model, another configuration) maps
-    nothing wrong: each request whose key is not the record's at its place is packed in its
-    own memory, and the shared memory is left as the first worker wrote it."""
+    """A later worker asking in another order maps each layout by its key (types, shapes and a
+    checksum of the blocks: two matrices of one shape are told apart); one the record lacks
+    (other blocks of the same shape) is packed in its own memory, and the shared memory is
+    left as the first worker wrote it."""
     first = SharedLayouts(memfd)
     packed = _pack_all(vnni_kernels, first)
     size = os.fstat(memfd).st_size
     later = SharedLayouts(memfd, first.table)
+    other = [("Q4_K", random_blocks("Q4_K", 40, 512, seed=64))]  # PARTS[0]'s shape
     with use_layouts(later):
-        swapped = [vnni_kernels.g8_layout(parts) for parts in (PARTS[1], PARTS[0], PARTS[2])]
-    assert later.private_bytes == packed[0][0].numel() + packed[1][0].numel()
-    assert later.mapped_bytes == packed[2][0].numel()
-    assert torch.equal(swapped[0].packed, packed[1][0])
-    assert torch.equal(swapped[1].packed, packed[0][0])
+        got = [vnni_kernels.g8_layout(parts) for parts in (PARTS[1], other, PARTS[2], PARTS[0])]
+    assert later.mapped_bytes == sum(p.numel() for p, _ in packed)
+    assert later.private_bytes == got[1].packed.numel()
+    assert torch.equal(got[0].packed, packed[1][0]) and torch.equal(got[3].packed, packed[0][0])
+    assert not torch.equal(got[1].packed, packed[0][0])
     assert os.fstat(memfd).st_size == size
