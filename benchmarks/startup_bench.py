@@ -26,20 +26,18 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from harness.servers import System, llama_system, model_file, model_flags, stoic_server
 
 
 def tree(pid: int) -> list[int]:
@@ -127,62 +125,34 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def run_stoic(model: str, flags: list[str]) -> dict[str, float]:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+def measure(system: System, *, replace: bool) -> dict[str, float]:
+    """Start ``system``, take its figures (with ``replace``, kill -9 its serving worker and time
+    the first 200 after it), stop it."""
     started = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stoic", "serve", "--model", model, "--port", str(port), *flags],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    system.spawn()
+    proc = system.proc
+    assert proc is not None
     try:
-        row: dict[str, float] = {"ready_s": wait_ready(base, proc, started)}
+        row: dict[str, float] = {"ready_s": wait_ready(system.url, proc, started)}
         row["rss_ready"], row["pss_ready"] = memory_gib(proc.pid)
-        name = json.loads(get(f"{base}/v1/models")[1])["data"][0]["id"]
+        name = json.loads(get(f"{system.url}/v1/models")[1])["data"][0]["id"]
         for _ in range(3):
-            assert complete(base, name, 32) == 200
+            assert complete(system.url, name, 32) == 200
         row["rss_serving"], row["pss_serving"] = memory_gib(proc.pid)
-        time.sleep(6)  # the spares and the pre-started interpreter topped up
-        worker = serving_worker(proc.pid)
-        assert worker is not None, "no serving worker found"
-        killed = time.perf_counter()
-        os.kill(worker, signal.SIGKILL)
-        # a request the dying worker was given fails (5xx): a client retries, as after any
-        # executor failure (with --recovery resume none would see it)
-        while (status := complete(base, name, 1)) != 200:
-            assert status >= 500 and time.perf_counter() - killed < 120, status
-        row["replaced_s"] = time.perf_counter() - killed
+        if replace:
+            time.sleep(6)  # the spares and the pre-started interpreter topped up
+            worker = serving_worker(proc.pid)
+            assert worker is not None, "no serving worker found"
+            killed = time.perf_counter()
+            os.kill(worker, signal.SIGKILL)
+            # a request the dying worker was given fails (5xx): a client retries, as after any
+            # executor failure (with --recovery resume none would see it)
+            while (status := complete(system.url, name, 1)) != 200:
+                assert status >= 500 and time.perf_counter() - killed < 120, status
+            row["replaced_s"] = time.perf_counter() - killed
         return row
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def run_llama(binary: str, model: str) -> dict[str, float]:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    started = time.perf_counter()
-    command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--parallel", "8", "--ctx-size", "8192", "--threads", str(os.cpu_count() or 1)]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        row: dict[str, float] = {"ready_s": wait_ready(base, proc, started)}
-        row["rss_ready"], row["pss_ready"] = memory_gib(proc.pid)
-        for _ in range(3):
-            assert complete(base, "model", 32) == 200
-        row["rss_serving"], row["pss_serving"] = memory_gib(proc.pid)
-        return row
-    finally:
-        proc.kill()
-        proc.wait()
+        system.stop()
 
 
 def main() -> None:
@@ -195,7 +165,9 @@ def main() -> None:
         "--cold", action="store_true", help="drop the page cache before each start (root)"
     )
     args = parser.parse_args()
-    flags = args.stoic_flags.split()
+    model = model_file(args.model)
+    work = Path(tempfile.mkdtemp(prefix="startup_bench-"))  # the servers' logs
+    stoic = stoic_server(work, "stoic", [*model_flags(model), *args.stoic_flags.split()])
     rows: dict[str, list[dict[str, float]]] = {"stoic": [], "llama-server": []}
     for r in range(args.rounds):
         order = ["stoic", "llama-server"] if r % 2 == 0 else ["llama-server", "stoic"]
@@ -203,9 +175,10 @@ def main() -> None:
             if args.cold and (system == "stoic" or args.llama_server):
                 drop_caches()
             if system == "stoic":
-                rows[system].append(run_stoic(args.model, flags))
+                rows[system].append(measure(stoic, replace=True))
             elif args.llama_server:
-                rows[system].append(run_llama(args.llama_server, args.model))
+                llama = llama_system(work, args.llama_server, model, slots=8)
+                rows[system].append(measure(llama, replace=False))
             if rows[system]:
                 print(system, {k: round(v, 2) for k, v in rows[system][-1].items()}, flush=True)
     keys = ["ready_s", "rss_ready", "pss_ready", "rss_serving", "pss_serving", "replaced_s"]

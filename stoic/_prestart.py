@@ -22,7 +22,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Spawned", "discard", "prestart", "spawn", "take"]
+__all__ = ["WORKER_MODULE", "Spawned", "discard", "prestart", "spawn", "take"]
+
+#: what a worker process runs (``python -m``)
+WORKER_MODULE = "stoic._procmain"
 
 
 @dataclass
@@ -65,7 +68,7 @@ def spawn(module: str) -> Spawned:
 _early: Spawned | None = None
 
 
-def prestart(module: str = "stoic._procmain") -> None:
+def prestart(module: str = WORKER_MODULE) -> None:
     """Start the early worker interpreter (once; a second call does nothing)."""
     global _early
     if _early is None:

@@ -30,9 +30,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+from .. import _prestart as prestart
 from .._logging import get_logger
-from .._prestart import spawn
-from .._prestart import take as take_prestarted
 from ..actors import ProgressWatch
 from ..config import FaultSpec
 from ..errors import InsufficientMemory
@@ -55,7 +54,7 @@ _REAP_WAIT = 0.2
 _REPLENISH_DELAY = 5.0
 #: what a worker process runs (``python -m``; a test may run a wrapper that injects faults
 #: into its start, then calls :func:`~stoic.executor._procworker.worker_main` as this does)
-WORKER_MODULE = "stoic._procmain"
+WORKER_MODULE = prestart.WORKER_MODULE
 #: how long a worker after the first waits out out-of-memory errors while it starts: a GPU
 #: driver frees a killed process's memory a little after the process is gone (seconds at most)
 REPLACEMENT_OOM_WAIT = 30.0
@@ -88,8 +87,8 @@ class WorkerProcess:
         #: before the process is taken: a failure here leaves no process behind.
         self.progress, page = StepProgress.shared()
         try:
-            early = take_prestarted(WORKER_MODULE)
-            spawned = early or spawn(WORKER_MODULE)
+            early = prestart.take(WORKER_MODULE)
+            spawned = early or prestart.spawn(WORKER_MODULE)
         except BaseException:
             os.close(page)
             raise
@@ -120,8 +119,8 @@ class WorkerProcess:
         self.compute: ComputePath | None = None
         #: how the worker sized its KV cache, once ready
         self.sizing: CacheSizing | None = None
-        #: where it packed its int8 layouts in the shared memory, once ready (the first
-        #: worker given that memory; None for any other)
+        #: where it packed its int8 layouts in the shared memory, once ready (empty where it
+        #: mapped them; None where it was given no such memory)
         self.layout_table: tuple[LayoutEntry, ...] | None = None
         self.exited: str | None = None
         #: killed (or being killed) by us: never handed out again
@@ -474,8 +473,6 @@ class WorkerPool:
         self._taken_over = False
         #: the first worker, ready and sized (:meth:`start`), until the first :meth:`acquire`
         self._first: WorkerProcess | None = None
-        #: a worker has been told to load the model before (the next is not the first)
-        self._loaded_one = False
 
     async def start(self) -> CacheSizing:
         """Start the first worker and wait until it has loaded the model and sized the KV cache;
@@ -486,7 +483,7 @@ class WorkerPool:
         :raises ExecutorFault: the worker died or did not get ready.
         :raises InsufficientMemory: no KV cache fits.
         """
-        worker = self._start()
+        worker = self._start(quiet=False)  # the start an operator watches
         _log.info("executor.worker_starting", pid=worker.pid, source="cold", early=worker.early)
         try:
             await worker.wait_ready(self._ready_timeout)
@@ -515,14 +512,15 @@ class WorkerPool:
         self._started.append(worker)
         return worker
 
-    def _start(self) -> WorkerProcess:
-        """A worker that loads the model: the pre-started interpreter when it is alive."""
+    def _start(self, *, quiet: bool = True) -> WorkerProcess:
+        """A worker that loads the model: the pre-started interpreter when it is alive.
+        ``quiet``: its start's own events at debug (every worker but the first)."""
         worker, self._prestarted = self._prestarted, None
         if worker is None or not worker.alive:
             worker = self._new()
         kv = self.kv_memory.fd if self.kv_memory is not None else None
         layouts = self.layout_memory.fd if self.layout_memory is not None else None
-        worker.quiet_start, self._loaded_one = self._loaded_one, True
+        worker.quiet_start = quiet
         worker.load(self._spec, kv, layouts)
         return worker
 

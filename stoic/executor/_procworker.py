@@ -17,8 +17,8 @@ tensor):
   KV cache sized (:func:`stoic.worker.size_kv_cache`: a profiling forward, then what the memory left
   holds; ``sizing`` a :class:`~stoic.worker.CacheSizing`) and the KV pools exist
   (``quantized``: what runs on quantised blocks, :attr:`ModelRunner.quantized`; ``layouts``:
-  the first worker's record of the int8 layouts it packed into the server's shared memory,
-  :class:`~stoic.kernels.SharedLayouts`, else None); or
+  the record of the int8 layouts it packed into the server's shared memory,
+  :class:`~stoic.kernels.SharedLayouts`: empty where it mapped them, None without it); or
   ``("unfit", message)`` when not even a minimal cache fits, and it exits;
 * parent -> child ``("step", step_id, batch, fault)``; child -> parent ``("result", step_id,
   output)`` or ``("error", step_id, kind, type_name, message)``;
@@ -294,7 +294,7 @@ def worker_main(conn: Connection, parent: int) -> None:
     except InsufficientMemory as exc:  # a start-up error of the server's, never retried
         _send(conn, ("unfit", exc.message))
         return
-    table = arena.table if arena is not None and spec.layout_table is None else None
+    table = arena.table if arena is not None else None  # empty where it mapped them
     _send(conn, ("ready", os.getpid(), runner.quantized, sizing, table))
     serving = False  # a warm spare commits no pages until it serves: it may never
     while True:

@@ -95,7 +95,7 @@ class SharedLayouts:
                 entry = self._given[key].pop(0)
                 self.mapped_bytes += entry.nbytes
                 return self._map(entry.offset, entry.nbytes, writable=False), entry.layout
-            packed, layout = build(_private)
+            packed, layout = build(empty_bytes)
             self.private_bytes += packed.numel()
             return packed, layout
         offsets: list[int] = []
@@ -108,10 +108,9 @@ class SharedLayouts:
             return self._map(offset, nbytes, writable=True)
 
         packed, layout = build(alloc)
-        # the last allocation is the layout (an earlier one a variant the blocks did not fit)
-        if not offsets or packed.numel() != self._size - offsets[-1]:
-            raise AssertionError(f"layout {key!r} is not the last of its allocations")
-        self._recorded.append(LayoutEntry(key, offsets[-1], packed.numel(), layout))
+        if len(offsets) != 1 or packed.numel() != self._size - offsets[0]:
+            raise AssertionError(f"layout {key!r}: one allocation expected, got {len(offsets)}")
+        self._recorded.append(LayoutEntry(key, offsets[0], packed.numel(), layout))
         self.packed_bytes += packed.numel()
         return packed, layout
 
@@ -126,7 +125,8 @@ class SharedLayouts:
             return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def _private(nbytes: int) -> torch.Tensor:
+def empty_bytes(nbytes: int) -> torch.Tensor:
+    """Private memory for a layout's bytes (outside an arena, or a key it lacks)."""
     return torch.empty(nbytes, dtype=torch.uint8)
 
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._arena import current_layouts
+from ._arena import Alloc, current_layouts, empty_bytes
 from ._build import KernelsUnavailable, build_library
 from ._constants import (
     C_POOL_DTYPES,
@@ -443,8 +443,8 @@ class Kernels:
         :data:`G8_TYPES`) in the G8 layout (``_gemm8.c``), or the variant its blocks fit: G4,
         0.75 bytes a weight, where every part is of :data:`G4_TYPES` (G4K, 0.59, for Q4_K); G6,
         0.83, where every part is Q6_K; else 1.125 where every part is symmetric (Q4_0, Q5_0,
-        Q8_0, Q6_K), 1.25 otherwise (1.25 and 1.5 with a Q6_K part: a scale per 16 weights). ``layout``: that variant instead (comparisons of the variants on
-        the same blocks).
+        Q8_0, Q6_K), 1.25 otherwise (1.25 and 1.5 with a Q6_K part: a scale per 16 weights).
+        ``layout``: that variant instead (comparisons of the variants on the same blocks).
 
         Its bytes are private memory, or the shared memory of the arena in use
         (:func:`~stoic.kernels.use_layouts`: a worker process's load), where a later worker maps
@@ -455,10 +455,10 @@ class Kernels:
         """
         arena = current_layouts()
         if arena is None:
-            return self._g8_layout(parts, layout, _empty_bytes)
+            return self._g8_layout(parts, layout, empty_bytes)
         key = f"{layout}|" + ";".join(_fingerprint(kind, blocks) for kind, blocks in parts)
 
-        def build(alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int]:
+        def build(alloc: Alloc) -> tuple[torch.Tensor, int]:
             made = self._g8_layout(parts, layout, alloc)
             return made.packed, made.layout
 
@@ -468,22 +468,17 @@ class Kernels:
         self,
         parts: list[tuple[str, torch.Tensor]],
         layout: int | None,
-        alloc: Callable[[int], torch.Tensor],
+        alloc: Alloc,
     ) -> G8Layout:
         """:meth:`g8_layout`, its bytes from ``alloc``."""
-        if (
-            (layout is None or layout == self.layouts.g4k)
-            and parts
-            and all(kind == "Q4_K" for kind, _ in parts)
+        # packed straight from the blocks: Q4_K into G4K (the file's super-block scales), Q6_K
+        # into G6 (its products bitwise G8-with-halves-and-symmetric's over the decoded blocks)
+        for kind, direct, pack in (
+            ("Q4_K", self.layouts.g4k, self.g4k_pack),
+            ("Q6_K", self.layouts.g6, self.q6k_pack),
         ):
-            return self._g4k_layout([blocks for _, blocks in parts], alloc)
-        if (
-            layout in (None, self.layouts.g6)
-            and parts
-            and all(kind == "Q6_K" for kind, _ in parts)
-            and (direct := self._q6k_layout([blocks for _, blocks in parts], alloc)) is not None
-        ):
-            return direct
+            if layout in (None, direct) and parts and all(k == kind for k, _ in parts):
+                return self._packed_from_blocks(kind, [b for _, b in parts], direct, pack, alloc)
         decoded = [self._g8_decode(kind, blocks) for kind, blocks in parts]
         widths = [q.shape[1] for q, _, _ in decoded]
         if not decoded or len(set(widths)) != 1:
@@ -504,44 +499,18 @@ class Kernels:
             )
         return G8Layout(packed, layout)
 
-    def _g4k_layout(
-        self, parts: list[torch.Tensor], alloc: Callable[[int], torch.Tensor] | None = None
-    ) -> G8Layout:
-        """Q4_K matrices (their blocks, one below the other) in G4K, packed from the blocks
-        themselves (the super-block scales are the file's).
-
-        :raises ValueError: if a part's blocks do not fit Q4_K or the parts differ in width."""
-        packed = self._packed_from_blocks(
-            "Q4_K", parts, self.layouts.g4k, self.g4k_pack, alloc or _empty_bytes
-        )
-        assert packed is not None
-        return packed
-
-    def _q6k_layout(
-        self, parts: list[torch.Tensor], alloc: Callable[[int], torch.Tensor] | None = None
-    ) -> G8Layout | None:
-        """Q6_K matrices (their blocks, one below the other) in G6 (0.8125 bytes a weight),
-        packed from the blocks: their products bitwise those of G8 with halves and symmetric
-        over the decoded blocks (``_gemm8.c``).
-
-        :raises ValueError: if a part's blocks do not fit Q6_K or the parts differ in width."""
-        return self._packed_from_blocks(
-            "Q6_K", parts, self.layouts.g6, self.q6k_pack, alloc or _empty_bytes
-        )
-
     def _packed_from_blocks(
         self,
         kind: str,
         parts: list[torch.Tensor],
         layout: int,
         pack: Callable[..., int],
-        alloc: Callable[[int], torch.Tensor],
-    ) -> G8Layout | None:
-        """``parts`` of ``kind`` stacked, then ``pack(blocks, N, K, out)`` into ``layout``:
-        its bytes, or None where ``pack`` answered 1 (another layout fits the blocks).
+        alloc: Alloc,
+    ) -> G8Layout:
+        """``parts`` of ``kind`` stacked, then ``pack(blocks, N, K, out)`` into ``layout``.
 
         :raises ValueError: the parts are not ``kind``'s blocks of one width, or ``pack``
-            refused them (-1)."""
+            refused them."""
         ggml = GGML_TYPES[kind]
         if len({int(b.shape[1]) for b in parts}) != 1 or any(
             b.dtype != torch.uint8 or b.shape[1] % ggml.block_bytes for b in parts
@@ -550,10 +519,9 @@ class Kernels:
         blocks = (torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
         rows, cols = int(blocks.shape[0]), int(blocks.shape[1]) // ggml.block_bytes * ggml.weights
         packed = alloc(self.g8_bytes(rows, cols, layout))
-        rc = pack(blocks.data_ptr(), rows, cols, packed.data_ptr())
-        if rc < 0:
+        if pack(blocks.data_ptr(), rows, cols, packed.data_ptr()) != 0:
             raise ValueError(f"cannot lay out a {rows} x {cols} {kind} matrix (layout {layout})")
-        return G8Layout(packed, layout) if rc == 0 else None
+        return G8Layout(packed, layout)
 
     def _g8_decode(
         self, kind: str, blocks: torch.Tensor
@@ -601,11 +569,6 @@ def _fingerprint(kind: str, blocks: torch.Tensor) -> str:
     flat = blocks.reshape(-1)
     ends = torch.cat([flat[:4096], flat[-4096:]]).numpy().tobytes()
     return f"{kind}:{tuple(blocks.shape)}:{zlib.crc32(ends):08x}"
-
-
-def _empty_bytes(nbytes: int) -> torch.Tensor:
-    """Private memory for a layout's bytes (:meth:`Kernels.g8_layout` outside an arena)."""
-    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _check_bias(bias: torch.Tensor | None, rows: int) -> None:
