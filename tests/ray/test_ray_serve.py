@@ -190,21 +190,26 @@ async def test_requests_spread_over_both_replicas(deployed: Deployed) -> None:
 
 
 async def test_a_recovering_replica_is_not_replaced(deployed: Deployed) -> None:
-    """A replica whose executor worker crashes recovers in place (a cold worker: seconds, many
-    health periods): its health checks pass meanwhile, Serve keeps it, and the streams on it
-    resume there with their fault-free text."""
+    """A replica whose executor worker crashes recovers in place: Serve keeps it (the same
+    replica actor, its pid unchanged, never off the board), its engine runs a new executor
+    worker, and the streams on it resume there with their fault-free text.
+
+    How long the recovery lasts is not asserted: with the worker's interpreter started early it
+    may end within one posting period (1 s), so the board need not ever show ``recovering``;
+    that the health check passes in that state is ``test_ray_units``' health verdict test."""
     async with deployed.client() as client:
         expected = await reference(client)
         victim = await deployed.engine.inject_fault_on_replica(
             FaultSpec(kind="crash", after_steps=2)
         )
+        before = (await deployed.replicas())[victim]
+        replica_pid = await deployed.pid_of(victim)
         seen: set[str] = set()
 
         async def watch() -> None:
             while True:
                 stats = (await deployed.replicas()).get(victim)
                 seen.add(stats.state if stats is not None else "gone")
-                # often: a cold worker on the tiny model may recover within a second
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())
@@ -219,11 +224,13 @@ async def test_a_recovering_replica_is_not_replaced(deployed: Deployed) -> None:
             await asyncio.sleep(4.0)  # more than 3 health periods after the recovery
         finally:
             watcher.cancel()
-    assert "recovering" in seen
-    assert "gone" not in seen
+    assert seen <= {"serving", "recovering"}, seen
     replicas = await deployed.replicas()
     assert replicas[victim].state == "serving"
     assert dict(replicas[victim].restarts_by_kind)["crash"] == 1
+    assert await deployed.pid_of(victim) == replica_pid
+    assert replicas[victim].incarnation == before.incarnation + 1
+    assert replicas[victim].executor_pid not in (None, before.executor_pid)
 
 
 async def test_kill_of_a_replica_mid_stream_migrates_every_stream(
