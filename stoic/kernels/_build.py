@@ -37,6 +37,7 @@ from .._logging import get_logger
 __all__ = [
     "AVX512_FLAGS",
     "BF16_FLAGS",
+    "GFNI_FLAGS",
     "LIBRARY",
     "VNNI_CPU_FLAGS",
     "VNNI_FLAGS",
@@ -71,6 +72,9 @@ BF16_FLAGS = ("-mavx512bf16",)
 #: fast dtype take int8 activations (``_int8rows.c``), and batched ones too (``_gemm8.c``)
 VNNI_FLAGS = ("-mavx512bw", "-mavx512vl", "-mavx512vnni")
 VNNI_CPU_FLAGS = ("avx512bw", "avx512vl", "avx512_vnni")
+#: with the int8 products and GFNI too, G6's tiles rebuild its six-bit values with affine byte
+#: transforms (``_gemm8.c``, ``g6_values``): fewer operations, the same integers
+GFNI_FLAGS = ("-mgfni",)
 #: the whole build's limit (the compiles and the link), as one compile's was
 _COMPILE_TIMEOUT_S = 120.0
 _log = get_logger("stoic.model")
@@ -98,7 +102,9 @@ def flags() -> tuple[str, ...]:
     if "avx512f" not in cpu:
         return _BASE_FLAGS
     vnni = VNNI_FLAGS if all(f in cpu for f in VNNI_CPU_FLAGS) else ()
-    return _BASE_FLAGS + AVX512_FLAGS + vnni + (BF16_FLAGS if "avx512_bf16" in cpu else ())
+    gfni = GFNI_FLAGS if vnni and "gfni" in cpu else ()
+    bf16 = BF16_FLAGS if "avx512_bf16" in cpu else ()
+    return _BASE_FLAGS + AVX512_FLAGS + vnni + gfni + bf16
 
 
 def compiler() -> str | None:

@@ -50,12 +50,12 @@
  *      file's int8 (32 bytes), and the super-block's float32 D[16] per 8 blocks after the
  *      tile's blocks: 416 + 8 bytes a block, 0.83 a weight (Q6_K itself 0.82, G8 with halves
  *      1.25). The tile rebuilds each group's values (a shift, two ands, a shift and an or per
- *      64 bytes) and starts a half's sum at -32 sum(xq): its integer sums, d = D sc and
+ *      64 bytes; with GFNI two affine transforms and an or: g6_values) and starts a half's sum at -32 sum(xq): its integer sums, d = D sc and
  *      everything after are G8 + H + S's, so its products are bitwise theirs. A one-token step
  *      reads 0.66x the bytes (the 1.5B output layer's product 8.9 -> 7.1 ms; the model's
- *      decode step 43 -> 36 ms); for more than a row tile each group of tiles is first
- *      expanded into G8 + H + S in L2 (g6_expand), the rebuilding per row tile being
- *      dearer than the reading it saves there.
+ *      decode step 43 -> 36 ms); for more than G6_IN_PLACE_ROWS rows (a row tile; 3 with
+ *      GFNI) each group of tiles is first expanded into G8 + H + S in L2 (g6_expand), the
+ *      rebuilding per row tile being dearer than the reading it saves there.
  * Types (stoic_g8_decode): the symmetric Q4_0 (q + 120), Q5_0 (q + 112), Q8_0 (q + 128) and
  * Q6_K (q + 96, per sub-block of 16: d = d_super * scale), each with m = -128 d; Q4_1 and Q5_1
  * (the file's m); Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min).
@@ -411,6 +411,45 @@ static inline void g8_store_bf16(uint16_t *p, __m512 v, __mmask16 cols) {
     _mm256_mask_storeu_epi16((void *)p, cols, _mm512_cvtepi32_epi16(r));
 }
 
+/* G6's values of group 4 h + j of a block (64 of them, 0..63): from v (the 64 bytes at j * 64:
+ * half h's nibbles) and u (at 256 + (j >> 1) * 64: the high bit pairs, at bit 4 (j & 1) + 2 h).
+ * With GFNI and `affine`, each bit move is one affine byte transform (GF2P8AFFINEQB: result
+ * bit i is the parity of the source byte AND the matrix's byte 7 - i): the pair to bits 4-5,
+ * the high nibble to bits 0-3, then a ternary-logic (v & 0x0F) | pair or an or: 2-3 operations
+ * where shifts and masks take 5-6. The integers are the same either way. Measured on Zen 4
+ * (benchmarks.md, "G6 with GFNI"): 4 rows in place 0.66-0.85x the time; in the expansion
+ * (g6_expand, many rows) no faster, so it keeps the shifts. */
+static inline __attribute__((always_inline)) __m512i g6_values(__m512i v, __m512i u, int j,
+                                                               int h, int affine) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int at = 4 * (j & 1) + 2 * h;
+#ifdef __GFNI__
+    if (affine) {
+        /* bit `at` to bit 4 (matrix byte 3), bit at + 1 to bit 5 (byte 2), no other */
+        const __m512i to45 = _mm512_set1_epi64((long long)((1ULL << at) << 24 | (2ULL << at) << 16));
+        const __m512i pair = _mm512_gf2p8affine_epi64_epi8(u, to45, 0);
+        if (!h) return _mm512_ternarylogic_epi32(v, pair, low, 0xEC); /* (v & low) | pair */
+        /* bits 4..7 to 0..3: matrix bytes 7..4 hold 1 << 4 .. 1 << 7 */
+        const __m512i down = _mm512_set1_epi64((long long)0x1020408000000000ULL);
+        return _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(v, down, 0), pair);
+    }
+#endif
+    (void)affine;
+    const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u, (unsigned)at), _mm512_set1_epi8(0x03));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+}
+
+/* the most rows a G6 product reads in place (in its tiles, row tile by row tile; more are
+ * expanded first, g6_expand): with GFNI, whose tiles rebuild the values in 2-3 operations, 3
+ * row tiles (5-8 rows then took 0.63-0.67x the expanded product's time, 9-12 0.86-0.92x;
+ * benchmarks/g6_gfni_bench.py), else one */
+#ifdef __GFNI__
+#define G6_IN_PLACE_ROWS (3 * G8_TR)
+#else
+#define G6_IN_PLACE_ROWS G8_TR
+#endif
+
 /* R rows of quantised x by C tiles of 16 output columns (each `tstride` bytes after the last;
  * cols[c]: the valid columns of tile c): y[r][16 C columns]. Each x value loaded (broadcast)
  * feeds C multiply-adds and each load of weights R: 4 rows by 3 tiles measured 1.14x the
@@ -432,7 +471,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
                                     : g8_bytes_of(H ? 2 : 1, S, NB),
                   parts = H ? 2 : 1;
     const int64_t values = NB ? 256 : 512;
-    const __m512i low = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x03);
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[G8_TR][G8_TC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
@@ -457,10 +496,7 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
                         const __m512i v = _mm512_loadu_si512((const void *)(at + j * 64));
                         const __m512i u =
                             _mm512_loadu_si512((const void *)(at + 256 + (j >> 1) * 64));
-                        const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, low);
-                        const __m512i hi = _mm512_and_si512(
-                            _mm512_srli_epi16(u, (unsigned)(4 * (j & 1) + 2 * h)), pair);
-                        w[c] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                        w[c] = g6_values(v, u, j, h, 1);
                     }
                     for (int r = 0; r < R; r++) {
                         int32_t xv;
@@ -559,7 +595,6 @@ g8_tile(const int R, const int C, const int H, const int S, const int NB, const 
  * d = D sc, exactly what stoic_g8_pack makes of the decoded blocks */
 static void g6_expand(const uint8_t *wt, int64_t tstride, int64_t count, int64_t nb,
                       uint8_t *out) {
-    const __m512i low = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x03);
     const __m512i offset = _mm512_set1_epi8(96);
     for (int64_t c = 0; c < count; c++)
         for (int64_t b = 0; b < nb; b++) {
@@ -570,14 +605,9 @@ static void g6_expand(const uint8_t *wt, int64_t tstride, int64_t count, int64_t
             for (int j = 0; j < 4; j++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(blk + j * 64));
                 const __m512i u = _mm512_loadu_si512((const void *)(blk + 256 + (j >> 1) * 64));
-                for (int h = 0; h < 2; h++) {
-                    const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, low);
-                    const __m512i hi = _mm512_and_si512(
-                        _mm512_srli_epi16(u, (unsigned)(4 * (j & 1) + 2 * h)), pair);
-                    const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                for (int h = 0; h < 2; h++)
                     _mm512_storeu_si512((void *)(o + (4 * h + j) * 64),
-                                        _mm512_add_epi8(q, offset));
-                }
+                                        _mm512_add_epi8(g6_values(v, u, j, h, 0), offset));
             }
             for (int h = 0; h < 2; h++) {
                 const __m512 sc = _mm512_cvtepi32_ps(
@@ -670,10 +700,10 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
     }
     const int64_t row_tiles = (M + G8_TR - 1) / G8_TR;
     const int NIBBLES = 0; /* G4's case shadows it */
-    /* G6 over more than a row tile: each group of tiles expanded once into G8 + H + S (its
-     * unpacking per tile and row tile made 8-64 rows 1.5-1.7x G8's time; expanded, every row
-     * tile after the first runs G8's tile on it, in L2) */
-    const int expand = layout == G6 && M > G8_TR;
+    /* G6 over more than G6_IN_PLACE_ROWS rows: each group of tiles expanded once into G8 + H
+     * + S (its unpacking per tile and row tile made 8-64 rows 1.5-1.7x G8's time; expanded,
+     * every row tile after the first runs G8's tile on it, in L2) */
+    const int expand = layout == G6 && M > G6_IN_PLACE_ROWS;
     int failed = 0;
     _Pragma("omp parallel num_threads(threads) reduction(|: failed)") {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -713,7 +743,7 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
                     const uint8_t *wt = expanded;
                     const int64_t tstride = nb * g8_bytes_of(2, 1, 0);
                     G8_GROUP(1, 1);
-                } else { /* a row tile or less: bound by memory, G6's bytes read once */
+                } else { /* few rows: G6's bytes read once, then from L2 */
                     const int NIBBLES = 3;
                     G8_GROUP(1, 1);
                 }

@@ -6,13 +6,15 @@ fast dtype close to its float32 path."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from gguf_blocks import gguf_py, random_blocks
 from test_int8rows import assert_int8_product, quantized_x, vnni_kernels
 
 from stoic.gguf import QLinear, QuantizedMatrix
-from stoic.kernels import G4_TYPES, G8_TYPES, Gemm8, Kernels, _qkernels
+from stoic.kernels import G4_TYPES, G8_TYPES, Gemm8, Kernels, _qkernels, load_kernels
 from stoic.model import PagedKVCache, load_model
 from stoic.request import SamplingParams, SeqChunk, StepBatch
 from stoic.worker import ModelRunner
@@ -121,7 +123,7 @@ def test_q6k_in_six_bits_multiplies_bitwise_as_its_decoded_g8_layout(
 ) -> None:
     """Q6_K goes into G6 straight from its blocks: 0.83 bytes a weight (a 16-row tile of 512
     columns 16 x 416 + 2 x 64 bytes; G8 with halves 1.25), and every product, one row to
-    many (a row tile read in place, more expanded into G8 first), padding rows and all, is
+    many (few rows read in place, more expanded into G8 first), padding rows and all, is
     bitwise the product over the decoded blocks in G8 with halves and symmetric; a stack of
     Q6_K parts is the same layout."""
     layouts = vnni_kernels.layouts
@@ -137,6 +139,38 @@ def test_q6k_in_six_bits_multiplies_bitwise_as_its_decoded_g8_layout(
         assert torch.equal(six(x), wide(x)), m
     stacked = vnni_kernels.g8_layout([("Q6_K", blocks[:5]), ("Q6_K", blocks[5:])])
     assert torch.equal(stacked.packed, g6.packed)
+
+
+@pytest.mark.slow
+def test_g6_products_are_bitwise_the_same_built_with_or_without_gfni(
+    vnni_kernels: Kernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU with GFNI rebuilds G6's six-bit values with affine byte transforms, one without
+    (an AVX-512 VNNI CPU before Ice Lake) with shifts and masks: ``-mgfni`` is passed only where
+    the CPU lists ``gfni`` (and has the int8 products), and the two builds' G6 products, one row
+    to many (read in place up to 4 rows without GFNI, 12 with; more expanded), are bitwise the
+    same."""
+    from stoic.kernels import _build
+
+    cpu = _build.cpu_flags()
+    monkeypatch.setattr(_build, "cpu_flags", lambda: cpu - {"gfni"})
+    assert "-mgfni" not in _build.flags()
+    monkeypatch.setattr(_build, "cpu_flags", lambda: cpu - {"avx512_vnni"})
+    assert "-mgfni" not in _build.flags()
+    if "gfni" not in cpu:
+        pytest.skip("this CPU has no GFNI: its kernels are the build without")
+    monkeypatch.setattr(_build, "cpu_flags", lambda: cpu)
+    assert "-mgfni" in _build.flags()
+    monkeypatch.setattr(_build, "cpu_flags", lambda: cpu - {"gfni"})
+    plain = load_kernels(tmp_path)
+    assert plain.path != vnni_kernels.path
+    blocks = random_blocks("Q6_K", 37, 512, seed=53)
+    ours, theirs = (
+        Gemm8(k, k.g8_layout([("Q6_K", blocks)]), 37, 512, None) for k in (vnni_kernels, plain)
+    )
+    for m in (1, 4, 9, 13):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(ours(x), theirs(x)), m
 
 
 @pytest.mark.parametrize("kind", sorted(G4_TYPES))
