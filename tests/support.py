@@ -114,6 +114,24 @@ async def collect(stream: Any) -> tuple[str, BaseException | None]:
     return text, None
 
 
+def compiler_rejecting(flag: str, into: Path) -> Path:
+    """A C compiler (a script in ``into`` before the real ``cc``) that fails, as an old one
+    would, on any command with ``flag`` in it: for the kernel build's retries without it.
+    Skips the test where there is no C compiler."""
+    import shutil
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None:
+        pytest.skip("no C compiler")
+    old_cc = into / "old-cc"
+    old_cc.write_text(
+        f'#!/bin/sh\ncase "$*" in *{flag}*) echo "unrecognized option" >&2; exit 1;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    old_cc.chmod(0o755)
+    return old_cc
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a server started as a process)."""
     with socket.socket() as sock:

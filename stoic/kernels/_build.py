@@ -252,11 +252,12 @@ def build_library(cache_root: Path) -> Path:
         raise KernelsUnavailable(f"cannot run {cc}: {e}") from e
     chosen = flags()
     # a compiler too old for AVX512_BF16 (GCC < 10): the float32 fixed order serves; too old for
-    # AVX512_VNNI too (GCC < 8): one-row products stay float32
+    # GFNI (G6's shifts serve) or AVX512_VNNI too (GCC < 8): one-row products stay float32
     optional = [
         (dropped, event)
         for dropped, event in (
             (BF16_FLAGS, "model.kernels.no_bf16"),
+            (GFNI_FLAGS, "model.kernels.no_gfni"),
             (VNNI_FLAGS, "model.kernels.no_vnni"),
         )
         if set(dropped) <= set(chosen)

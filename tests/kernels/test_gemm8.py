@@ -147,9 +147,12 @@ def test_g6_products_are_bitwise_the_same_built_with_or_without_gfni(
 ) -> None:
     """A CPU with GFNI rebuilds G6's six-bit values with affine byte transforms, one without
     (an AVX-512 VNNI CPU before Ice Lake) with shifts and masks: ``-mgfni`` is passed only where
-    the CPU lists ``gfni`` (and has the int8 products), and the two builds' G6 products, one row
-    to many (read in place up to 4 rows without GFNI, 12 with; more expanded), are bitwise the
-    same."""
+    the CPU lists ``gfni`` (and has the int8 products); a compiler that rejects it builds
+    without (``model.kernels.no_gfni``); and the two builds' G6 products, one row to many (read
+    in place up to 4 rows without GFNI, 12 with; more expanded), are bitwise the same."""
+    import structlog
+    from support import compiler_rejecting
+
     from stoic.kernels import _build
 
     cpu = _build.cpu_flags()
@@ -157,13 +160,15 @@ def test_g6_products_are_bitwise_the_same_built_with_or_without_gfni(
     assert "-mgfni" not in _build.flags()
     monkeypatch.setattr(_build, "cpu_flags", lambda: cpu - {"avx512_vnni"})
     assert "-mgfni" not in _build.flags()
+    monkeypatch.setattr(_build, "cpu_flags", lambda: cpu)
     if "gfni" not in cpu:
         pytest.skip("this CPU has no GFNI: its kernels are the build without")
-    monkeypatch.setattr(_build, "cpu_flags", lambda: cpu)
     assert "-mgfni" in _build.flags()
-    monkeypatch.setattr(_build, "cpu_flags", lambda: cpu - {"gfni"})
-    plain = load_kernels(tmp_path)
-    assert plain.path != vnni_kernels.path
+    monkeypatch.setenv("CC", str(compiler_rejecting("-mgfni", tmp_path)))
+    with structlog.testing.capture_logs() as logs:
+        plain = load_kernels(tmp_path / "cache")
+    assert "model.kernels.no_gfni" in [e["event"] for e in logs]
+    assert plain.int8_rows and plain.path != vnni_kernels.path
     blocks = random_blocks("Q6_K", 37, 512, seed=53)
     ours, theirs = (
         Gemm8(k, k.g8_layout([("Q6_K", blocks)]), 37, 512, None) for k in (vnni_kernels, plain)

@@ -283,22 +283,14 @@ def test_a_compiler_without_avx512_bf16_builds_the_float32_fixed_order(
 ) -> None:
     """A compiler that rejects ``-mavx512bf16`` (GCC < 10) does not cost the kernels: the build
     is retried without it, and the fixed-order products are float32 and batch-invariant."""
-    import shutil
-
     from gguf_blocks import random_blocks
+    from support import compiler_rejecting
 
     from stoic.kernels import _build, _qkernels
 
-    real = shutil.which("cc") or shutil.which("gcc")
-    if real is None or "avx512f" not in _build.cpu_flags():
-        pytest.skip("needs a C compiler and AVX-512F")
-    old_cc = tmp_path / "old-cc"
-    old_cc.write_text(
-        f'#!/bin/sh\ncase "$*" in *-mavx512bf16*) echo "unrecognized option" >&2; exit 1;; esac\n'
-        f'exec {real} "$@"\n'
-    )
-    old_cc.chmod(0o755)
-    monkeypatch.setenv("CC", str(old_cc))
+    if "avx512f" not in _build.cpu_flags():
+        pytest.skip("needs AVX-512F")
+    monkeypatch.setenv("CC", str(compiler_rejecting("-mavx512bf16", tmp_path)))
     flags = _build.cpu_flags() | {"avx512_bf16"}
     monkeypatch.setattr(_build, "cpu_flags", lambda: flags)
     kernels = _qkernels.load_kernels(tmp_path / "cache")
