@@ -49,7 +49,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -245,15 +245,31 @@ def write_float_file(
     for name, dims in plan:
         dtype = np.dtype(_dtype(dims))
         writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
+    gen = np.random.default_rng(seed)
+    return _write_tensors(
+        writer, path, plan, vocab, float_bytes(shape, vocab),
+        lambda name, dims: _random_matrix(gen, dims, std),
+    )  # fmt: skip
+
+
+def _write_tensors(
+    writer: gguf.GGUFWriter,
+    path: Path,
+    plan: list[tuple[str, tuple[int, ...]]],
+    vocab: int,
+    total: int,
+    matrix: Callable[[str, tuple[int, ...]], np.ndarray],
+) -> Path:
+    """Write the header and then each tensor of ``plan`` (its infos added already) one at a
+    time: a matrix from ``matrix(name, dims)``, norms ones, other vectors zeros; a progress line on
+    stderr after each ``ffn_down`` and vocabulary-sized matrix (``total`` bytes in all)."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-
-    total = float_bytes(shape, vocab)
-    done, start, gen = 0, time.monotonic(), np.random.default_rng(seed)
+    done, start = 0, time.monotonic()
     for name, dims in plan:
         if len(dims) > 1:
-            tensor = _random_matrix(gen, dims, std)
+            tensor = matrix(name, dims)
         elif name.endswith("norm.weight"):
             tensor = np.ones(dims, dtype=np.float32)
         else:
@@ -333,30 +349,13 @@ def write_random_blocks_file(
             raw_dtype=gguf.GGMLQuantizationType[kind],
         )  # fmt: skip
         sizes.append(nbytes)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    total, done, start = sum(sizes), 0, time.monotonic()
     gen = np.random.default_rng(seed)
-    for name, dims in plan:
-        if len(dims) > 1:
-            tensor = _random_block_rows(gen, q4_k_m_type(name, shape.layers), dims[0], dims[1])
-        elif name.endswith("norm.weight"):
-            tensor = np.ones(dims, dtype=np.float32)
-        else:
-            tensor = np.zeros(dims, dtype=np.float32)
-        writer.write_tensor_data(tensor)
-        done += tensor.nbytes
-        if name.endswith("ffn_down.weight") or (len(dims) > 1 and dims[0] == vocab):
-            print(
-                f"  {path.name}: {name} {done / 1e9:.2f}/{total / 1e9:.2f} GB, "
-                f"{time.monotonic() - start:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-        del tensor
-    writer.close()
-    return path
+    return _write_tensors(
+        writer, path, plan, vocab, sum(sizes),
+        lambda name, dims: _random_block_rows(
+            gen, q4_k_m_type(name, shape.layers), dims[0], dims[1]
+        ),
+    )  # fmt: skip
 
 
 def find_llama_quantize(given: str | None) -> str:
@@ -497,6 +496,12 @@ def main() -> None:
         None if kind == "F16" or args.random_blocks else find_llama_quantize(args.llama_quantize)
     )
     names = list(SHAPES) if "all" in args.shape else list(dict.fromkeys(args.shape))
+    if args.random_blocks:
+        # K-quant blocks hold 256 weights; llama-quantize falls back to other types for a width
+        # that is not a multiple, which q4_k_m_type does not follow
+        narrow = [n for n in names if SHAPES[n].hidden % 256 or SHAPES[n].ffn % 256]
+        if narrow:
+            parser.error(f"--random-blocks needs widths that are multiples of 256: not {narrow}")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         path = make(
