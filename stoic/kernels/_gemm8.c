@@ -50,12 +50,13 @@
  *      file's int8 (32 bytes), and the super-block's float32 D[16] per 8 blocks after the
  *      tile's blocks: 416 + 8 bytes a block, 0.83 a weight (Q6_K itself 0.82, G8 with halves
  *      1.25). The tile rebuilds each group's values (a shift, two ands, a shift and an or per
- *      64 bytes; with GFNI two affine transforms and an or: g6_values) and starts a half's sum at -32 sum(xq): its integer sums, d = D sc and
- *      everything after are G8 + H + S's, so its products are bitwise theirs. A one-token step
- *      reads 0.66x the bytes (the 1.5B output layer's product 8.9 -> 7.1 ms; the model's
- *      decode step 43 -> 36 ms); for more than G6_IN_PLACE_ROWS rows (a row tile; 3 with
- *      GFNI) each group of tiles is first expanded into G8 + H + S in L2 (g6_expand), the
- *      rebuilding per row tile being dearer than the reading it saves there.
+ *      64 bytes; with GFNI two affine transforms and an or: g6_values) and starts a half's sum
+ *      at -32 sum(xq): its integer sums, d = D sc and everything after are G8 + H + S's, so
+ *      its products are bitwise theirs. A one-token step reads 0.66x the bytes (the 1.5B output
+ *      layer's product 8.9 -> 7.1 ms; the model's decode step 43 -> 36 ms); over more than
+ *      G6_IN_PLACE_ROWS rows (one row tile; three with GFNI) each group of tiles is first
+ *      expanded into G8 + H + S in L2 (g6_expand), the rebuilding per row tile being dearer
+ *      than the reading it saves there.
  * Types (stoic_g8_decode): the symmetric Q4_0 (q + 120), Q5_0 (q + 112), Q8_0 (q + 128) and
  * Q6_K (q + 96, per sub-block of 16: d = d_super * scale), each with m = -128 d; Q4_1 and Q5_1
  * (the file's m); Q4_K and Q5_K (per sub-block of 32: d = d_super * scale, m = -dmin * min).
@@ -202,7 +203,6 @@ static inline int64_t g8_bytes_of(int halves, int symmetric, int nibbles) {
 
 #define G4K_BLOCK 288 /* G4K: 256 bytes of values, sc[16], mn[16] */
 #define G4K_SUPER 128 /* G4K: D[16], -Dmin[16] per 8 blocks, after a tile's blocks */
-#define G6 (G8 + G8_HALVES + G8_SYMMETRIC + G8_SUPER)
 #define G6_BLOCK 416 /* G6: 256 bytes of low nibbles, 128 of high bit pairs, sc[2][16] */
 #define G6_SUPER 64  /* G6: D[16] per 8 blocks, after a tile's blocks */
 
@@ -737,7 +737,7 @@ int gemm8_mm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, 
                 G8_GROUP(0, 0);
                 break;
             }
-            case G8_HALVES + G8_SYMMETRIC + G8_SUPER:
+            case G6 - G8:
                 if (expanded) { /* many rows: the group's tiles in G8 + H + S, then its tile */
                     g6_expand(wt, tstride, count, nb, expanded);
                     const uint8_t *wt = expanded;

@@ -46,6 +46,8 @@
 #define G8_SYMMETRIC 2
 #define G8_NIBBLES 4
 #define G8_SUPER 8
+/* Q6_K's six bits: G4's nibbles, the high bit pairs, the file's scales (_gemm8.c) */
+#define G6 (G8 + G8_HALVES + G8_SYMMETRIC + G8_SUPER)
 /* or'ed with a layout: every row of y in one order whatever M is (--deterministic) */
 #define FIXED_ORDER 0x10000
 /* or'ed with a layout: up to eight rows of x quantised to int8 (_int8rows.c) */
